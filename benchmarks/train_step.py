@@ -1,0 +1,133 @@
+"""Time training steps of an HF GPT-2 config: plain PyTorch vs zerotune, in one invocation.
+
+Each variant runs in a fresh subprocess (so peak RSS is its own): plain PyTorch with
+``torch.optim.AdamW(fused=True)``, then zerotune at world size 1 with the chosen stage.
+Prints a table (forward, backward, optimizer, total, peak RSS) and, last, one JSON line with
+``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain), ``step_time_s``, ``peak_rss_gib``.
+
+    python benchmarks/train_step.py                      # gpt2 (124M), seq 128, batch 1, fp32
+    python benchmarks/train_step.py --model gpt2-medium --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="gpt2", help="preset name or config.json path")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument(
+        "--offload", default="none", choices=["none"], help="cpu/nvme: not implemented yet"
+    )
+    ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
+    ap.add_argument("--variant", choices=["plain", "zerotune"], help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def run_variant(args: argparse.Namespace) -> dict:
+    """One variant in this process; returns median phase times and peak RSS."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zerotune.hf import model_config
+
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count())
+    config = model_config(args.model)
+    model = AutoModelForCausalLM.from_config(config)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    if args.variant == "plain":
+        model.to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        runner = model
+    else:
+        import zerotune
+
+        runner = zerotune.shard(model, {"stage": args.stage, "dtype": args.dtype})
+        opt = zerotune.ZeroAdamW(runner, lr=1e-5)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+    times = {"forward": [], "backward": [], "optimizer": [], "total": []}
+    losses = []
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        loss = runner(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t3 = time.perf_counter()
+        losses.append(float(loss.detach()))
+        if step >= args.warmup:
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                times[k].append(v)
+    result = {k: statistics.median(v) for k, v in times.items()}
+    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    result["params"] = (
+        sum(p.numel() for p in model.parameters()) if args.variant == "plain" else None
+    )
+    result["losses"] = losses
+    return result
+
+
+def main() -> None:
+    args = parse()
+    if args.variant:
+        print(json.dumps(run_variant(args)))
+        return
+    variants = ([] if args.no_baseline else ["plain"]) + ["zerotune"]
+    results = {}
+    for name in variants:
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", name]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"{name} run failed:\n{out.stderr[-3000:]}")
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+
+    print(
+        f"model {args.model}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
+        f"stage {args.stage}, median of {args.steps} steps after {args.warmup} warm-up, "
+        f"{os.cpu_count()} threads"
+    )
+    header = ("forward s", 11), ("backward s", 12), ("optim s", 10), ("total s", 10)
+    print(f"{'variant':<10}" + "".join(f"{h:>{w}}" for h, w in header) + f"{'peak RSS GiB':>14}")
+    for name, r in results.items():
+        print(
+            f"{name:<10}{r['forward']:>11.3f}{r['backward']:>12.3f}{r['optimizer']:>10.3f}"
+            f"{r['total']:>10.3f}{r['peak_rss_gib']:>14.2f}"
+        )
+    zt = results["zerotune"]
+    summary = {
+        "model": args.model,
+        "stage": args.stage,
+        "dtype": args.dtype,
+        "step_time_s": round(zt["total"], 4),
+        "peak_rss_gib": round(zt["peak_rss_gib"], 3),
+    }
+    if "plain" in results:
+        plain = results["plain"]
+        summary["step_time_ratio"] = round(zt["total"] / plain["total"], 4)
+        summary["peak_rss_ratio"] = round(zt["peak_rss_gib"] / plain["peak_rss_gib"], 4)
+        summary["plain_step_time_s"] = round(plain["total"], 4)
+        summary["plain_peak_rss_gib"] = round(plain["peak_rss_gib"], 3)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

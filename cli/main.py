@@ -1,0 +1,16 @@
+"""``zerotune``: a click group; each subcommand lives in its own module."""
+
+from __future__ import annotations
+
+import click
+
+from .env import env
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="zerotune")
+def main() -> None:
+    """zerotune: fully fine-tune Hugging Face models with ZeRO-3 and ZeRO-Infinity offload."""
+
+
+main.add_command(env)

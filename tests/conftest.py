@@ -1,0 +1,159 @@
+"""Shared helpers: tiny models and a multi-process runner (gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _plain(obj):
+    """Tensors to numpy, recursively, so results cross process boundaries simply."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    return obj
+
+
+def _worker(rank, world, port, fn, args, queue):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", _plain(result)))
+    except BaseException:  # noqa: BLE001 - the parent re-raises with the traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(world: int, fn, *args, timeout: float = 300.0) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return each rank's result.
+
+    World 1 runs in this process, without a process group.
+    """
+    if world == 1:
+        return [_plain(fn(0, 1, *args))]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
+
+
+def tiny_gpt2(seed: int = 0, layers: int = 2, tie: bool = True, **overrides):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=32,
+        n_head=2,
+        vocab_size=96,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=tie,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **overrides,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+class OddNet(torch.nn.Module):
+    """A non-HF model with odd parameter sizes, a root-level parameter and a ModuleList."""
+
+    def __init__(
+        self,
+        vocab: int = 37,
+        width: int = 13,
+        hidden: int = 29,
+        blocks: int = 3,
+        mode: str = "plain",
+    ):
+        super().__init__()
+        # mode "twice": the first block runs twice per forward; "switch": every other forward
+        # runs the blocks in reverse order (another path through the units).
+        self.mode = mode
+        self.calls = 0
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Linear(width, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, width)
+            )
+            for _ in range(blocks)
+        )
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab)
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, input_ids, labels=None):
+        h = self.emb(input_ids)
+        blocks = list(self.blocks)
+        if self.mode == "twice":
+            blocks = [blocks[0]] + blocks
+        elif self.mode == "switch" and self.calls % 2 == 1:
+            blocks = blocks[::-1]
+        self.calls += 1
+        for block in blocks:
+            h = h + block(h)
+        logits = self.head(self.norm(h) * self.gain)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def odd_net(seed: int = 0, mode: str = "plain") -> OddNet:
+    torch.manual_seed(seed)
+    return OddNet(mode=mode)
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROTUNE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"

@@ -1,0 +1,159 @@
+"""Training loops shared by the tests: plain single-process AdamW and zerotune on each rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from conftest import odd_net, tiny_gpt2
+
+import zerotune
+
+GLOBAL_BATCH = 12
+SEQ = 16
+STEPS = 10
+LR = 2e-3
+WD = 0.1
+MAX_NORM = 0.5
+
+
+def build(model_name: str):
+    """Test models by name: gpt2 (tied embeddings), gpt2_ckpt / gpt2_ckpt_reentrant
+    (activation checkpointing), gpt2_frozen (a whole block and the position embedding
+    frozen), odd (non-HF, odd sizes), odd_twice (a module called twice per forward),
+    odd_switch (another unit order every other forward)."""
+    if model_name == "gpt2":
+        return tiny_gpt2(seed=0)
+    if model_name in ("gpt2_ckpt", "gpt2_ckpt_reentrant"):
+        model = tiny_gpt2(seed=0)
+        reentrant = model_name.endswith("reentrant")
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+        model.train()
+        return model
+    if model_name == "gpt2_frozen":
+        model = tiny_gpt2(seed=0)
+        model.transformer.h[0].requires_grad_(False)
+        model.transformer.wpe.requires_grad_(False)
+        return model
+    if model_name == "odd":
+        return odd_net(seed=0)
+    if model_name.startswith("odd_"):
+        return odd_net(seed=0, mode=model_name.split("_", 1)[1])
+    raise ValueError(model_name)
+
+
+def vocab_of(model_name: str) -> int:
+    return 37 if model_name.startswith("odd") else 96
+
+
+def batches(model_name: str, steps: int = STEPS) -> list[torch.Tensor]:
+    """Learnable sequences: each row counts up from a random start by a random stride (1-3)."""
+    g = torch.Generator().manual_seed(1234)
+    vocab = vocab_of(model_name)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, vocab, (GLOBAL_BATCH, 1), generator=g)
+        stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=g)
+        out.append((start + stride * torch.arange(SEQ)) % vocab)
+    return out
+
+
+def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids, labels=ids)
+    return out["loss"]
+
+
+def no_decay_groups(model, wd: float):
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
+
+
+def train_reference(model_name: str, steps: int = STEPS, clip: float | None = MAX_NORM) -> dict:
+    """Plain PyTorch: whole batch, one process, torch.optim.AdamW."""
+    model = build(model_name)
+    opt = torch.optim.AdamW(no_decay_groups(model, WD), lr=LR)
+    losses, norms = [], []
+    grad_max = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for ids in batches(model_name, steps):
+        loss = loss_of(model, ids)
+        loss.backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                torch.maximum(grad_max[n], p.grad.abs(), out=grad_max[n])
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        eval_loss = float(loss_of(model, batches(model_name, 1)[0]))
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": weights,
+        "grad_max": grad_max,
+        "eval_loss": eval_loss,
+    }
+
+
+def train_zero(
+    rank: int,
+    world: int,
+    model_name: str,
+    config: dict,
+    *,
+    steps: int = STEPS,
+    accum: int = 1,
+    use_no_sync: bool = False,
+    clip: float | None = MAX_NORM,
+) -> dict:
+    """zerotune on this rank: its slice of the global batch, split into ``accum`` micro-batches."""
+    model = build(model_name)
+    groups = no_decay_groups(model, WD)  # reads shapes: before sharding empties the params
+    engine = zerotune.shard(model, config)
+    opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
+    per_rank = GLOBAL_BATCH // world
+    micro = per_rank // accum
+    losses, norms, infos = [], [], []
+    for ids in batches(model_name, steps):
+        mine = ids[rank * per_rank : (rank + 1) * per_rank]
+        total = torch.zeros(())
+        for k in range(accum):
+            part = mine[k * micro : (k + 1) * micro]
+            last = k == accum - 1
+            ctx = engine.no_sync() if (use_no_sync and not last) else _null()
+            with ctx:
+                loss = loss_of(engine, part) / accum
+                engine.backward(loss)
+            total += loss.detach().float()
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        infos.append(opt.step())
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(float(total) / world)
+    weights = engine.full_state_dict()
+    with torch.no_grad():
+        eval_loss = float(loss_of(engine, batches(model_name, 1)[0]))
+    return {
+        "eval_loss": eval_loss,
+        "states_after": [u.state.value for u in engine.units if not u.persistent],
+        "rerecords": engine.prefetcher.rerecords,
+        "losses": losses,
+        "norms": norms,
+        "weights": weights,
+        "skipped": [i.skipped for i in infos],
+        "memory": engine.memory_report(),
+        "pool_allocations": engine.pool.allocations,
+    }
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,382 @@
+"""CPU Adam: the C++ kernel and its PyTorch fallback against torch.optim, dtypes, errors."""
+
+import copy
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from zerotune.ops import load_op
+from zerotune.optim import cpu_adam
+from zerotune.optim.cpu_adam import CPUAdam, adam_update, backend, fallback_adam_update
+
+SIZES = [1, 15, 16, 17, 1_000_003]
+STEPS = 20
+LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
+TOL = {"rtol": 1e-6, "atol": 1e-7}
+MODES = [  # (adamw, weight_decay)
+    pytest.param(True, 0.0, id="adamw-nowd"),
+    pytest.param(True, 0.1, id="adamw-wd"),
+    pytest.param(False, 0.1, id="adam-l2"),
+]
+
+
+@pytest.fixture(scope="module")
+def op():
+    module = load_op("adam")
+    if module is None:
+        pytest.skip("C++ adam op unavailable here (the fallback tests still run)")
+    return module
+
+
+def _levels():
+    module = load_op("adam")
+    if module is None:
+        return ["scalar"]
+    order = ["scalar", "avx2", "avx512"]
+    return order[: order.index(module.set_simd_level("auto")) + 1]
+
+
+@pytest.fixture(params=_levels())
+def simd(request, op):
+    op.set_simd_level(request.param)
+    yield request.param
+    op.set_simd_level("auto")
+
+
+def _grads(n, steps=STEPS, seed=1, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen).to(dtype) for _ in range(steps)]
+
+
+def _start(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+
+
+def _run(update, n, grads, **kw):
+    p, m, v = _start(n)
+    for step, g in enumerate(grads, 1):
+        update(p, g, m, v, step=step, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, **kw)
+    return p, m, v
+
+
+def _torch_reference(n, grads, adamw, weight_decay):
+    p0, _, _ = _start(n)
+    param = torch.nn.Parameter(p0)
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    opt = cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, foreach=False)
+    for g in grads:
+        param.grad = g.float()
+        opt.step()
+    state = opt.state[param]
+    return param.detach(), state["exp_avg"], state["exp_avg_sq"]
+
+
+@pytest.mark.parametrize("adamw, weight_decay", MODES)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_torch_optim(simd, n, adamw, weight_decay):
+    grads = _grads(n)
+    got = _run(adam_update, n, grads, weight_decay=weight_decay, adamw=adamw)
+    want = _torch_reference(n, grads, adamw, weight_decay)
+    for g, w in zip(got, want):
+        assert_close(g, w, **TOL)
+
+
+def test_simd_levels_are_bit_identical(op):
+    n = 4099  # several vectors plus a ragged tail
+    grads = _grads(n, steps=5)
+    results = {}
+    try:
+        for level in _levels():
+            op.set_simd_level(level)
+            results[level] = _run(adam_update, n, grads, weight_decay=0.1, adamw=False)
+    finally:
+        op.set_simd_level("auto")
+    base = results.pop("scalar")
+    for level, got in results.items():
+        for g, b in zip(got, base):
+            assert torch.equal(g, b), level
+
+
+def _textbook_adam(n, grads, adamw, weight_decay, bias_correction):
+    """Adam as written in the papers, step by step in fp32 (an independent reference)."""
+    p, m, v = _start(n)
+    b1, b2 = BETAS
+    for step, g in enumerate(grads, 1):
+        g = g.float()
+        if weight_decay and adamw:
+            p = p * (1 - LR * weight_decay)
+        elif weight_decay:
+            # torch's add(alpha=) rounds once (an fma); with g + wd * p, elements where the
+            # two nearly cancel would differ by more than rounding.
+            g = g.add(p, alpha=weight_decay)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        c1 = 1 - b1**step if bias_correction else 1.0
+        c2 = 1 - b2**step if bias_correction else 1.0
+        p = p - LR * (m / c1) / ((v / c2).sqrt() + EPS)
+    return p, m, v
+
+
+@pytest.mark.parametrize("adamw, weight_decay", MODES)
+@pytest.mark.parametrize("n", [1, 17, 100_003])
+@pytest.mark.parametrize("update", [adam_update, fallback_adam_update], ids=["op", "fallback"])
+def test_without_bias_correction(update, n, adamw, weight_decay):
+    grads = _grads(n)
+    got = _run(update, n, grads, weight_decay=weight_decay, adamw=adamw, bias_correction=False)
+    want = _textbook_adam(n, grads, adamw, weight_decay, bias_correction=False)
+    for g, w in zip(got, want):
+        assert_close(g, w, rtol=1e-6, atol=1e-6)
+    # Moves differ from the bias-corrected update: the flag is honoured.
+    corrected = _run(update, n, grads, weight_decay=weight_decay, adamw=adamw)
+    assert not torch.equal(corrected[0], got[0])
+
+
+@pytest.mark.parametrize("gdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [17, 1_000_003])
+def test_low_precision_grads(gdtype, n):
+    grads = _grads(n, dtype=gdtype)
+    got = _run(adam_update, n, grads, weight_decay=0.1, adamw=True)
+    want = _torch_reference(n, grads, adamw=True, weight_decay=0.1)  # grads upcast exactly
+    for g, w in zip(got, want):
+        assert_close(g, w, **TOL)
+
+
+@pytest.mark.parametrize("odtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 17, 1_000_003])
+def test_fused_low_precision_copy_is_exact(simd, odtype, n):
+    p, m, v = _start(n)
+    out = torch.empty(n, dtype=odtype)
+    for step, g in enumerate(_grads(n, steps=3), 1):
+        adam_update(
+            p,
+            g,
+            m,
+            v,
+            step=step,
+            lr=LR,
+            beta1=0.9,
+            beta2=0.999,
+            eps=EPS,
+            weight_decay=0.1,
+            out_lowp=out,
+        )
+        assert torch.equal(out, p.to(odtype))
+
+
+@pytest.mark.parametrize("odtype", [torch.bfloat16, torch.float16])
+def test_fused_copy_rounding_edge_cases(simd, odtype):
+    # lr=0 and zero grads leave param unchanged (signed zeros included), so out must be
+    # exactly param.to(dtype): ties to even, subnormals, fp16 overflow to inf, inf, NaN.
+    ties = [1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-11, 1.0 + 3 * 2**-11]
+    fp16_edges = [65504.0, 65520.0, 70000.0, -7e4, 1e-6, 6e-8]
+    others = [0.0, -0.0, 1e-40, 3.0e38, float("inf"), -float("inf")]
+    special = torch.tensor(ties + fp16_edges + others)
+    for n, offset in ((len(special), 0), (2_000_000, 0), (2_000_000, 3)):
+        base = torch.randn(n + offset)
+        base[offset : offset + len(special)] = special
+        base[-len(special) :] = special
+        p = base[offset:]
+        expected = p.to(odtype)
+        buf = torch.empty(n + offset, dtype=odtype)
+        out = buf[offset:]  # offset 3: unaligned output, the non-streaming store path
+        adam_update(
+            p,
+            torch.zeros(n),
+            torch.zeros(n),
+            torch.zeros(n),
+            step=1,
+            lr=0.0,
+            beta1=0.9,
+            beta2=0.999,
+            eps=EPS,
+            weight_decay=0.0,
+            out_lowp=out,
+        )
+        assert torch.equal(out, expected)
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))  # -0.0 too
+    nan = torch.tensor([float("nan")] * 3)
+    out = torch.empty(3, dtype=odtype)
+    adam_update(
+        nan,
+        torch.zeros(3),
+        torch.zeros(3),
+        torch.zeros(3),
+        step=1,
+        lr=0.0,
+        beta1=0.9,
+        beta2=0.999,
+        eps=EPS,
+        weight_decay=0.0,
+        out_lowp=out,
+    )
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("adamw, weight_decay", MODES)
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
+def test_fallback_matches_op(op, gdtype, adamw, weight_decay):
+    n = 300_007
+    grads = _grads(n, dtype=gdtype)
+    outs = []
+    for update in (adam_update, fallback_adam_update):
+        out = torch.empty(n, dtype=torch.bfloat16)
+        p, m, v = _run(update, n, grads, weight_decay=weight_decay, adamw=adamw, out_lowp=out)
+        assert torch.equal(out, p.to(torch.bfloat16))
+        outs.append((p, m, v))
+    for g, w in zip(*outs):
+        assert_close(g, w, **TOL)
+
+
+def test_adam_update_uses_fallback_without_op(monkeypatch):
+    monkeypatch.setattr(cpu_adam, "load_op", lambda name: None)
+    assert backend() == "torch-fallback"
+    n = 1000
+    grads = _grads(n)
+    got = _run(adam_update, n, grads, weight_decay=0.1, adamw=True)
+    want = _torch_reference(n, grads, adamw=True, weight_decay=0.1)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)  # same torch ops in the same order: bit-identical
+
+
+def test_backend_names_the_simd_level(op):
+    assert backend() == f"cpp-{op.simd_level()}"
+    assert op.simd_level() in ("avx512", "avx2", "scalar")
+    assert op.max_threads() >= 1
+
+
+def _args(n=8, **over):
+    t = {
+        "param": torch.zeros(n),
+        "grad": torch.zeros(n),
+        "exp_avg": torch.zeros(n),
+        "exp_avg_sq": torch.zeros(n),
+    }
+    kw = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0}
+    for k, val in over.items():
+        (t if k in t or k == "out_lowp" else kw)[k] = val
+    return t, kw
+
+
+@pytest.mark.parametrize(
+    "over, exc, match",
+    [
+        ({"param": torch.zeros(8, dtype=torch.float64)}, TypeError, "param must be float32"),
+        ({"exp_avg_sq": torch.zeros(8, dtype=torch.bfloat16)}, TypeError, "exp_avg_sq must be"),
+        ({"grad": torch.zeros(8, dtype=torch.int32)}, TypeError, "grad must be float32, bf"),
+        ({"out_lowp": torch.zeros(8)}, TypeError, "out_lowp must be bfloat16 or float16"),
+        ({"grad": [0.0] * 8}, TypeError, "grad must be a torch.Tensor"),
+        ({"exp_avg": torch.zeros(8, device="meta")}, ValueError, "exp_avg must be on the CPU"),
+        ({"param": torch.zeros(16)[::2]}, ValueError, "param must be contiguous"),
+        ({"grad": torch.zeros(4, 4).t()}, ValueError, "grad must be contiguous"),
+        ({"exp_avg": torch.zeros(9)}, ValueError, "exp_avg has 9 elements but param has 8"),
+        ({"out_lowp": torch.zeros(7, dtype=torch.bfloat16)}, ValueError, "out_lowp has 7"),
+        ({"step": 0}, ValueError, "step must be an integer >= 1"),
+        ({"step": 1.5}, ValueError, "step must be an integer >= 1"),
+        ({"beta2": 1.0}, ValueError, "betas must be in"),
+        ({"lr": -1.0}, ValueError, "lr must be >= 0"),
+    ],
+)
+def test_clear_errors(over, exc, match):
+    tensors, kw = _args(**over)
+    out = tensors.pop("out_lowp", None)
+    with pytest.raises(exc, match=match):
+        adam_update(*tensors.values(), out_lowp=out, **kw)
+
+
+def test_overlapping_buffers_are_rejected():
+    buf = torch.zeros(16)
+    tensors, kw = _args(exp_avg=buf[:8], exp_avg_sq=buf[4:12])
+    with pytest.raises(ValueError, match="overlap in memory"):
+        adam_update(*tensors.values(), **kw)
+
+
+def test_shapes_may_differ_when_numel_matches():
+    p = torch.ones(4, 6)
+    adam_update(
+        p,
+        torch.ones(24, dtype=torch.float16),
+        torch.zeros(2, 12),
+        torch.zeros(24),
+        step=torch.tensor(1.0),
+        lr=0.1,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+    )
+    assert_close(p, torch.full((4, 6), 0.9), **TOL)  # first Adam step moves by lr
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _train(model, opt, sched, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=gen)
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+def _sched(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_cpu_adam_optimizer_matches_torch_with_scheduler(adamw):
+    ours, ref = _model(), _model()
+    opt = CPUAdam(ours.parameters(), lr=1e-2, weight_decay=0.05, adamw_mode=adamw)
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref_opt = cls(ref.parameters(), lr=1e-2, weight_decay=0.05, foreach=False)
+    sched, ref_sched = _sched(opt), _sched(ref_opt)
+    _train(ours, opt, sched, 10)
+    _train(ref, ref_opt, ref_sched, 10)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 11)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert_close(a, b, **TOL)
+    state = opt.state[next(ours.parameters())]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+    assert state["step"].item() == 10
+
+
+def test_cpu_adam_state_dict_round_trip():
+    model = _model()
+    opt = CPUAdam(model.parameters(), lr=1e-2)
+    sched = _sched(opt)
+    _train(model, opt, sched, 5)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    # state_dict() holds references to the live state, which steps update in place.
+    saved_opt, saved_sched = copy.deepcopy(opt.state_dict()), sched.state_dict()
+    _train(model, opt, sched, 3, seed=2)
+
+    resumed = _model()
+    resumed.load_state_dict(saved_model)
+    opt2 = CPUAdam(resumed.parameters(), lr=1.0)  # lr comes back from the state dict
+    sched2 = _sched(opt2)  # (the usual resume order: scheduler, then both state dicts)
+    opt2.load_state_dict(saved_opt)
+    sched2.load_state_dict(saved_sched)
+    _train(resumed, opt2, sched2, 3, seed=2)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    assert opt2.state[next(resumed.parameters())]["step"].item() == 8
+
+
+def test_cpu_adam_bias_correction_flag():
+    model_a, model_b = _model(), _model()
+    opt_a = CPUAdam(model_a.parameters(), lr=1e-2, bias_correction=True)
+    opt_b = CPUAdam(model_b.parameters(), lr=1e-2, bias_correction=False)
+    _train(model_a, opt_a, _sched(opt_a), 2)
+    _train(model_b, opt_b, _sched(opt_b), 2)
+    assert not torch.equal(next(model_a.parameters()), next(model_b.parameters()))
+    with pytest.raises(ValueError, match="betas"):
+        CPUAdam(model_a.parameters(), betas=(0.9, 1.5))

@@ -1,0 +1,28 @@
+"""zerotune: ZeRO-3 / ZeRO-Infinity full fine-tuning on torch.distributed.
+
+Bare PyTorch use::
+
+    engine = zerotune.shard(model, zerotune.ZeroConfig(stage=3))
+    optimizer = zerotune.ZeroAdamW(engine, lr=1e-4)
+    loss = engine(**batch).loss
+    loss.backward()
+    optimizer.clip_grad_norm_(1.0)
+    optimizer.step()
+"""
+
+from .config import ConfigError, ZeroConfig, load_config
+from .optim import CPUAdam, StepInfo, ZeroAdamW
+from .sharding import ZeroEngine, shard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUAdam",
+    "ConfigError",
+    "StepInfo",
+    "ZeroAdamW",
+    "ZeroConfig",
+    "ZeroEngine",
+    "load_config",
+    "shard",
+]

@@ -1,0 +1,202 @@
+"""Strict, typed configuration for the ZeRO engine.
+
+Every size is in bytes (strings such as ``"256MB"`` or ``"1GiB"`` are accepted and converted).
+Unknown keys are rejected with the nearest valid name; impossible combinations are explained
+before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ConfigError", "ZeroConfig", "parse_bytes", "load_config"]
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+_OFFLOAD = ("none", "cpu", "nvme")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration a user wrote is invalid; the message says what to change."""
+
+
+def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
+    """Turn ``1048576``, ``"1MiB"`` or ``"2.5GB"`` into a number of bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(f"{name}: a size in bytes must be whole, got {value!r}")
+        n = int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(
+                f"{name}: cannot read {value!r} as a size; write e.g. 268435456, '256MiB' or '1GB'"
+            )
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ConfigError(f"{name}: expected a size in bytes, got {type(value).__name__}")
+    if n < 0:
+        raise ConfigError(f"{name}: a size cannot be negative ({value!r})")
+    return n
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@dataclass
+class ZeroConfig:
+    """How a model is sharded and trained.
+
+    stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
+    dtype: the compute dtype of parameters (fp32, bf16, fp16); master weights and Adam
+        moments are always fp32.
+    grad_dtype: dtype of the accumulated gradient shards (fp32 by default; bf16/fp16 halve
+        their memory, as in the ZeRO paper's 2+2+12 bytes per parameter). Reductions always
+        sum in fp32.
+    prefetch_bytes: how many bytes of parameters may be gathered ahead of use (stage 3).
+    max_live_bytes: bound on gathered parameter bytes held at once, prefetch included;
+        on-demand gathers wait for room (0 = no bound beyond the units in use).
+    persistence_threshold: units whose gathered size is at most this many bytes stay
+        gathered for the whole run (stage 3), saving collectives on tiny units.
+    unit_modules: class names of the modules that become sharding units; ``None`` uses the
+        model's ``_no_split_modules`` plus embeddings and the output head.
+    offload_param / offload_optimizer / nvme_path: ZeRO-Infinity tiers (see docs/design.md
+        status: only ``none`` is implemented so far).
+    """
+
+    stage: int = 3
+    dtype: str = "fp32"
+    grad_dtype: str = "fp32"
+    prefetch_bytes: int = 64 * 2**20
+    max_live_bytes: int = 0
+    persistence_threshold: int = 0
+    unit_modules: list[str] | None = None
+    offload_param: str = "none"
+    offload_optimizer: str = "none"
+    nvme_path: str | None = None
+    loss_scale_init: float = 2.0**16
+    loss_scale_window: int = 1000
+    loss_scale_min: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ConfigError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        for name in ("dtype", "grad_dtype"):
+            value = getattr(self, name)
+            if value not in _DTYPES:
+                raise ConfigError(
+                    f"{name} must be one of fp32, bf16, fp16, got {value!r}"
+                    + _suggest(str(value), list(_DTYPES))
+                )
+        for name in ("prefetch_bytes", "max_live_bytes", "persistence_threshold"):
+            setattr(self, name, parse_bytes(getattr(self, name), name=name))
+        for name in ("offload_param", "offload_optimizer"):
+            value = getattr(self, name)
+            if value not in _OFFLOAD:
+                raise ConfigError(
+                    f"{name} must be one of none, cpu, nvme, got {value!r}"
+                    + _suggest(str(value), list(_OFFLOAD))
+                )
+            if value != "none":
+                raise ConfigError(
+                    f"{name}={value!r} is not implemented yet (ZeRO-Infinity offload is "
+                    "tracked in docs/design.md, status); use 'none'"
+                )
+        if self.nvme_path is not None and "nvme" not in (
+            self.offload_param,
+            self.offload_optimizer,
+        ):
+            raise ConfigError(
+                "nvme_path is set but neither offload_param nor offload_optimizer is 'nvme'"
+            )
+        if self.loss_scale_init <= 0 or self.loss_scale_min <= 0:
+            raise ConfigError("loss scales must be positive")
+        if self.loss_scale_window < 1:
+            raise ConfigError("loss_scale_window must be at least 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def torch_grad_dtype(self) -> torch.dtype:
+        return _DTYPES[self.grad_dtype]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ZeroConfig:
+        """Build from a mapping, rejecting unknown keys with the nearest valid name."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a zerotune config must be a mapping, got {type(data).__name__}")
+        valid = [f.name for f in fields(cls)]
+        for key in data:
+            if key not in valid:
+                raise ConfigError(f"unknown config key {key!r}" + _suggest(str(key), valid))
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        return ZeroConfig.from_dict({**self.to_dict(), **changes})
+
+
+def load_config(source: str | Path | dict[str, Any] | ZeroConfig | None) -> ZeroConfig:
+    """A ZeroConfig from a YAML/JSON file path, a dict, an existing config, or None (defaults)."""
+    if source is None:
+        return ZeroConfig()
+    if isinstance(source, ZeroConfig):
+        return source
+    if isinstance(source, dict):
+        return ZeroConfig.from_dict(source)
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # noqa: BLE001 - any parse error becomes one clear message
+        raise ConfigError(f"cannot parse {path}: {exc}") from None
+    if data is None:
+        data = {}
+    try:
+        return ZeroConfig.from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

@@ -1,0 +1,105 @@
+"""Thin helpers over torch.distributed. World size 1 needs no process group."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "init_from_env",
+    "all_gather_into",
+    "reduce_scatter_avg",
+    "all_reduce_sum",
+    "barrier",
+    "RankFilter",
+]
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def init_from_env(backend: str | None = None) -> bool:
+    """Initialize the default process group when launched by torchrun (WORLD_SIZE set).
+
+    Returns True when a process group exists afterwards. NCCL is chosen when CUDA is
+    available, gloo otherwise.
+    """
+    if is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and "MASTER_ADDR" not in os.environ:
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return True
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op=False):
+    """Gather equal shards of every rank, rank-major, into ``output``."""
+    if get_world_size(group) == 1:
+        output.copy_(shard)
+        return None
+    return dist.all_gather_single(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group=None, async_op=False):
+    """Reduce ``full`` over ranks and keep this rank's slice of the mean in ``output``."""
+    world = get_world_size(group)
+    if world == 1:
+        output.copy_(full)
+        return None
+    # Sum then divide: gloo has no AVG, and dividing once keeps fp32 results identical
+    # between backends.
+    work = dist.reduce_scatter_single(
+        output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+    if async_op:
+        return _Then(work, lambda: output.div_(world))
+    output.div_(world)
+    return None
+
+
+def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    if get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def barrier(group=None) -> None:
+    if get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+class _Then:
+    """A collective handle that runs a small finishing step after waiting."""
+
+    def __init__(self, work, then):
+        self._work, self._then = work, then
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._then()
+
+
+class RankFilter(logging.Filter):
+    """Let records through on rank 0 only (or on every rank when ZEROTUNE_LOG_ALL_RANKS=1)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return get_rank() == 0 or os.environ.get("ZEROTUNE_LOG_ALL_RANKS") == "1"

@@ -1,0 +1,6 @@
+"""Building sharded models: zero-init from a config, streaming loads of pretrained weights."""
+
+from .construct import zero_init
+from .pretrained import from_pretrained
+
+__all__ = ["from_pretrained", "zero_init"]

@@ -1,0 +1,171 @@
+"""Zero-init: build a model whose parameters are never whole in one process.
+
+[Note: zero-init]
+The model is built on the meta device (no memory). The engine then builds its units one at a
+time; just before unit U is built, ``_Materializer`` gives U's parameters real storage,
+runs the model's own initialization on U's modules (HF ``_init_weights``, otherwise
+``reset_parameters``), with the random generator seeded from (seed, U's name), so every rank
+and every world size gets the same values. The unit takes its slice and drops the rest
+before the next unit is materialized: peak memory is the shards plus one whole unit.
+Parameters that U's modules hold but another unit owns (a tied head) are hidden from U's
+initialization, so each tensor is initialized once, by its owner.
+Buffers created on the meta device are given storage and initialized with their unit (HF
+rotary embeddings recompute ``inv_freq`` in ``_init_weights``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import zlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..config import ZeroConfig, load_config
+from ..sharding.engine import ZeroEngine
+
+__all__ = [
+    "default_device",
+    "hidden",
+    "materialize_buffers",
+    "realize_placeholders",
+    "zero_init",
+]
+
+log = logging.getLogger(__name__)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _unit_seed(seed: int, unit_name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(unit_name.encode())) % 2**63
+
+
+def _build_on_meta(model_or_config) -> nn.Module:
+    if isinstance(model_or_config, nn.Module):
+        raise ValueError(
+            "zero_init needs a config or a factory, not a built model (it would already be whole "
+            "in memory); use zerotune.shard(model) for a model you already built"
+        )
+    with torch.device("meta"):
+        if callable(model_or_config) and not hasattr(model_or_config, "to_dict"):
+            return model_or_config()
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(model_or_config)
+
+
+def _init_function(model: nn.Module) -> Callable[[nn.Module], None]:
+    hf_init = getattr(model, "_init_weights", None)
+    if hf_init is not None and hasattr(model, "config"):
+        return hf_init
+
+    def reset(module: nn.Module) -> None:
+        fn = getattr(module, "reset_parameters", None)
+        if callable(fn):
+            fn()
+
+    return reset
+
+
+@contextlib.contextmanager
+def hidden(params: list[nn.Parameter], device: torch.device):
+    """Point ``params`` at empty tensors for a while (so an init function skips them)."""
+    saved = [p.data for p in params]
+    for p in params:
+        p.data = torch.empty(0, dtype=p.dtype, device=device)
+    try:
+        yield
+    finally:
+        for p, d in zip(params, saved):
+            p.data = d
+
+
+class _Materializer:
+    """``prepare_unit`` for zero-init: real storage and the model's own init, per unit."""
+
+    def __init__(self, model: nn.Module, seed: int, device: torch.device):
+        self.model, self.seed, self.device = model, seed, device
+        self.init_fn = _init_function(model)
+        self.is_hf = self.init_fn is getattr(model, "_init_weights", None)
+
+    def __call__(self, unit_name: str, modules: list[nn.Module], params) -> None:
+        own = {id(p) for _, p in params}
+        for _, p in params:
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+        with_buffers = materialize_buffers(modules, self.device)
+        if not self.is_hf:
+            for m in with_buffers:
+                if not callable(getattr(m, "reset_parameters", None)):
+                    raise ValueError(
+                        f"{type(m).__name__} has buffers built on the meta device and no "
+                        "reset_parameters() to compute them; build it whole and use zerotune.shard()"
+                    )
+        foreign = [
+            p for m in modules for p in m._parameters.values() if p is not None and id(p) not in own
+        ]
+        with torch.random.fork_rng(devices=[]), hidden(foreign, self.device), torch.no_grad():
+            torch.manual_seed(_unit_seed(self.seed, unit_name))
+            for m in modules:
+                self.init_fn(m)
+        return None
+
+
+def realize_placeholders(model: nn.Module, device: torch.device) -> None:
+    """Swap every meta parameter for a parameter on ``device`` whose data is a zero-stride
+    placeholder of the right shape (one element of memory). Tied parameters stay tied.
+    Done once, before any reference to the parameters is taken: the engine keeps these
+    objects for good."""
+    swapped: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in swapped:
+                placeholder = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape)
+                swapped[id(p)] = nn.Parameter(placeholder, requires_grad=p.requires_grad)
+            m._parameters[name] = swapped[id(p)]
+
+
+def materialize_buffers(modules: list[nn.Module], device: torch.device) -> list[nn.Module]:
+    """Give the meta buffers of ``modules`` (uninitialized) storage; returns the modules that
+    had some."""
+    touched = []
+    for m in modules:
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.is_meta:
+                m._buffers[name] = torch.empty_like(buf, device=device)
+                if m not in touched:
+                    touched.append(m)
+    return touched
+
+
+def zero_init(
+    model_or_config,
+    config: ZeroConfig | dict | str | None = None,
+    *,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    group=None,
+) -> ZeroEngine:
+    """Build and shard a model without ever holding it whole.
+
+    ``model_or_config``: a transformers config (built with ``AutoModelForCausalLM``) or a
+    zero-argument factory returning an ``nn.Module``. The same seed gives the same model at
+    any world size. See [Note: zero-init].
+    """
+    model = _build_on_meta(model_or_config)
+    device = torch.device(device) if device is not None else default_device()
+    realize_placeholders(model, device)
+    materializer = _Materializer(model, seed, device)
+    engine = ZeroEngine(model, load_config(config), group, device=device, prepare_unit=materializer)
+    leftover = [n for n, b in model.named_buffers() if b.is_meta]
+    if leftover:
+        raise ValueError(f"buffers left on the meta device after zero-init: {leftover[:5]}")
+    return engine

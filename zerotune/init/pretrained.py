@@ -1,0 +1,264 @@
+"""Streaming ``from_pretrained`` into shards: each rank reads only the byte ranges it keeps.
+
+[Note: streaming load]
+The safetensors format is an 8-byte header length, a JSON header (dtype, shape and byte
+offsets of every tensor) and the raw data. ``SafetensorsCheckpoint`` reads the headers of an
+HF folder (one file, or several with ``model.safetensors.index.json``). The model is built on
+the meta device; when the engine builds a unit, ``fill`` reads, for each parameter, just
+the part of it that falls into this rank's slice of the unit's flat buffer, straight into the
+fp32 master slice. The full state dict never exists in any process. A tied weight is one
+parameter, owned and read once. Names follow what transformers accepts: with or without the
+base model prefix (``transformer.``, ``model.``), and the legacy ``gamma``/``beta`` names of
+norm weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ZeroConfig, load_config
+from ..sharding.engine import ZeroEngine
+from .construct import default_device, hidden, materialize_buffers, realize_placeholders
+
+__all__ = ["ModelLoadError", "SafetensorsCheckpoint", "from_pretrained", "resolve_model_folder"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class ModelLoadError(ValueError):
+    """A model folder, id or file cannot be used; the message says what to do instead."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # byte offset of the tensor's data in the file
+    nbytes: int
+
+
+class SafetensorsCheckpoint:
+    """The tensors of an HF folder's safetensors files, readable by element range."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as exc:
+                raise ModelLoadError(f"{index}: not a safetensors index ({exc})") from None
+            files = sorted({folder / f for f in weight_map.values()})
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            hint = " (pickle .bin files are not loaded)" if any(folder.glob("*.bin")) else ""
+            raise ModelLoadError(f"no *.safetensors weights in {folder}{hint}")
+        self.entries: dict[str, _Entry] = {}
+        for path in files:
+            self.entries.update(_read_header(path))
+        self._files: dict[Path, object] = {}
+
+    def read(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Elements ``[start, stop)`` of tensor ``key`` (flattened) into ``out``."""
+        e = self.entries[key]
+        itemsize = torch.empty((), dtype=e.dtype).element_size()
+        want = (stop - start) * itemsize
+        f = self._files.get(e.path)
+        if f is None:
+            f = self._files[e.path] = open(e.path, "rb")  # noqa: SIM115 - kept for reuse
+        f.seek(e.offset + start * itemsize)
+        buf = bytearray(want)
+        got = f.readinto(buf)
+        if got != want:
+            raise ModelLoadError(
+                f"{e.path}: short read of {key!r} at byte {e.offset + start * itemsize} "
+                f"({got} of {want} bytes): the file is truncated or corrupt"
+            )
+        out.copy_(torch.frombuffer(buf, dtype=e.dtype))
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _read_header(path: Path) -> dict[str, _Entry]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ModelLoadError(f"{path}: too short to be a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(size - 8, 100 * 2**20):
+            raise ModelLoadError(f"{path}: corrupt safetensors header (length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise ModelLoadError(f"{path}: corrupt safetensors header (not JSON)") from None
+    out = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        if meta["dtype"] not in _DTYPES:
+            raise ModelLoadError(f"{path}: tensor {key!r} has unsupported dtype {meta['dtype']}")
+        if 8 + n + end > size:
+            raise ModelLoadError(f"{path}: tensor {key!r} runs past the end of the file (truncated)")
+        out[key] = _Entry(path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin, end - begin)
+    return out
+
+
+def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
+    """A local folder as is; otherwise a hub id, from the local cache (or downloaded when
+    the hub is reachable and allowed)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
+        return path
+    if path.exists():
+        raise ModelLoadError(f"{path} is a file; give the model folder that holds config.json")
+    name = str(name_or_path)
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(
+            repo_id=name,
+            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "tokenizer*"],
+            local_files_only=offline,
+        )
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one actionable message
+        where = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "the hub"
+        raise ModelLoadError(
+            f"model {name!r} is not a local folder and could not be found in {where} "
+            f"({type(exc).__name__}). Give a local folder with config.json and *.safetensors, "
+            f"or start from random weights with a preset or config (zerotune.hf.model_config)."
+        ) from None
+    return Path(folder)
+
+
+def _candidates(name: str, prefix: str) -> list[str]:
+    names = [name]
+    if prefix:
+        if name.startswith(prefix + "."):
+            names.append(name[len(prefix) + 1 :])
+        else:
+            names.append(f"{prefix}.{name}")
+    legacy = []
+    for n in names:
+        if n.endswith(".weight"):
+            legacy.append(n[: -len("weight")] + "gamma")
+        elif n.endswith(".bias"):
+            legacy.append(n[: -len("bias")] + "beta")
+    return names + legacy
+
+
+def _checkpoint_keys(model: nn.Module, ckpt: SafetensorsCheckpoint) -> dict[int, str]:
+    """id(parameter) -> the checkpoint key holding it; raises listing every missing one."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+        params[id(p)] = p
+    keys, missing = {}, []
+    for pid, pnames in names.items():
+        found = next((c for n in pnames for c in _candidates(n, prefix) if c in ckpt.entries), None)
+        if found is None:
+            missing.append(pnames[0])
+            continue
+        shape = tuple(params[pid].shape)
+        if ckpt.entries[found].shape != shape:
+            raise ModelLoadError(
+                f"{ckpt.entries[found].path}: {found!r} has shape {ckpt.entries[found].shape}, "
+                f"the model expects {shape} (a different model or config?)"
+            )
+        keys[pid] = found
+    if missing:
+        raise ModelLoadError(
+            f"the checkpoint lacks {len(missing)} parameter(s) of this model, e.g. {missing[:3]}"
+        )
+    return keys
+
+
+class _StreamingLoader:
+    """``prepare_unit`` for streaming loads: buffers are initialized, parameters filled."""
+
+    def __init__(self, model: nn.Module, ckpt: SafetensorsCheckpoint, device: torch.device):
+        self.model, self.ckpt, self.device = model, ckpt, device
+        self.keys = _checkpoint_keys(model, ckpt)
+        self.init_fn = getattr(model, "_init_weights", None)
+
+    def __call__(self, unit_name: str, modules: list[nn.Module], params):
+        with_buffers = materialize_buffers(modules, self.device)
+        if with_buffers and self.init_fn is not None:
+            # Buffers (rotary inv_freq) come from the model's init, never from the weights.
+            held = [p for m in with_buffers for p in m._parameters.values() if p is not None]
+            with hidden(held, self.device), torch.no_grad():
+                for m in with_buffers:
+                    self.init_fn(m)
+        return self.fill
+
+    def fill(self, unit, master: torch.Tensor) -> None:
+        lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
+        for slot in unit.slots:
+            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            if a < b:
+                key = self.keys[id(slot.param)]
+                self.ckpt.read(key, a - slot.offset, b - slot.offset, master[a - lo : b - lo])
+
+
+def from_pretrained(
+    name_or_path: str | os.PathLike,
+    config: ZeroConfig | dict | str | None = None,
+    *,
+    device: torch.device | str | None = None,
+    group=None,
+) -> ZeroEngine:
+    """Load an HF causal LM straight into shards (see [Note: streaming load])."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = resolve_model_folder(name_or_path)
+    zero_config = load_config(config)
+    try:
+        hf_config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"{folder}/config.json cannot be read: {exc}") from None
+    ckpt = SafetensorsCheckpoint(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    device = torch.device(device) if device is not None else default_device()
+    realize_placeholders(model, device)
+    try:
+        loader = _StreamingLoader(model, ckpt, device)
+        engine = ZeroEngine(model, zero_config, group, device=device, prepare_unit=loader)
+    finally:
+        ckpt.close()
+    unused = len(ckpt.entries) - len(set(loader.keys.values()))
+    if unused:
+        log.info("zerotune: %d tensors in %s are not parameters of the model (ignored)", unused, folder)
+    return engine

@@ -1,0 +1,71 @@
+"""A pool of flat buffers reused for the whole run (ZeRO-R's constant-size buffers).
+
+Reduce and staging buffers are taken from here and given back, so after the first step the
+engine allocates nothing new for them: memory neither fragments nor grows with the number of
+steps. Buffers are keyed by (numel, dtype); units of the same shape share them.
+
+Gathered parameters are not pooled: autograd keeps views of them from forward to backward,
+so each unit keeps its own flat tensor and only frees and re-allocates its storage (see
+[Note: flat layout] in sharding/unit.py). Their bytes are counted in ``gathered``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+__all__ = ["BufferPool", "ByteCounter"]
+
+
+class ByteCounter:
+    """Bytes held now and at most, for one kind of memory."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+
+    def add(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def sub(self, n: int) -> None:
+        self.now -= n
+
+
+class BufferPool:
+    def __init__(self, device: torch.device | str = "cpu", pin: bool = False):
+        self.device = torch.device(device)
+        self.pin = pin and self.device.type == "cpu" and torch.cuda.is_available()
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        self.gathered = ByteCounter()  # gathered parameter storage held by the units
+        self.allocations = 0  # buffers created since the pool was made
+        self.allocated_bytes = 0  # bytes owned by the pool (free or lent out)
+        self.in_use_bytes = 0
+        self.peak_in_use_bytes = 0
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of exactly ``numel`` elements; its contents are undefined."""
+        free = self._free[(numel, dtype)]
+        if free:
+            buf = free.pop()
+        else:
+            buf = torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
+            self.allocations += 1
+            self.allocated_bytes += buf.numel() * buf.element_size()
+        self.in_use_bytes += buf.numel() * buf.element_size()
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.in_use_bytes -= buf.numel() * buf.element_size()
+        self._free[(buf.numel(), buf.dtype)].append(buf)
+
+    def trim(self) -> int:
+        """Free every buffer not lent out; returns the bytes freed."""
+        freed = 0
+        for bufs in self._free.values():
+            freed += sum(b.numel() * b.element_size() for b in bufs)
+            bufs.clear()
+        self.allocated_bytes -= freed
+        return freed

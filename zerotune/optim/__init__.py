@@ -1,0 +1,7 @@
+"""Optimizers over shards."""
+
+from .cpu_adam import CPUAdam, adam_update
+from .scaling import DynamicLossScaler
+from .zero_adam import StepInfo, ZeroAdamW
+
+__all__ = ["CPUAdam", "DynamicLossScaler", "StepInfo", "ZeroAdamW", "adam_update"]

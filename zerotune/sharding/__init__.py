@@ -1,0 +1,7 @@
+"""The ZeRO core: units, hooks, prefetch and the engine."""
+
+from .engine import ZeroEngine, shard
+from .policy import select_unit_modules
+from .unit import Unit, UnitState
+
+__all__ = ["ZeroEngine", "Unit", "UnitState", "select_unit_modules", "shard"]

@@ -1,0 +1,358 @@
+"""The ZeRO engine: owns the units, their hooks, the buffer pool and the prefetcher.
+
+``shard(model, config)`` cuts the model into units (see policy.py), moves every parameter into
+its unit's flat shard (see [Note: flat layout] in unit.py), and installs the hooks of
+[Note: unit life cycle] in hooks.py. The model keeps working as before: the same
+``nn.Parameter`` objects, ``model.parameters()``, forward and ``loss.backward()``.
+Stages: 3 shards parameters, gradients and optimizer state; 2 keeps parameters gathered;
+1 also keeps whole gradients until the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .. import dist as zdist
+from ..config import ZeroConfig, load_config
+from ..memory.pool import BufferPool
+from ..optim.scaling import DynamicLossScaler
+from .hooks import install_hooks
+from .policy import select_unit_modules
+from .prefetch import Prefetcher
+from .unit import Unit, UnitState
+
+__all__ = ["ZeroEngine", "shard"]
+
+log = logging.getLogger(__name__)
+log.addFilter(zdist.RankFilter())
+
+ROOT = "<root>"
+
+
+def shard(
+    model: nn.Module, config: ZeroConfig | dict | str | None = None, group=None
+) -> ZeroEngine:
+    """Shard ``model`` in place across the ranks of ``group`` and return its engine."""
+    return ZeroEngine(model, load_config(config), group=group)
+
+
+def _unit_modules(root: nn.Module, other_units: set[int]) -> list[nn.Module]:
+    """The modules of the unit rooted at ``root``, children before parents, without the
+    subtrees of other units."""
+    order: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if id(child) not in other_units:
+                visit(child)
+        order.append(m)
+
+    visit(root)
+    return order
+
+
+class ZeroEngine(nn.Module):
+    """Wraps a model whose parameters are sharded; calling it calls the model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        group=None,
+        *,
+        device: torch.device | str | None = None,
+        prepare_unit=None,
+    ):
+        """``prepare_unit(name, modules, params)`` (used by zero-init and streaming loads) runs
+        just before each unit is built, with the unit's modules in post-order; it either makes
+        the parameters real (returns None) or returns ``fill(unit, master_slice)`` that writes
+        this rank's slice of the unit from elsewhere."""
+        super().__init__()
+        if isinstance(model, ZeroEngine):
+            raise ValueError("this model is already sharded by zerotune")
+        if getattr(model, "_zerotune_engine", None) is not None:
+            raise ValueError("this model is already sharded by zerotune")
+        self.module = model
+        self.config = config
+        self.group = group
+        self.rank, self.world = zdist.get_rank(group), zdist.get_world_size(group)
+        if device is None:
+            params = list(model.parameters())
+            device = params[0].device if params else torch.device("cpu")
+        self.device = torch.device(device)
+        self._prepare_unit = prepare_unit
+        self.pool = BufferPool(self.device)
+        self.prefetcher = Prefetcher(config.prefetch_bytes if config.stage == 3 else 0)
+        self.scaler = (
+            DynamicLossScaler(
+                config.loss_scale_init, config.loss_scale_window, config.loss_scale_min
+            )
+            if config.torch_dtype == torch.float16
+            else None
+        )
+        self.units = self._build_units(model)
+        self._sync = True
+        self._final_callback_queued = False
+        self._handles = install_hooks(self)
+        object.__setattr__(model, "_zerotune_engine", self)
+        n = sum(u.numel for u in self.units)
+        log.info(
+            "zerotune: stage %d, %d units, %.2fM parameters, world size %d, dtype %s",
+            config.stage,
+            len(self.units),
+            n / 1e6,
+            self.world,
+            config.dtype,
+        )
+
+    # ---------------------------------------------------------------------- construction
+    def _build_units(self, model: nn.Module) -> list[Unit]:
+        specs = [(ROOT, model)] + select_unit_modules(model, self.config.unit_modules)
+        unit_module_ids = {id(m) for _, m in specs[1:]}
+        owned: dict[int, int] = {}  # id(param) -> unit index
+        per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in specs]
+        # Non-root units first, in module order, so a tied weight belongs to the first
+        # module that holds it (the input embedding, not the head).
+        for i, (name, module) in list(enumerate(specs))[1:]:
+            for pname, p in module.named_parameters():
+                if id(p) not in owned:
+                    owned[id(p)] = i
+                    per_unit[i].append((f"{name}.{pname}", p))
+        for pname, p in model.named_parameters():
+            if id(p) not in owned:
+                owned[id(p)] = 0
+                per_unit[0].append((pname, p))
+
+        dtype = self.config.torch_dtype
+        grad_dtype = self.config.torch_grad_dtype
+        units: list[Unit] = []
+        for i, (name, module) in enumerate(specs):
+            gathered = sum(p.numel() for _, p in per_unit[i]) * torch.finfo(dtype).bits // 8
+            persistent = self.config.stage < 3 or gathered <= self.config.persistence_threshold
+            fill = None
+            if self._prepare_unit is not None:
+                fill = self._prepare_unit(name, _unit_modules(module, unit_module_ids), per_unit[i])
+            unit = Unit(
+                i,
+                name,
+                module,
+                per_unit[i],
+                dtype=dtype,
+                grad_dtype=grad_dtype,
+                device=self.device,
+                persistent=persistent,
+                pool=self.pool,
+                group=self.group,
+                fill=fill,
+            )
+            unit.n_trainable = sum(1 for s in unit.slots if s.trainable)
+            unit.grads_ready = 0
+            unit.pins = 0
+            unit.backward_active = False
+            unit.deps = []
+            units.append(unit)
+
+        # Dependencies: parameters that a unit's modules hold but another unit owns (tied
+        # weights). Walk each unit's modules, stopping at nested units.
+        for i, (_, module) in enumerate(specs):
+            deps: list[Unit] = []
+            stack = [module]
+            while stack:
+                m = stack.pop()
+                for p in m._parameters.values():
+                    if p is not None and owned[id(p)] != i and units[owned[id(p)]] not in deps:
+                        deps.append(units[owned[id(p)]])
+                stack.extend(c for c in m.children() if id(c) not in unit_module_ids)
+            units[i].deps = deps
+            for dep in deps:
+                log.info(
+                    "zerotune: unit %s uses parameters of unit %s (shared)", units[i].name, dep.name
+                )
+        return units
+
+    # ------------------------------------------------------------------------ the model
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled by the fp16 loss scale when there is one."""
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+        loss.backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate full gradients locally, without communication;
+        the first backward outside reduces them together with its own."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @contextlib.contextmanager
+    def gathered(self, units: list[Unit] | None = None) -> Iterator[None]:
+        """Gather parameters for reading (or writing) outside forward; every rank must enter.
+
+        Changes made to gathered parameters are not written back to the shards.
+        """
+        chosen = self.units if units is None else units
+        for unit in chosen:
+            self._pin(unit)
+        try:
+            yield
+        finally:
+            for unit in chosen:
+                self._unpin(unit)
+
+    # ------------------------------------------------------------------ unit life cycle
+    # See [Note: unit life cycle] in hooks.py.
+    def _pin(self, unit: Unit) -> None:
+        unit.pins += 1
+        self._make_room(unit)
+        unit.gather()
+
+    def _unpin(self, unit: Unit) -> None:
+        unit.pins = max(unit.pins - 1, 0)
+        if unit.pins == 0:
+            unit.release()
+
+    def _make_room(self, unit: Unit) -> None:
+        limit = self.config.max_live_bytes
+        if limit <= 0 or unit.persistent or unit.state is not UnitState.SHARDED:
+            return
+        live = sum(
+            u.gathered_bytes
+            for u in self.units
+            if not u.persistent and u.state is not UnitState.SHARDED
+        )
+        if live + unit.gathered_bytes <= limit:
+            return
+        # Drop units gathered ahead that nobody holds yet, newest prediction first.
+        for other in reversed(self.units):
+            if other.pins == 0 and not other.persistent and other.state is not UnitState.SHARDED:
+                other.release()
+                live -= other.gathered_bytes
+                if live + unit.gathered_bytes <= limit:
+                    return
+
+    def _use(self, kind: str, unit: Unit) -> None:
+        for nxt in self.prefetcher.on_use(kind, unit):
+            nxt.gather(async_op=True)
+
+    def pre_forward(self, unit: Unit) -> None:
+        if unit.index == 0:
+            self.prefetcher.start_pass("forward")
+        self._use("forward", unit)
+        self._pin(unit)
+        for dep in unit.deps:
+            self._pin(dep)
+
+    def post_forward(self, unit: Unit) -> None:
+        self._unpin(unit)
+        for dep in unit.deps:
+            self._unpin(dep)
+        if unit.index == 0:
+            self._release_unheld()
+
+    def forward_in_backward_done(self, unit: Unit) -> None:
+        """A forward re-run inside backward (activation checkpointing) just finished."""
+        if unit.backward_active:
+            self._unpin(unit)
+            for dep in unit.deps:
+                self._unpin(dep)
+        else:
+            unit.backward_active = True  # the forward pins become the backward pins
+
+    def pre_backward(self, unit: Unit) -> None:
+        if unit.backward_active:
+            return
+        if unit.index == 0:
+            self.prefetcher.start_pass("backward")
+        unit.backward_active = True
+        self._use("backward", unit)
+        self._pin(unit)
+        for dep in unit.deps:
+            self._pin(dep)
+
+    def post_backward(self, unit: Unit) -> None:
+        unit.grads_ready = 0
+        unit.reduce_grads(sync=self._sync)
+        if unit.backward_active:
+            unit.backward_active = False
+            self._unpin(unit)
+            for dep in unit.deps:
+                self._unpin(dep)
+
+    def post_backward_final(self) -> None:
+        """End of a backward pass: reduce what is pending, release everything."""
+        self._final_callback_queued = False
+        if self.config.stage >= 2:
+            for unit in self.units:
+                if unit.has_pending_grads():
+                    unit.reduce_grads(sync=self._sync)
+        for unit in self.units:
+            unit.grads_ready = 0
+            unit.backward_active = False
+            unit.pins = 0
+            unit.release()
+
+    def _release_unheld(self) -> None:
+        for unit in self.units:
+            if unit.pins == 0:
+                unit.release()
+
+    # ------------------------------------------------------------------------- training
+    def finalize_grads(self) -> None:
+        """Make every gradient shard final before clipping or the optimizer step."""
+        for unit in self.units:
+            if unit.has_pending_grads():
+                unit.reduce_grads(sync=True)
+            elif unit.unreduced is not None:
+                unit.reduce_grads(sync=True)
+
+    def after_step(self) -> None:
+        for unit in self.units:
+            unit.refresh()
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.zero_grad()
+
+    # ------------------------------------------------------------------------ reporting
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind: params (compute-dtype shards, or whole buffers for
+        gathered units), master (fp32 master copies when the compute dtype is not fp32),
+        grads (gradient shards), optimizer (Adam moments, once an optimizer exists), pool
+        (reduce buffers), gathered_now / gathered_peak (gathered parameters of sharded units),
+        padding_elements."""
+        report = {"params": 0, "master": 0, "grads": 0, "optimizer": 0, "padding_elements": 0}
+        for unit in self.units:
+            for k, v in unit.memory_bytes().items():
+                report[k] += v
+        if self.config.stage == 1:
+            # Whole gradients wait in param.grad from backward to the optimizer step.
+            report["full_grads"] = sum(
+                s.numel * s.param.element_size() for u in self.units for s in u.slots if s.trainable
+            )
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
+            report["optimizer"] = optimizer.state_bytes()
+        report["pool"] = self.pool.allocated_bytes
+        report["gathered_now"] = self.pool.gathered.now
+        report["gathered_peak"] = self.pool.gathered.peak
+        return report
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, as CPU tensors (gathers unit by unit; every rank must call)."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            with self.gathered([unit]):
+                for s in unit.slots:
+                    out[s.name] = s.param.detach().to("cpu", copy=True)
+        return out

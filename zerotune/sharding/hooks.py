@@ -1,0 +1,113 @@
+"""Forward and backward hooks that gather, release and reduce units.
+
+[Note: unit life cycle]
+Every unit has a pin count: it stays gathered while pinned and is released when the count
+falls to zero (persistent units never release).
+
+* pre-forward(U): pin U and the units whose parameters U uses (its dependencies: tied or
+  external parameters), gather them, and let the prefetcher gather the next units.
+* post-forward(U): unpin. With grad enabled, a hook goes on every output tensor so that the
+  first gradient reaching U's outputs runs pre-backward(U).
+* pre-backward(U): pin U and its dependencies again and gather them (once per backward).
+* post-backward(U): when every trainable parameter U owns has its gradient accumulated
+  (``register_post_accumulate_grad_hook``), the gradient is reduce-scattered into U's gradient
+  shard and U (and what it pinned) is unpinned. A parameter used by two units has one
+  gradient accumulator, so it is reduced once, after all its uses.
+* final callback (end of the backward pass): reduces whatever gradients are still pending
+  (parameters that got no gradient this pass), releases every unit and resets the pins.
+
+Activation checkpointing re-runs forward inside backward. A forward that runs during backward
+turns its pin into U's backward pin instead of releasing, so the recomputed graph keeps its
+parameters until U's gradients are reduced.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd import Variable
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+    from .unit import Unit
+
+__all__ = ["install_hooks", "tensors_in"]
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples, lists and dicts (HF ModelOutput is a dict)."""
+    found: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def install_hooks(engine: ZeroEngine) -> list:
+    """Register the hooks of every unit; returns the handles (to remove them)."""
+    handles = []
+    for unit in engine.units:
+        handles.append(unit.module.register_forward_pre_hook(_pre_forward_hook(engine, unit)))
+        handles.append(unit.module.register_forward_hook(_post_forward_hook(engine, unit)))
+        if engine.config.stage >= 2:
+            for slot in unit.slots:
+                if slot.trainable:
+                    handles.append(
+                        slot.param.register_post_accumulate_grad_hook(
+                            _grad_ready_hook(engine, unit)
+                        )
+                    )
+    return handles
+
+
+def _pre_forward_hook(engine: ZeroEngine, unit: Unit):
+    def hook(module, args):
+        engine.pre_forward(unit)
+
+    return hook
+
+
+def _post_forward_hook(engine: ZeroEngine, unit: Unit):
+    def hook(module, args, output):
+        if _in_backward():
+            engine.forward_in_backward_done(unit)
+            return None
+        if torch.is_grad_enabled():
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(_pre_backward_hook(engine, unit))
+        engine.post_forward(unit)
+        return None
+
+    return hook
+
+
+def _pre_backward_hook(engine: ZeroEngine, unit: Unit):
+    def hook(grad):
+        if not engine._final_callback_queued:
+            engine._final_callback_queued = True
+            Variable._execution_engine.queue_callback(engine.post_backward_final)
+        engine.pre_backward(unit)
+        return None
+
+    return hook
+
+
+def _grad_ready_hook(engine: ZeroEngine, unit: Unit):
+    def hook(param):
+        unit.grads_ready += 1
+        if unit.grads_ready == unit.n_trainable:
+            engine.post_backward(unit)
+
+    return hook

@@ -1,0 +1,291 @@
+"""A sharding unit: a group of parameters stored as one flat, rank-major shard per rank.
+
+[Note: flat layout]
+The parameters a unit owns are laid end to end in module order into one flat buffer of
+``padded_numel`` elements (``numel`` rounded up to a multiple of the world size). Rank ``r``
+keeps the slice ``[r * shard_numel, (r + 1) * shard_numel)``. An all-gather of every rank's slice
+lands the whole flat buffer (``flat``), and each parameter's ``.data`` becomes a view of it: the
+``nn.Parameter`` objects never change, only what their data points to. Released, a parameter
+holds an empty tensor of its dtype, and ``flat`` keeps its tensor object but frees its storage
+(resized to 0 bytes). Keeping the same storage object matters: autograd saves views of the
+weights in forward (``weight.t()`` for a linear) and reads them in backward, after the unit was
+released and gathered again; they must find this unit's data there, not whatever a shared
+buffer holds by then. The padding at the tail is zero in parameters, gradients and optimizer
+state, so it never changes the math.
+
+Each unit keeps, for its shard: the compute-dtype copy (``shard``), the fp32 master weights
+(``master``; the same tensor as ``shard`` when the compute dtype is fp32), and the accumulated
+gradient (``grad_shard``). Units that stay gathered (stages 1-2, or small units under the
+persistence threshold) keep the whole flat buffer (``full``) and ``shard`` is a view into it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import dist as zdist
+from ..memory.pool import BufferPool
+
+__all__ = ["Slot", "Unit", "UnitState"]
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # parameters are empty; only this rank's shard exists
+    GATHERING = "gathering"  # an asynchronous all-gather is in flight
+    GATHERED = "gathered"  # parameters are views of the whole flat buffer
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives inside its unit's flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+
+class Unit:
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        named_params: list[tuple[str, nn.Parameter]],
+        *,
+        dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        device: torch.device,
+        persistent: bool,
+        pool: BufferPool,
+        group=None,
+        fill=None,
+    ):
+        """``fill(unit, shard)``, when given, writes this rank's slice of the flat buffer
+        (from a checkpoint, say) and the parameters' own data is never read."""
+        self.index, self.name, self.module = index, name, module
+        self.dtype, self.grad_dtype, self.device = dtype, grad_dtype, device
+        self.pool, self.group = pool, group
+        self.rank, self.world = zdist.get_rank(group), zdist.get_world_size(group)
+
+        self.slots: list[Slot] = []
+        offset = 0
+        for pname, p in named_params:
+            self.slots.append(Slot(pname, p, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.numel = offset
+        self.padded_numel = math.ceil(offset / self.world) * self.world
+        self.shard_numel = self.padded_numel // self.world
+        self.shard_start = self.rank * self.shard_numel
+        self.trainable = any(s.trainable for s in self.slots)
+        self.persistent = persistent
+        self.gathered_bytes = self.padded_numel * (torch.finfo(dtype).bits // 8)
+
+        own = slice(self.shard_start, self.shard_start + self.shard_numel)
+        # This rank's slice in fp32 first: it becomes the master weights, so a bf16/fp16
+        # compute copy never rounds the master.
+        if fill is None:
+            # The parameters hold real data: flatten them, keep this rank's slice.
+            whole = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                for s in self.slots:
+                    whole[s.offset : s.offset + s.numel].copy_(s.param.data.reshape(-1))
+            master = whole[own].clone() if self.world > 1 else whole
+            del whole
+        else:
+            # The parameters are placeholders (meta): ``fill`` writes this rank's slice.
+            master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+            fill(self, master)
+        shard = master if dtype == torch.float32 else master.to(dtype)
+        if persistent or self.world == 1:
+            # The whole flat buffer stays: gathered units keep it, and at world size 1 the
+            # shard is the whole buffer.
+            flat = shard
+            if self.world > 1:
+                flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
+                zdist.all_gather_into(flat, shard, group=group)
+            self.flat = flat
+            self.shard = flat[own]
+        else:
+            # A tensor of padded_numel elements over a storage (re)allocated on each gather.
+            self.shard = shard
+            self.flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
+            self.flat.untyped_storage().resize_(0)
+        self.full = self.flat if persistent else None
+        self.master = self.shard if dtype == torch.float32 else master
+        del master, shard
+        self.grad_shard = (
+            torch.zeros(self.shard_numel, dtype=grad_dtype, device=device)
+            if self.trainable
+            else None
+        )
+        self.grad_is_zero = True  # grad_shard holds no gradient yet (contents are stale)
+        self.unreduced: torch.Tensor | None = None  # full-size grads kept under no_sync()
+
+        self.state = UnitState.SHARDED
+        self._work = None
+        if persistent:
+            self._point_params(self.full)
+            self.state = UnitState.GATHERED
+        else:
+            self._empty_params()
+
+    # ----------------------------------------------------------------------------- gather
+
+    def gather(self, async_op: bool = False) -> None:
+        """Make every parameter a view of the whole flat buffer (all-gather of the shards)."""
+        if self.state is UnitState.GATHERED:
+            return
+        if self.state is UnitState.GATHERING:
+            self.wait()
+            return
+        if self.world == 1:
+            # The shard is the whole flat buffer: point at it, nothing to move.
+            self._point_params(self.flat)
+            self.state = UnitState.GATHERED
+            return
+        self._alloc_storage()
+        work = zdist.all_gather_into(self.flat, self.shard, group=self.group, async_op=async_op)
+        if work is None:
+            self._point_params(self.flat)
+            self.state = UnitState.GATHERED
+        else:
+            self._work = work
+            self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        if self.state is UnitState.GATHERING:
+            self._work.wait()
+            self._work = None
+            self._point_params(self.flat)
+            self.state = UnitState.GATHERED
+
+    def release(self) -> None:
+        """Drop the gathered parameters (no-op for persistent units)."""
+        if self.persistent or self.state is UnitState.SHARDED:
+            return
+        self.wait()
+        self._empty_params()
+        if self.world > 1:
+            self._free_storage()
+        self.state = UnitState.SHARDED
+
+    def refresh(self) -> None:
+        """After an optimizer step: bring a persistent unit's full buffer up to date."""
+        if not self.persistent or self.world == 1 or self.numel == 0:
+            return
+        send = self.pool.acquire(self.shard_numel, self.dtype)
+        send.copy_(self.shard)
+        zdist.all_gather_into(self.full, send, group=self.group)
+        self.pool.release(send)
+
+    def _alloc_storage(self) -> None:
+        self.flat.untyped_storage().resize_(self.gathered_bytes)
+        self.pool.gathered.add(self.gathered_bytes)
+
+    def _free_storage(self) -> None:
+        if self.flat.untyped_storage().nbytes():
+            self.flat.untyped_storage().resize_(0)
+            self.pool.gathered.sub(self.gathered_bytes)
+
+    def _point_params(self, flat: torch.Tensor) -> None:
+        for s in self.slots:
+            s.param.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+
+    def _empty_params(self) -> None:
+        for s in self.slots:
+            s.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------------------ grads
+    def has_pending_grads(self) -> bool:
+        return any(s.param.grad is not None for s in self.slots)
+
+    def reduce_grads(self, sync: bool = True) -> None:
+        """Move the parameters' gradients into this rank's gradient shard (averaged over ranks).
+
+        With ``sync=False`` (inside ``no_sync()``) the full gradient is accumulated locally and
+        reduced together with the next synchronized backward.
+        """
+        if not self.trainable:
+            for s in self.slots:
+                s.param.grad = None
+            return
+        if self.world == 1 and sync and self.unreduced is None:
+            self._add_into_shard_directly()
+            return
+        flat = self.pool.acquire(self.padded_numel, torch.float32)
+        for s in self.slots:
+            region = flat[s.offset : s.offset + s.numel]
+            if s.param.grad is not None and s.trainable:
+                region.copy_(s.param.grad.reshape(-1))
+            else:
+                region.zero_()
+            s.param.grad = None
+        flat[self.numel :].zero_()
+        if not sync:
+            if self.unreduced is None:
+                self.unreduced = flat.clone()
+            else:
+                self.unreduced.add_(flat)
+            self.pool.release(flat)
+            return
+        if self.unreduced is not None:
+            flat.add_(self.unreduced)
+            self.unreduced = None
+        out = self.pool.acquire(self.shard_numel, torch.float32)
+        zdist.reduce_scatter_avg(out, flat, group=self.group)
+        self._accumulate(self.grad_shard, out)
+        self.pool.release(out)
+        self.pool.release(flat)
+
+    def _add_into_shard_directly(self) -> None:
+        # World 1: the shard is the whole flat buffer; no collective and no staging copy.
+        first = self.grad_is_zero
+        for s in self.slots:
+            view = self.grad_shard[s.offset : s.offset + s.numel].view(s.shape)
+            g = s.param.grad
+            if g is not None and s.trainable:
+                view.copy_(g) if first else view.add_(g)
+            elif first:
+                view.zero_()
+            s.param.grad = None
+        self.grad_is_zero = False
+
+    def _accumulate(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.grad_is_zero:
+            dst.copy_(src)
+            self.grad_is_zero = False
+        else:
+            dst.add_(src)
+
+    def zero_grad(self) -> None:
+        self.grad_is_zero = True
+        self.unreduced = None
+        for s in self.slots:
+            s.param.grad = None
+
+    # ------------------------------------------------------------------------- accounting
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the unit, by kind (see memory report in the engine)."""
+
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        params = nbytes(self.full) if self.persistent else nbytes(self.shard)
+        master = 0 if self.master is self.shard else nbytes(self.master)
+        return {
+            "params": params,
+            "master": master,
+            "grads": nbytes(self.grad_shard),
+            "padding_elements": self.padded_numel - self.numel,
+        }
