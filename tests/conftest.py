@@ -157,3 +157,60 @@ def odd_net(seed: int = 0, mode: str = "plain") -> OddNet:
 def tmp_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROTUNE_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+class _PeerBlock(torch.nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.ff = torch.nn.Sequential(
+            torch.nn.Linear(width, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, width)
+        )
+        object.__setattr__(self, "peer", None)  # a sibling block, not a submodule
+
+    def forward(self, x):
+        out = self.ff(x)
+        if self.peer is not None:
+            # Reads a sibling's weight: invisible at wrap time (peer is no submodule).
+            out = out + torch.nn.functional.linear(
+                x, self.peer.ff[2].weight @ self.peer.ff[0].weight
+            )
+        return out
+
+
+class _Projector(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.eye(width) + 0.05 * torch.randn(width, width))
+
+    def forward(self):
+        return self.weight  # hands its own parameter to the caller
+
+
+class ExternalNet(torch.nn.Module):
+    """Parameters used outside their owner's forward: the parent projects onto the embedding
+    with F.linear(h, self.emb.weight), block 1 reads block 0's weights, and a module returns
+    its own parameter for the parent to use."""
+
+    def __init__(self, vocab: int = 37, width: int = 13, hidden: int = 29):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(_PeerBlock(width, hidden) for _ in range(3))
+        object.__setattr__(self.blocks[1], "peer", self.blocks[0])
+        self.proj = _Projector(width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, input_ids, labels=None):
+        h = self.emb(input_ids)
+        for block in self.blocks:
+            h = h + block(h)
+        h = self.norm(h) @ self.proj()
+        logits = torch.nn.functional.linear(h, self.emb.weight)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def external_net(seed: int = 0) -> ExternalNet:
+    torch.manual_seed(seed)
+    return ExternalNet()

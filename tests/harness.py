@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from conftest import odd_net, tiny_gpt2
+from conftest import external_net, odd_net, tiny_gpt2
 
 import zerotune
 
@@ -38,13 +38,15 @@ def build(model_name: str):
         return model
     if model_name == "odd":
         return odd_net(seed=0)
+    if model_name == "external":
+        return external_net(seed=0)
     if model_name.startswith("odd_"):
         return odd_net(seed=0, mode=model_name.split("_", 1)[1])
     raise ValueError(model_name)
 
 
 def vocab_of(model_name: str) -> int:
-    return 37 if model_name.startswith("odd") else 96
+    return 37 if model_name.startswith(("odd", "external")) else 96
 
 
 def batches(model_name: str, steps: int = STEPS) -> list[torch.Tensor]:

@@ -12,17 +12,21 @@ Bare PyTorch use::
 
 from .config import ConfigError, ZeroConfig, load_config
 from .optim import CPUAdam, StepInfo, ZeroAdamW
-from .sharding import ZeroEngine, shard
+from .init import from_pretrained, zero_init
+from .sharding import ShardedParameterError, ZeroEngine, shard
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPUAdam",
     "ConfigError",
+    "ShardedParameterError",
     "StepInfo",
     "ZeroAdamW",
     "ZeroConfig",
     "ZeroEngine",
+    "from_pretrained",
     "load_config",
     "shard",
+    "zero_init",
 ]

@@ -92,6 +92,8 @@ class ZeroConfig:
         gathered for the whole run (stage 3), saving collectives on tiny units.
     unit_modules: class names of the modules that become sharding units; ``None`` uses the
         model's ``_no_split_modules`` plus embeddings and the output head.
+    auto_external_params: register parameters a unit's forward reads from another unit
+        (see sharding/external.py); off, such a read raises instead.
     offload_param / offload_optimizer / nvme_path: ZeRO-Infinity tiers (see docs/design.md
         status: only ``none`` is implemented so far).
     """
@@ -109,7 +111,7 @@ class ZeroConfig:
     loss_scale_init: float = 2.0**16
     loss_scale_window: int = 1000
     loss_scale_min: float = 1.0
-    seed: int | None = None
+    auto_external_params: bool = True
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):

@@ -126,8 +126,12 @@ def _read_header(path: Path) -> dict[str, _Entry]:
         if meta["dtype"] not in _DTYPES:
             raise ModelLoadError(f"{path}: tensor {key!r} has unsupported dtype {meta['dtype']}")
         if 8 + n + end > size:
-            raise ModelLoadError(f"{path}: tensor {key!r} runs past the end of the file (truncated)")
-        out[key] = _Entry(path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin, end - begin)
+            raise ModelLoadError(
+                f"{path}: tensor {key!r} runs past the end of the file (truncated)"
+            )
+        out[key] = _Entry(
+            path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin, end - begin
+        )
     return out
 
 
@@ -260,5 +264,7 @@ def from_pretrained(
         ckpt.close()
     unused = len(ckpt.entries) - len(set(loader.keys.values()))
     if unused:
-        log.info("zerotune: %d tensors in %s are not parameters of the model (ignored)", unused, folder)
+        log.info(
+            "zerotune: %d tensors in %s are not parameters of the model (ignored)", unused, folder
+        )
     return engine

@@ -1,7 +1,15 @@
 """The ZeRO core: units, hooks, prefetch and the engine."""
 
 from .engine import ZeroEngine, shard
+from .external import ShardedParameterError
 from .policy import select_unit_modules
 from .unit import Unit, UnitState
 
-__all__ = ["ZeroEngine", "Unit", "UnitState", "select_unit_modules", "shard"]
+__all__ = [
+    "ShardedParameterError",
+    "ZeroEngine",
+    "Unit",
+    "UnitState",
+    "select_unit_modules",
+    "shard",
+]

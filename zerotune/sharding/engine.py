@@ -21,12 +21,13 @@ from .. import dist as zdist
 from ..config import ZeroConfig, load_config
 from ..memory.pool import BufferPool
 from ..optim.scaling import DynamicLossScaler
+from .external import ExternalParams, ShardedParameterError
 from .hooks import install_hooks
 from .policy import select_unit_modules
 from .prefetch import Prefetcher
 from .unit import Unit, UnitState
 
-__all__ = ["ZeroEngine", "shard"]
+__all__ = ["ShardedParameterError", "ZeroEngine", "shard"]
 
 log = logging.getLogger(__name__)
 log.addFilter(zdist.RankFilter())
@@ -99,6 +100,7 @@ class ZeroEngine(nn.Module):
         self._sync = True
         self._final_callback_queued = False
         self._handles = install_hooks(self)
+        self.external = ExternalParams(self)
         object.__setattr__(model, "_zerotune_engine", self)
         n = sum(u.numel for u in self.units)
         log.info(
@@ -209,6 +211,50 @@ class ZeroEngine(nn.Module):
         finally:
             for unit in chosen:
                 self._unpin(unit)
+
+    def register_external(self, owner, user, pin: bool = False) -> None:
+        """Gather ``owner`` whenever ``user`` runs (forward and backward).
+
+        Public form: ``register_external("emb.weight", module)`` (a parameter's qualified
+        name, or the parameter): the unit owning the parameter is gathered with the unit that
+        ``module`` belongs to. Automatic detection covers the usual cases (see
+        sharding/external.py); this is for what it cannot see.
+        """
+        if isinstance(owner, str):
+            params = dict(self.module.named_parameters(remove_duplicate=False))
+            if owner not in params:
+                raise ValueError(f"the model has no parameter named {owner!r}")
+            owner = params[owner]
+        if isinstance(owner, nn.Parameter):
+            owner = self._unit_of_param(owner)
+        if isinstance(user, nn.Module):
+            user = self._unit_of_module(user)
+        if owner is user or owner in user.deps:
+            return
+        user.deps.append(owner)
+        if pin:
+            self._pin(owner)
+
+    def _unit_of_param(self, param: nn.Parameter) -> Unit:
+        for unit in self.units:
+            if any(s.param is param for s in unit.slots):
+                return unit
+        raise ValueError("this parameter is not part of the sharded model")
+
+    def _unit_of_module(self, module: nn.Module) -> Unit:
+        for unit in self.units[1:]:
+            if any(m is module for m in unit.module.modules()):
+                return unit
+        if any(m is module for m in self.module.modules()):
+            return self.units[0]
+        raise ValueError("this module is not part of the sharded model")
+
+    def remove_hooks(self) -> None:
+        """Take every hook and class swap off the model (the parameters stay sharded)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.external.remove()
 
     # ------------------------------------------------------------------ unit life cycle
     # See [Note: unit life cycle] in hooks.py.

@@ -59,7 +59,9 @@ def install_hooks(engine: ZeroEngine) -> list:
     handles = []
     for unit in engine.units:
         handles.append(unit.module.register_forward_pre_hook(_pre_forward_hook(engine, unit)))
-        handles.append(unit.module.register_forward_hook(_post_forward_hook(engine, unit)))
+        handles.append(
+            unit.module.register_forward_hook(_post_forward_hook(engine, unit), always_call=True)
+        )
         if engine.config.stage >= 2:
             for slot in unit.slots:
                 if slot.trainable:
@@ -73,6 +75,7 @@ def install_hooks(engine: ZeroEngine) -> list:
 
 def _pre_forward_hook(engine: ZeroEngine, unit: Unit):
     def hook(module, args):
+        engine.external.active.append(unit)
         engine.pre_forward(unit)
 
     return hook
@@ -80,6 +83,10 @@ def _pre_forward_hook(engine: ZeroEngine, unit: Unit):
 
 def _post_forward_hook(engine: ZeroEngine, unit: Unit):
     def hook(module, args, output):
+        active = engine.external.active
+        if active and active[-1] is unit:
+            active.pop()
+        engine.external.on_output(unit, tensors_in(output))
         if _in_backward():
             engine.forward_in_backward_done(unit)
             return None

@@ -1,0 +1,138 @@
+"""External parameters: a unit's forward using parameters that another unit owns.
+
+[Note: external parameters]
+Tied weights shared by two units' modules are found at wrap time (engine.py). Others only
+show while forward runs: a parent calling ``F.linear(x, self.embed.weight)``, or a module
+returning one of its parameters for another to use. Two mechanisms catch them:
+
+* Parameter access. Every module that holds parameters gets, for its own instance only, a
+  subclass of its class whose ``__getattr__`` reports parameter reads (``nn.Module`` serves
+  parameters through ``__getattr__``). A read inside the forward of unit U of a parameter
+  that another, non-persistent unit owns registers that unit as U's dependency: it is
+  gathered now, and from then on with U, in forward and backward. Logged once.
+* Output inspection. A unit whose forward returns (a view of) its own gathered parameters is
+  registered as a dependency of the enclosing unit, which keeps it gathered.
+
+Outside any forward or backward, reading a parameter that is not gathered raises
+``ShardedParameterError`` with what to do instead (``engine.gathered()``), rather than
+handing out an empty tensor. ``remove()`` restores the original classes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .. import dist as zdist
+from .unit import Unit, UnitState
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+__all__ = ["ExternalParams", "ShardedParameterError"]
+
+log = logging.getLogger(__name__)
+log.addFilter(zdist.RankFilter())
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+class ShardedParameterError(RuntimeError):
+    """A sharded parameter was read where it is not gathered."""
+
+
+def _watching_class(cls: type) -> type:
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        base_getattr = cls.__getattr__
+
+        def __getattr__(self, name):
+            value = base_getattr(self, name)
+            if isinstance(value, nn.Parameter):
+                watcher = self.__dict__.get("_zerotune_watcher")
+                if watcher is not None:
+                    watcher.on_access(self, name, value)
+            return value
+
+        sub = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__getattr__": __getattr__,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+            },
+        )
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+class ExternalParams:
+    def __init__(self, engine: ZeroEngine):
+        self.engine = engine
+        self.owner: dict[int, Unit] = {id(s.param): u for u in engine.units for s in u.slots}
+        self.names: dict[int, str] = {id(s.param): s.name for u in engine.units for s in u.slots}
+        self.active: list[Unit] = []  # units whose forward is running, innermost last
+        self.registered: list[tuple[str, str, str]] = []  # (parameter, owner unit, user unit)
+        self._swapped: list[tuple[nn.Module, type]] = []
+        for module in engine.module.modules():
+            if any(p is not None for p in module._parameters.values()):
+                self._swapped.append((module, type(module)))
+                module.__class__ = _watching_class(type(module))
+                module.__dict__["_zerotune_watcher"] = self
+
+    def remove(self) -> None:
+        for module, cls in self._swapped:
+            module.__class__ = cls
+            module.__dict__.pop("_zerotune_watcher", None)
+        self._swapped.clear()
+
+    # ----------------------------------------------------------------------------- events
+    def on_access(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        owner = self.owner.get(id(param))
+        if owner is None or owner.persistent:
+            return
+        if self.active:
+            user = self.active[-1]
+            if owner is not user and owner not in user.deps:
+                self._register(owner, user, self.names[id(param)])
+            owner.wait()
+            return
+        if owner.state is UnitState.GATHERED:
+            return
+        raise ShardedParameterError(
+            f"parameter {self.names[id(param)]!r} is sharded by zerotune (stage 3) and not "
+            "gathered outside forward/backward; read it inside `with engine.gathered():`, or "
+            "get every weight with engine.full_state_dict()"
+        )
+
+    def on_output(self, unit: Unit, output_tensors: list[torch.Tensor]) -> None:
+        """After ``unit``'s forward: does it hand out its own parameters?"""
+        if unit.persistent or len(self.active) < 1 or unit.state is not UnitState.GATHERED:
+            return
+        storage = unit.flat.untyped_storage().data_ptr()
+        enclosing = self.active[-1]
+        for t in output_tensors:
+            if t.untyped_storage().data_ptr() == storage and unit not in enclosing.deps:
+                self._register(unit, enclosing, f"an output of {unit.name}")
+                return
+
+    def _register(self, owner: Unit, user: Unit, what: str) -> None:
+        if not self.engine.config.auto_external_params:
+            raise ShardedParameterError(
+                f"{what} (unit {owner.name}) is used in the forward of unit {user.name}; "
+                "auto_external_params is off: register it with engine.register_external()"
+            )
+        self.engine.register_external(owner, user, pin=True)
+        self.registered.append((what, owner.name, user.name))
+        log.info(
+            "zerotune: %s (unit %s) is used in the forward of unit %s: registered as an "
+            "external parameter, gathered with %s from now on",
+            what,
+            owner.name,
+            user.name,
+            user.name,
+        )
