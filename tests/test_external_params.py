@@ -41,8 +41,9 @@ def test_switching_auto_registration_off_breaks_the_external_model():
 
 
 def test_registrations_are_the_expected_ones(caplog):
-    import zerotune
     from harness import batches, build, loss_of
+
+    import zerotune
 
     model = build("external")
     engine = zerotune.shard(model, {"stage": 3})
@@ -56,8 +57,9 @@ def test_registrations_are_the_expected_ones(caplog):
 
 
 def test_reading_a_sharded_parameter_outside_forward():
-    import zerotune
     from harness import build
+
+    import zerotune
 
     model = build("gpt2")
     engine = zerotune.shard(model, {"stage": 3})
@@ -70,8 +72,9 @@ def test_reading_a_sharded_parameter_outside_forward():
 
 
 def test_manual_registration():
-    import zerotune
     from harness import batches, build, loss_of
+
+    import zerotune
 
     model = build("external")
     engine = zerotune.shard(model, {"stage": 3, "auto_external_params": False})

@@ -11,8 +11,8 @@ Bare PyTorch use::
 """
 
 from .config import ConfigError, ZeroConfig, load_config
-from .optim import CPUAdam, StepInfo, ZeroAdamW
 from .init import from_pretrained, zero_init
+from .optim import CPUAdam, StepInfo, ZeroAdamW
 from .sharding import ShardedParameterError, ZeroEngine, shard
 
 __version__ = "0.1.0"

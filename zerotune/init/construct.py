@@ -105,7 +105,8 @@ class _Materializer:
                 if not callable(getattr(m, "reset_parameters", None)):
                     raise ValueError(
                         f"{type(m).__name__} has buffers built on the meta device and no "
-                        "reset_parameters() to compute them; build it whole and use zerotune.shard()"
+                        "reset_parameters() to compute them; build it whole and use "
+                        "zerotune.shard()"
                     )
         foreign = [
             p for m in modules for p in m._parameters.values() if p is not None and id(p) not in own
