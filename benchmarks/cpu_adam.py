@@ -1,6 +1,6 @@
 """CPU Adam throughput: zerotune's C++ kernel against torch.optim.AdamW, in one process.
 
-Run: ``python benchmarks/cpu_adam.py [--numel 100000000] [--iters 15]``
+Run: ``python benchmarks/cpu_adam.py [--numel 100000000] [--iters 25]``
 
 Every contender updates the same fp32 tensors (param, grad, and its own exp_avg/exp_avg_sq),
 with all cores (``torch.set_num_threads(os.cpu_count())``). The contenders run round-robin,
@@ -94,7 +94,7 @@ def _time(fns: dict[str, Callable[[], None]], warmup: int, iters: int) -> dict[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--numel", type=int, default=100_000_000)
-    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-foreach", action="store_true", help="skip the slow foreach row")
     args = parser.parse_args()

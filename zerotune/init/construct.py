@@ -16,6 +16,7 @@ rotary embeddings recompute ``inv_freq`` in ``_init_weights``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import zlib
 from collections.abc import Callable
@@ -93,9 +94,10 @@ class _Materializer:
     def __init__(self, model: nn.Module, seed: int, device: torch.device):
         self.model, self.seed, self.device = model, seed, device
         self.init_fn = _init_function(model)
-        self.is_hf = self.init_fn is getattr(model, "_init_weights", None)
+        self.is_hf = hasattr(model, "_init_weights") and hasattr(model, "config")
 
     def __call__(self, unit_name: str, modules: list[nn.Module], params) -> None:
+        release_free_memory()  # what the previous unit left behind goes back to the system
         own = {id(p) for _, p in params}
         for _, p in params:
             p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
@@ -132,6 +134,23 @@ def realize_placeholders(model: nn.Module, device: torch.device) -> None:
                 placeholder = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape)
                 swapped[id(p)] = nn.Parameter(placeholder, requires_grad=p.requires_grad)
             m._parameters[name] = swapped[id(p)]
+
+
+def release_free_memory() -> None:
+    """Return freed heap memory to the system (glibc keeps it otherwise, and RSS, the
+    number memory bounds are checked against, never falls)."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None
 
 
 def materialize_buffers(modules: list[nn.Module], device: torch.device) -> list[nn.Module]:

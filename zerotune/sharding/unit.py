@@ -124,11 +124,9 @@ class Unit:
         self.full = self.flat if persistent else None
         self.master = self.shard if dtype == torch.float32 else master
         del master, shard
-        self.grad_shard = (
-            torch.zeros(self.shard_numel, dtype=grad_dtype, device=device)
-            if self.trainable
-            else None
-        )
+        # Allocated on the first gradient (see _grad_buffer): building or evaluating a model
+        # holds no gradient memory.
+        self.grad_shard: torch.Tensor | None = None
         self.grad_is_zero = True  # grad_shard holds no gradient yet (contents are stale)
         self.unreduced: torch.Tensor | None = None  # full-size grads kept under no_sync()
 
@@ -244,12 +242,20 @@ class Unit:
             self.unreduced = None
         out = self.pool.acquire(self.shard_numel, torch.float32)
         zdist.reduce_scatter_avg(out, flat, group=self.group)
-        self._accumulate(self.grad_shard, out)
+        self._accumulate(self._grad_buffer(), out)
         self.pool.release(out)
         self.pool.release(flat)
 
+    def _grad_buffer(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(
+                self.shard_numel, dtype=self.grad_dtype, device=self.device
+            )
+        return self.grad_shard
+
     def _add_into_shard_directly(self) -> None:
         # World 1: the shard is the whole flat buffer; no collective and no staging copy.
+        self._grad_buffer()
         first = self.grad_is_zero
         for s in self.slots:
             view = self.grad_shard[s.offset : s.offset + s.numel].view(s.shape)
@@ -283,9 +289,11 @@ class Unit:
 
         params = nbytes(self.full) if self.persistent else nbytes(self.shard)
         master = 0 if self.master is self.shard else nbytes(self.master)
+        grad_itemsize = torch.finfo(self.grad_dtype).bits // 8
         return {
             "params": params,
             "master": master,
-            "grads": nbytes(self.grad_shard),
+            # Steady state: the gradient shard exists from the first backward on.
+            "grads": self.shard_numel * grad_itemsize if self.trainable else 0,
             "padding_elements": self.padded_numel - self.numel,
         }
