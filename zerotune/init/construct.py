@@ -143,8 +143,8 @@ def release_free_memory() -> None:
     if _libc is None:
         try:
             _libc = ctypes.CDLL("libc.so.6")
-            _libc.malloc_trim
-        except (OSError, AttributeError):
+            _libc = _libc if hasattr(_libc, "malloc_trim") else False
+        except OSError:
             _libc = False
     if _libc:
         _libc.malloc_trim(0)
