@@ -1,0 +1,82 @@
+"""ZeroAdamW behaves like a torch optimizer: LR schedulers, per-group hyper-parameters,
+Adam without decoupled decay; small units can stay resident (persistence threshold)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_world
+from harness import LR, WD, batches, build, loss_of, no_decay_groups
+
+STEPS = 6
+
+
+def _schedule(step: int) -> float:
+    return 1.0 / (1 + step)
+
+
+def reference(adamw: bool) -> dict:
+    model = build("gpt2")
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    opt = cls(no_decay_groups(model, WD), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    losses = []
+    for ids in batches("gpt2", STEPS):
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "weights": {n: p.detach().numpy() for n, p in model.named_parameters()}}
+
+
+def run_scheduled(rank, world, adamw, config):
+    import torch.distributed as dist
+
+    import zerotune
+
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    engine = zerotune.shard(model, config)
+    opt = zerotune.ZeroAdamW(engine, groups, lr=LR, adamw_mode=adamw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    losses, lrs = [], []
+    for ids in batches("gpt2", STEPS):
+        loss = loss_of(engine, ids[rank::world])
+        loss.backward()
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+        total = loss.detach().reshape(1) / world
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(float(total))
+    persistent = [u.name for u in engine.units if u.persistent and u.numel]
+    return {"losses": losses, "weights": engine.full_state_dict(), "lrs": lrs, "persistent": persistent}
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam-l2"])
+def test_scheduler_and_groups_match_torch(adamw):
+    ref = reference(adamw)
+    # Units up to 20 KB stay gathered (embeddings, root) while the blocks are sharded.
+    config = {"stage": 3, "persistence_threshold": 20_000}
+    res = run_world(2, run_scheduled, adamw, config)[0]
+    assert res["lrs"] == pytest.approx([LR * _schedule(s + 1) for s in range(STEPS)])
+    assert "transformer.wpe" in res["persistent"] and "transformer.h.0" not in res["persistent"]
+    np.testing.assert_allclose(res["losses"], ref["losses"], rtol=1e-5)
+    for name, w in ref["weights"].items():
+        np.testing.assert_allclose(res["weights"][name], w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_bad_hyper_parameters_and_groups_are_rejected():
+    import zerotune
+
+    model = build("gpt2")
+    engine = zerotune.shard(model, {"stage": 3})
+    with pytest.raises(ValueError, match="invalid Adam"):
+        zerotune.ZeroAdamW(engine, lr=-1)
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        zerotune.ZeroAdamW(engine, [{"params": params}, {"params": params[:1]}])
