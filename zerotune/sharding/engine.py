@@ -370,6 +370,37 @@ class ZeroEngine(nn.Module):
         for unit in self.units:
             unit.zero_grad()
 
+    # ---------------------------------------------------------------------- shard state
+    def unit_state(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """This rank's flat slices of ``unit`` (``shard_numel`` elements each, padding at the
+        tail zero): ``master`` (fp32 weights), and once an optimizer exists ``exp_avg``,
+        ``exp_avg_sq``. The tensors are the live ones: checkpoints read them, and
+        ``load_unit_state`` writes them."""
+        out = {"master": unit.master}
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and unit.index in optimizer._moments:
+            out["exp_avg"], out["exp_avg_sq"] = optimizer._moments[unit.index]
+        return out
+
+    @torch.no_grad()
+    def load_unit_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
+        """Overwrite this rank's slices of ``unit`` (keys as in ``unit_state``) and bring the
+        compute-dtype copy (and, for gathered units, the whole buffer) up to date. Every rank
+        must call it for every unit: gathered units all-gather."""
+        live = self.unit_state(unit)
+        for key, value in state.items():
+            if key not in live:
+                raise KeyError(f"unit {unit.name} has no state {key!r}")
+            if value.numel() != live[key].numel():
+                raise ValueError(
+                    f"unit {unit.name}: {key} has {value.numel()} elements, "
+                    f"expected {live[key].numel()}"
+                )
+            live[key].copy_(value.reshape(-1))
+        if unit.master is not unit.shard:
+            unit.shard.copy_(unit.master)
+        unit.refresh()
+
     # ------------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by kind: params (compute-dtype shards, or whole buffers for
