@@ -1,0 +1,356 @@
+"""Consolidation into an ordinary Hugging Face folder, streamed parameter by parameter.
+
+[Note: streaming export]
+``export_hf`` turns a sharded checkpoint (any world size) into what ``save_pretrained``
+writes: config.json with ``dtype`` set, generation config and tokenizer files when the
+checkpoint has them, ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` with
+``model.safetensors.index.json`` when the total exceeds ``max_shard_size``. The output layout
+(which tensor goes to which file, at which byte offset) follows from the manifest alone, so
+every header is written before any data (see [Note: streaming safetensors] in files.py).
+Each parameter is then read from the rank files' ranges (see [Note: checkpoint layout]) in
+pieces of at most ``CHUNK_ELEMENTS``, converted, and appended to its file: memory stays at
+one piece in fp32 plus its converted copy, whatever the model size. A tied weight is one
+parameter in the checkpoint and is written once, under its first name (``transformer.wte.
+weight`` for GPT-2), which is what transformers expects for tied weights. Everything is
+written into a hidden temporary folder next to the output and renamed into place at the end:
+a failed or interrupted export leaves no half-written output.
+
+``save_hf`` does the same from a live engine (what a trainer calls at the end): every rank
+takes part in gathering the fp32 master weights unit by unit, rank 0 writes. Both paths
+export the fp32 master weights, so ``save_hf(engine)`` and ``export_hf(save_checkpoint(engine))``
+write identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .. import dist as zdist
+from ..config import ConfigError, parse_bytes
+from .files import TensorFileReader, TensorFileWriter, TensorSpec, atomic_write_bytes, fsync_dir
+from .io import _agree, _RankFiles, model_files, open_checkpoint, persistent_buffers
+from .manifest import BUFFERS
+
+__all__ = ["CHUNK_ELEMENTS", "ExportError", "export_hf", "save_hf"]
+
+log = logging.getLogger(__name__)
+log.addFilter(zdist.RankFilter())
+
+CHUNK_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per piece
+INDEX = "model.safetensors.index.json"
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+_TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+Progress = Callable[[int, int], None]  # (bytes just written, total bytes)
+
+
+class ExportError(ValueError):
+    """An export cannot be done as asked; the message says why and what to do."""
+
+
+def export_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in _TORCH_NAMES:
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ExportError(f"dtype must be one of bf16, fp16, fp32, got {dtype!r}")
+
+
+def _shard_limit(max_shard_size: int | str) -> int:
+    try:
+        limit = parse_bytes(max_shard_size, name="max_shard_size")
+    except ConfigError as exc:
+        raise ExportError(str(exc)) from None
+    if limit <= 0:
+        raise ExportError("max_shard_size must be positive")
+    return limit
+
+
+def check_output(output: Path, overwrite: bool) -> None:
+    """Refuse an output that exists and is not an empty folder (unless ``overwrite``)."""
+    if output.exists() or output.is_symlink():
+        if not output.is_dir():
+            raise ExportError(f"{output}: exists and is not a folder")
+        if not overwrite and any(output.iterdir()):
+            raise ExportError(f"{output}: exists and is not empty (overwrite it with --overwrite)")
+
+
+class HFFolderWriter:
+    """Writes the weight files of an HF folder in a temporary folder, tensors in the order of
+    ``specs`` (appended in pieces), then ``finish`` renames it to ``output``."""
+
+    def __init__(self, output: str | Path, specs: list[TensorSpec], max_shard_size: int, *,
+                 overwrite: bool = False):  # fmt: skip
+        self.output = Path(output)
+        self.overwrite = overwrite
+        check_output(self.output, overwrite)
+        shards: list[list[TensorSpec]] = [[]]
+        size = 0
+        for spec in specs:
+            if shards[-1] and size + spec.nbytes > max_shard_size:
+                shards.append([])
+                size = 0
+            shards[-1].append(spec)
+            size += spec.nbytes
+        n = len(shards)
+        self.names = (
+            ["model.safetensors"]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        self.shards = shards
+        self.total_bytes = sum(s.nbytes for s in specs)
+        self.total_numel = sum(s.nbytes // _itemsize(s.dtype) for s in specs)
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.output.parent / f".{self.output.name}.partial-{os.getpid()}"
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        self._writer: TensorFileWriter | None = None
+        self._next = 0
+
+    def _open_next(self) -> None:
+        if self._writer is not None:
+            self._writer.commit()
+        i = self._next
+        self._writer = TensorFileWriter(self.tmp / self.names[i], self.shards[i], {"format": "pt"})
+        self._next += 1
+
+    def append(self, piece: torch.Tensor) -> None:
+        while self._writer is None or self._writer.full:
+            if self._next == len(self.shards):
+                raise ValueError(f"{self.output}: more data than the planned tensors")
+            self._open_next()
+        self._writer.append(piece)
+
+    def add_file(self, name: str, data: bytes) -> None:
+        atomic_write_bytes(self.tmp / name, data)
+
+    def finish(self) -> Path:
+        while self._next < len(self.shards):
+            self._open_next()
+        if self._writer is not None:
+            self._writer.commit()
+            self._writer = None
+        if len(self.names) > 1:
+            weight_map = {s.name: f for f, shard in zip(self.names, self.shards) for s in shard}
+            index = {
+                "metadata": {"total_size": self.total_bytes, "total_parameters": self.total_numel},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            self.add_file(INDEX, (json.dumps(index, indent=2) + "\n").encode())
+        fsync_dir(self.tmp)
+        trash = None
+        if self.output.exists():
+            if any(self.output.iterdir()):
+                if not self.overwrite:
+                    raise ExportError(f"{self.output}: appeared while exporting; not replaced")
+                trash = self.output.parent / f".{self.output.name}.old-{os.getpid()}"
+                os.rename(self.output, trash)
+            else:
+                self.output.rmdir()
+        os.rename(self.tmp, self.output)
+        fsync_dir(self.output.parent)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        return self.output
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _config_with_dtype(data: bytes, dtype: torch.dtype) -> bytes:
+    config = json.loads(data)
+    config["dtype"] = _TORCH_NAMES[dtype]
+    if "torch_dtype" in config:
+        config["torch_dtype"] = _TORCH_NAMES[dtype]
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _buffer_dtype(buf_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    return dtype if buf_dtype.is_floating_point else buf_dtype
+
+
+def export_hf(
+    checkpoint: str | Path,
+    output_dir: str | Path,
+    *,
+    dtype: str | torch.dtype = "bf16",
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    verify: bool = True,
+    progress: Progress | None = None,
+) -> Path:
+    """Write the checkpoint's model as a Hugging Face folder (see [Note: streaming export]).
+
+    checkpoint: a checkpoint folder or the folder holding checkpoints (newest complete).
+    dtype: bf16, fp16 or fp32 (from the fp32 master weights).
+    max_shard_size: split into several files above this size (bytes, or "5GB", "500MiB").
+    overwrite: replace an existing non-empty ``output_dir``.
+    verify: check the checkpoint's sha256 checksums first (reads it once more).
+    """
+    torch_dtype = export_dtype(dtype)
+    limit = _shard_limit(max_shard_size)
+    output = Path(output_dir)
+    check_output(output, overwrite)
+    folder, manifest = open_checkpoint(checkpoint, verify=verify)
+    if overwrite and output.exists() and folder.resolve().is_relative_to(output.resolve()):
+        raise ExportError(f"{output}: holds the checkpoint being exported; choose another output")
+    if "config.json" not in manifest["files"]:
+        log.warning(
+            "zerotune: %s has no config.json (not a Hugging Face model): exporting the "
+            "weights only",
+            folder,
+        )
+    buffers = []
+    if manifest.get("buffers"):
+        reader = TensorFileReader(folder / BUFFERS)
+        buffers = [(n, reader.entries[n]) for n in manifest["buffers"] if n in reader.entries]
+        reader.close()
+    params = manifest["params"]
+    specs = [TensorSpec(p["name"], torch_dtype, tuple(p["shape"])) for p in params]
+    specs += [TensorSpec(n, _buffer_dtype(e.dtype, torch_dtype), e.shape) for n, e in buffers]
+
+    writer = HFFolderWriter(output, specs, limit, overwrite=overwrite)
+    files = _RankFiles(folder, manifest["world_size"])
+    largest = max((p["numel"] for p in params), default=0)
+    piece = min(largest, CHUNK_ELEMENTS)
+    staging = torch.empty(piece, dtype=torch.float32)
+    converted = None if torch_dtype == torch.float32 else torch.empty(piece, dtype=torch_dtype)
+    try:
+        for p in params:
+            for c0 in range(0, p["numel"], CHUNK_ELEMENTS):
+                c1 = min(p["numel"], c0 + CHUNK_ELEMENTS)
+                buf = staging[: c1 - c0]
+                for rank, ps, pe, at in p["ranges"]:
+                    x, y = max(c0, ps), min(c1, pe)
+                    if x < y:
+                        key = f"u{p['unit']}.master"
+                        files[rank].read(key, at + x - ps, at + y - ps, buf[x - c0 : y - c0])
+                out = buf if converted is None else converted[: c1 - c0].copy_(buf)
+                writer.append(out)
+                if progress is not None:
+                    progress(out.numel() * out.element_size(), writer.total_bytes)
+        if buffers:
+            reader = TensorFileReader(folder / BUFFERS)
+            try:
+                for name, e in buffers:
+                    n = e.nbytes // _itemsize(e.dtype)
+                    t = torch.empty(n, dtype=e.dtype)
+                    reader.read(name, 0, n, t)
+                    writer.append(t.to(_buffer_dtype(e.dtype, torch_dtype)))
+            finally:
+                reader.close()
+        for fname, meta in manifest["files"].items():
+            if meta.get("kind") in ("model", "tokenizer", "extra"):
+                data = (folder / fname).read_bytes()
+                if fname == "config.json":
+                    data = _config_with_dtype(data, torch_dtype)
+                writer.add_file(fname, data)
+        result = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        files.close()
+    log.info("zerotune: exported %s to %s (%s)", folder, result, _TORCH_NAMES[torch_dtype])
+    return result
+
+
+def _gather_master(engine, unit) -> torch.Tensor | None:
+    """The unit's whole fp32 master buffer on rank 0 (None elsewhere); every rank calls."""
+    master = engine.unit_state(unit)["master"]
+    if engine.world == 1:
+        return master
+    full = None
+    if engine.rank == 0:
+        full = torch.empty(unit.padded_numel, dtype=torch.float32, device=master.device)
+        parts = list(full.split(unit.shard_numel))
+    else:
+        parts = None
+    torch.distributed.gather(master, parts, group=engine.group, group_dst=0)
+    return full
+
+
+def save_hf(
+    engine,
+    output_dir: str | Path,
+    *,
+    dtype: str | torch.dtype = "bf16",
+    max_shard_size: int | str = "5GB",
+    tokenizer=None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Path | None:
+    """Write the engine's model as a Hugging Face folder: every rank must call (the fp32
+    master weights are gathered unit by unit), rank 0 writes. Returns the folder on rank 0,
+    None elsewhere. See [Note: streaming export]."""
+    torch_dtype = export_dtype(dtype)
+    limit = _shard_limit(max_shard_size)
+    output = Path(output_dir)
+    buffers = persistent_buffers(engine.module)
+    specs = [TensorSpec(s.name, torch_dtype, tuple(s.shape)) for u in engine.units for s in u.slots]
+    for n, b in buffers:
+        specs.append(TensorSpec(n, _buffer_dtype(b.dtype, torch_dtype), tuple(b.shape)))
+    writer, error = None, None
+    if engine.rank == 0:
+        try:
+            writer = HFFolderWriter(output, specs, limit, overwrite=overwrite)
+        except Exception as exc:  # noqa: BLE001 - re-raised by _agree on every rank
+            error = exc
+    _agree(engine, error, f"preparing {output}")
+    for unit in engine.units:
+        if unit.shard_numel == 0:
+            continue
+        flat = _gather_master(engine, unit)
+        if writer is None or error is not None:
+            continue
+        try:
+            for s in unit.slots:
+                for c0 in range(0, s.numel, CHUNK_ELEMENTS):
+                    c1 = min(s.numel, c0 + CHUNK_ELEMENTS)
+                    piece = flat[s.offset + c0 : s.offset + c1].to("cpu", torch_dtype)
+                    writer.append(piece)
+                    if progress is not None:
+                        progress(piece.numel() * piece.element_size(), writer.total_bytes)
+        except Exception as exc:  # noqa: BLE001 - the other ranks keep gathering; raised below
+            error = exc
+        del flat
+    if writer is not None and error is None:
+        try:
+            for _, b in buffers:
+                writer.append(b.detach().to("cpu", _buffer_dtype(b.dtype, torch_dtype)))
+            for fname, data in model_files(engine.module).items():
+                if fname == "config.json":
+                    data = _config_with_dtype(data, torch_dtype)
+                writer.add_file(fname, data)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(writer.tmp))
+            writer.finish()
+        except Exception as exc:  # noqa: BLE001 - re-raised by _agree on every rank
+            error = exc
+    if writer is not None and error is not None:
+        writer.abort()
+    _agree(engine, error, f"writing {output}")
+    return output if engine.rank == 0 else None

@@ -1,0 +1,226 @@
+"""The checkpoint format: folder layout, manifest, completion marker, finding the newest.
+
+[Note: checkpoint layout]
+A checkpoint root holds one folder per saved checkpoint and a ``latest`` pointer::
+
+    root/
+      latest                                 name of the newest complete checkpoint
+      step-00000010/
+        rank-00000-of-00002.safetensors      rank 0's slices: u{i}.master, u{i}.exp_avg,
+        rank-00001-of-00002.safetensors      u{i}.exp_avg_sq per unit, rng.torch; metadata:
+                                             python/numpy RNG states (JSON)
+        buffers.safetensors                  persistent module buffers (when the model has any)
+        config.json, generation_config.json, tokenizer files (when given)
+        manifest.json                        everything else, and a sha256 of every file above
+        COMPLETE                             written last: the sha256 of manifest.json
+
+Per parameter the manifest holds its name (and tied aliases), shape, unit, flat offset and
+numel, its optimizer step count, and ``ranges``: which rank file holds which part of it, as
+``[rank, param_start, param_stop, slice_offset]`` (elements ``[param_start, param_stop)`` of
+the flattened parameter are elements ``[slice_offset, ...)`` of that rank's ``u{unit}.*``
+tensors). Loading at any world size reads, for each parameter part in its new slice, just
+those ranges (see io.py). A folder without ``COMPLETE`` (or whose ``COMPLETE`` does not match
+its manifest) is not a checkpoint: a save was interrupted or the files were changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+
+from .. import dist as zdist
+
+__all__ = [
+    "FORMAT",
+    "LATEST",
+    "MANIFEST",
+    "MARKER",
+    "VERSION",
+    "CheckpointError",
+    "find_checkpoints",
+    "latest_checkpoint",
+    "param_ranges",
+    "rank_file_name",
+    "read_manifest",
+    "resolve_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+log.addFilter(zdist.RankFilter())
+
+FORMAT = "zerotune-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+MARKER = "COMPLETE"
+LATEST = "latest"
+BUFFERS = "buffers.safetensors"
+_RANK_FILE = re.compile(r"rank-(\d+)-of-(\d+)\.safetensors")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved or used; the message names the file and says why."""
+
+
+def rank_file_name(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def param_ranges(offset: int, numel: int, shard_numel: int) -> list[list[int]]:
+    """Where a parameter at flat ``offset`` of a unit lives across rank slices of
+    ``shard_numel`` elements: ``[rank, param_start, param_stop, slice_offset]`` per piece."""
+    out = []
+    if numel == 0 or shard_numel == 0:
+        return out
+    for r in range(offset // shard_numel, (offset + numel - 1) // shard_numel + 1):
+        lo = max(offset, r * shard_numel)
+        hi = min(offset + numel, (r + 1) * shard_numel)
+        out.append([r, lo - offset, hi - offset, lo - r * shard_numel])
+    return out
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _marker(folder: Path) -> dict | None:
+    try:
+        data = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_complete(folder: Path) -> bool:
+    """The folder has a completion marker (the manifest is checked when it is read)."""
+    return _marker(folder) is not None
+
+
+def looks_like_checkpoint(folder: Path) -> bool:
+    if not folder.is_dir():
+        return False
+    if (folder / MANIFEST).exists() or (folder / MARKER).exists():
+        return True
+    return any(_RANK_FILE.fullmatch(p.name) for p in folder.iterdir())
+
+
+def _step_of(folder: Path) -> int:
+    marker = _marker(folder)
+    if marker is not None and isinstance(marker.get("step"), int):
+        return marker["step"]
+    m = re.search(r"(\d+)$", folder.name)
+    return int(m.group(1)) if m else -1
+
+
+def find_checkpoints(root: str | Path) -> list[tuple[Path, bool]]:
+    """Checkpoint folders under ``root``, oldest first, each with whether it is complete."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if not p.name.startswith(".") and looks_like_checkpoint(p)]
+    found.sort(key=lambda p: (_step_of(p), p.stat().st_mtime_ns, p.name))
+    return [(p, is_complete(p)) for p in found]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one), or None."""
+    root = Path(root)
+    if root.name == LATEST and root.is_file():
+        root = root.parent
+    if looks_like_checkpoint(root):
+        return root if is_complete(root) else None
+    complete = [p for p, ok in find_checkpoints(root) if ok]
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder to load from ``path``: a checkpoint folder, its root (the newest
+    complete checkpoint; an interrupted newer save is skipped with a warning), or the root's
+    ``latest`` file. Raises CheckpointError when there is none."""
+    path = Path(path)
+    if path.name == LATEST and path.is_file():
+        path = path.parent
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a folder; give a checkpoint folder or its parent")
+    if looks_like_checkpoint(path):
+        if not is_complete(path):
+            raise CheckpointError(
+                f"{path}: incomplete checkpoint (no {MARKER} marker: the save was interrupted); "
+                f"load its parent folder to get the newest complete checkpoint"
+            )
+        return path
+    found = find_checkpoints(path)
+    complete = [p for p, ok in found if ok]
+    if not complete:
+        what = f" ({len(found)} incomplete: interrupted saves)" if found else ""
+        raise CheckpointError(f"{path}: no complete checkpoint in this folder{what}")
+    chosen = complete[-1]
+    at = [p for p, _ in found].index(chosen)
+    newer = [p for p, ok in found[at + 1 :] if not ok]
+    pointer = path / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if newer:
+        log.warning(
+            "zerotune: checkpoint %s is incomplete (its save was interrupted); loading the "
+            "previous complete one, %s",
+            newer[-1],
+            chosen,
+        )
+    elif named is not None and named != chosen.name:
+        if named in {p.name for p in complete}:
+            # Killed between the completion marker and the pointer update.
+            log.info("zerotune: %s is newer than %s names; loading it", chosen, pointer)
+        else:
+            log.warning(
+                "zerotune: %s names %r, which is not a complete checkpoint; loading %s",
+                pointer,
+                named,
+                chosen,
+            )
+    return chosen
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a complete checkpoint, checked against its marker and format."""
+    marker = _marker(folder)
+    if marker is None:
+        raise CheckpointError(
+            f"{folder / MARKER}: missing or unreadable: the checkpoint is incomplete"
+        )
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the checkpoint folder was changed)")
+    if marker.get("manifest_sha256") != _sha256(path):
+        raise CheckpointError(
+            f"{path}: does not match its {MARKER} marker (the manifest was changed after the save)"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError:
+        raise CheckpointError(f"{path}: not JSON") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a zerotune checkpoint manifest")
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(
+            f"{path}: format version {manifest.get('version')} is newer than this zerotune "
+            f"reads ({VERSION}); upgrade zerotune"
+        )
+    return manifest
+
+
+def check_files(folder: Path, manifest: dict) -> None:
+    """Every file the manifest lists exists with its recorded size (cheap; checksums are
+    verified separately)."""
+    for name, meta in manifest["files"].items():
+        p = folder / name
+        if not p.is_file():
+            raise CheckpointError(f"{p}: missing (the checkpoint lists it)")
+        size = p.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(
+                f"{p}: {size} bytes, the manifest says {meta['bytes']} (truncated or changed)"
+            )
