@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .env import env
+from .export import export
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -14,3 +15,4 @@ def main() -> None:
 
 
 main.add_command(env)
+main.add_command(export)

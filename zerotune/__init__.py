@@ -10,6 +10,15 @@ Bare PyTorch use::
     optimizer.step()
 """
 
+from .checkpoint import (
+    CheckpointError,
+    ExportError,
+    export_hf,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_hf,
+)
 from .config import ConfigError, ZeroConfig, load_config
 from .init import from_pretrained, zero_init
 from .optim import CPUAdam, StepInfo, ZeroAdamW
@@ -19,14 +28,21 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPUAdam",
+    "CheckpointError",
     "ConfigError",
+    "ExportError",
     "ShardedParameterError",
     "StepInfo",
     "ZeroAdamW",
     "ZeroConfig",
     "ZeroEngine",
+    "export_hf",
     "from_pretrained",
+    "latest_checkpoint",
+    "load_checkpoint",
     "load_config",
+    "save_checkpoint",
+    "save_hf",
     "shard",
     "zero_init",
 ]
