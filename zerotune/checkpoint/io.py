@@ -324,6 +324,8 @@ def _prepare_folder(root: Path, folder: Path) -> None:
             "subfolders of one root, next to a 'latest' pointer)"
         )
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f".{LATEST}.tmp-*"):
+        stale.unlink(missing_ok=True)  # a pointer update cut short by a kill
     if folder.exists():
         _remove_checkpoint(folder)
     folder.mkdir()

@@ -1,0 +1,153 @@
+"""Kill test: a process saving checkpoints in a loop is SIGKILLed at random moments; every
+time, the next run loads the last complete checkpoint and training goes on exactly."""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+# A server that imports once and forks one trainer per request, so each run starts in
+# milliseconds instead of seconds; the trainer is the process that gets killed. The server
+# runs no tensor op before forking (OpenMP is not fork-safe once its threads exist).
+SERVER = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import zerotune
+from zerotune.optim import cpu_adam
+from conftest import odd_net
+
+cpu_adam.backend()  # load the C++ op once, here
+torch.optim.SGD([torch.nn.Parameter(torch.empty(0))])  # torch.optim's lazy imports, here
+
+def train(root, total):
+    torch.set_num_threads(1)
+    engine = zerotune.shard(odd_net(seed=0), {"stage": 3})
+    opt = zerotune.ZeroAdamW(engine, lr=1e-2)
+    start = 0
+    if zerotune.latest_checkpoint(root) is not None:
+        start = zerotune.load_checkpoint(engine, root).step
+    print("resumed", start, flush=True)
+    for step in range(start, total):
+        ids = torch.randint(0, 37, (4, 8), generator=torch.Generator().manual_seed(step))
+        loss = engine(input_ids=ids, labels=ids)["loss"]
+        loss.backward()
+        opt.step()
+        print("loss", step, float(loss.detach()).hex(), flush=True)
+        zerotune.save_checkpoint(engine, root, step=step + 1, keep_last=2)
+        print("saved", step + 1, flush=True)
+
+print("ready", flush=True)
+for line in sys.stdin:
+    root, total = line.split()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            train(root, int(total))
+        except BaseException as exc:
+            print("error", repr(exc), flush=True)
+            code = 1
+        os._exit(code)
+    print("child", pid, flush=True)
+    _, status = os.waitpid(pid, 0)
+    print("reaped", pid, status, flush=True)
+"""
+
+
+class Server:
+    def __init__(self, tmp: Path):
+        script = tmp / "server.py"
+        script.write_text(SERVER)
+        tests = str(Path(__file__).parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), tests],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.expect("ready", timeout=120)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.split())
+
+    def expect(self, word: str, timeout: float = 60) -> tuple[list[str], list[list[str]]]:
+        """Lines up to (and including) the first starting with ``word``."""
+        seen = []
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            seen.append(line)
+            if line and line[0] == "error":
+                raise AssertionError(f"trainer failed: {line}")
+            if line and line[0] == word:
+                return line, seen
+
+    def run(self, root: Path, total: int, kill_after: float | None):
+        """One trainer run; killed ``kill_after`` seconds after it resumed, or run to the end.
+        Returns (resumed step, [(step, loss)], last saved step, killed)."""
+        self.proc.stdin.write(f"{root} {total}\n")
+        self.proc.stdin.flush()
+        (_, pid), _ = self.expect("child")
+        (_, resumed), seen = self.expect("resumed")
+        if kill_after is not None:
+            time.sleep(kill_after)
+            os.kill(int(pid), signal.SIGKILL)
+        _, rest = self.expect("reaped")
+        seen += rest
+        losses = [(int(w[1]), float.fromhex(w[2])) for w in seen if w[0] == "loss"]
+        saved = [int(w[1]) for w in seen if w[0] == "saved"]
+        return int(resumed), losses, max(saved, default=int(resumed)), kill_after is not None
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def test_sigkill_during_saves_always_leaves_the_last_complete_checkpoint(tmp_path):
+    server = Server(tmp_path)
+    try:
+        rng = random.Random(20240601)
+        root = tmp_path / "ckpt"
+        runs = []
+        last_saved = 0
+        mid_save = 0  # kills that left a checkpoint folder without its marker
+        for _ in range(6):
+            resumed, losses, saved, _ = server.run(root, 100_000, rng.uniform(0.02, 0.4))
+            # The newest complete checkpoint: the last one reported saved, or the one whose
+            # save finished in the instant between its completion and the report.
+            assert last_saved <= resumed <= last_saved + 1, (resumed, last_saved)
+            runs.append(losses)
+            last_saved = saved
+            mid_save += any(p.is_dir() and not (p / "COMPLETE").exists() for p in root.iterdir())
+        resumed, losses, saved, _ = server.run(root, last_saved + 3, None)
+        assert last_saved <= resumed <= last_saved + 1
+        assert saved == last_saved + 3
+        runs.append(losses)
+        # The reference: one run that was never killed, through the same code.
+        _, reference, _, _ = server.run(tmp_path / "reference", last_saved + 3, None)
+    finally:
+        server.close()
+    expected = dict(reference)
+    steps_seen = 0
+    for losses in runs:
+        for step, loss in losses:
+            assert loss == expected[step], (step, loss, expected[step])
+            steps_seen += 1
+    assert steps_seen >= last_saved
+    # keep_last=2: two complete checkpoints and the pointer; nothing else after a clean save.
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["latest", f"step-{saved - 1:08d}", f"step-{saved:08d}"], names
+    print(f"{mid_save} of 6 kills interrupted a save")
