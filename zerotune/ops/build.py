@@ -45,10 +45,10 @@ except ImportError:  # not POSIX: no inter-process lock, builds may race
 
 logger = logging.getLogger(__name__)
 
-OPS: tuple[str, ...] = ("adam",)
+OPS: tuple[str, ...] = ("adam", "aio")
 
 # Folder of each op under csrc/; every .cpp in it is compiled, .cpp and .h are hashed.
-_OP_DIRS = {"adam": "adam"}
+_OP_DIRS = {"adam": "adam", "aio": "aio"}
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 _LDFLAGS = ("-fopenmp",)
 _FORMAT = "1"  # bump to invalidate every cached build
