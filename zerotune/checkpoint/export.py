@@ -232,13 +232,12 @@ def export_hf(
     specs = [TensorSpec(p["name"], torch_dtype, tuple(p["shape"])) for p in params]
     specs += [TensorSpec(n, _buffer_dtype(e.dtype, torch_dtype), e.shape) for n, e in buffers]
 
-    writer = HFFolderWriter(output, specs, limit, overwrite=overwrite)
+    piece = min(max((p["numel"] for p in params), default=0), CHUNK_ELEMENTS)
     files = _RankFiles(folder, manifest["world_size"])
-    largest = max((p["numel"] for p in params), default=0)
-    piece = min(largest, CHUNK_ELEMENTS)
-    staging = torch.empty(piece, dtype=torch.float32)
-    converted = None if torch_dtype == torch.float32 else torch.empty(piece, dtype=torch_dtype)
+    writer = HFFolderWriter(output, specs, limit, overwrite=overwrite)
     try:
+        staging = torch.empty(piece, dtype=torch.float32)
+        converted = None if torch_dtype == torch.float32 else torch.empty(piece, dtype=torch_dtype)
         for p in params:
             for c0 in range(0, p["numel"], CHUNK_ELEMENTS):
                 c1 = min(p["numel"], c0 + CHUNK_ELEMENTS)

@@ -1,0 +1,203 @@
+"""Export to a Hugging Face folder: transformers loads it, weights and logits match the
+trained engine, sharded output, tokenizer files, atomic output, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import run_world
+from harness import GLOBAL_BATCH, LR, WD, batches, build, loss_of, no_decay_groups
+
+import zerotune
+from zerotune.checkpoint import CheckpointError, ExportError, export_hf
+
+FIXED = torch.arange(32).reshape(2, 16) * 7 % 96
+
+
+def train_save_export(rank, world, tmp):
+    """Tiny GPT-2, 5 steps at world 2: a checkpoint, a live save_hf, and what to compare."""
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    engine = zerotune.shard(model, {"stage": 3})
+    opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
+    per = GLOBAL_BATCH // world
+    for ids in batches("gpt2", 5):
+        engine.backward(loss_of(engine, ids[rank * per : (rank + 1) * per]))
+        opt.step()
+    zerotune.save_checkpoint(engine, f"{tmp}/ckpt", step=5)
+    zerotune.save_hf(engine, f"{tmp}/live", dtype="fp32")
+    weights = engine.full_state_dict()
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=FIXED).logits
+    return {"weights": weights, "logits": logits}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trained")
+    result = run_world(2, train_save_export, str(tmp))[0]
+    return tmp, result
+
+
+def load_hf(folder, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
+    assert all(not v for v in info.values()), info  # no missing / unexpected / mismatched keys
+    return model
+
+
+def test_export_loads_in_transformers_with_equal_weights_and_logits(trained, tmp_path):
+    tmp, ref = trained
+    out = export_hf(tmp / "ckpt", tmp_path / "hf", dtype="fp32")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    model = load_hf(out)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, stored once
+    state = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    assert sorted(state) == sorted(ref["weights"])
+    for name, value in ref["weights"].items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+    with torch.no_grad():
+        logits = model(input_ids=FIXED).logits.numpy()
+    np.testing.assert_allclose(logits, ref["logits"], rtol=1e-6, atol=1e-6)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_save_hf_from_the_live_engine_writes_the_same_files(trained, tmp_path):
+    tmp, _ = trained
+    out = export_hf(tmp / "ckpt", tmp_path / "hf", dtype="fp32")
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (tmp / "live" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_and_sharded_export(trained, tmp_path, dtype):
+    tmp, ref = trained
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    out = export_hf(tmp / "ckpt", tmp_path / "hf", dtype=dtype, max_shard_size="20KB")
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(ref["weights"]) - {"lm_head.weight"}
+    assert all(p.stat().st_size <= 20_000 + 1024 for p in out.glob("model-*"))  # + header
+    model = load_hf(out, dtype=torch_dtype)
+    assert json.loads((out / "config.json").read_text())["dtype"] == str(torch_dtype)[6:]
+    for name, p in model.named_parameters():
+        expected = torch.from_numpy(ref["weights"][name]).to(torch_dtype)
+        assert p.dtype == torch_dtype and torch.equal(p.detach(), expected), name
+
+
+def test_tokenizer_files_go_with_the_model(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(95)} | {"<unk>": 95}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        unk_token="<unk>",
+    )
+    engine = zerotune.shard(build("gpt2"))
+    zerotune.save_checkpoint(engine, tmp_path / "ckpt", step=0, tokenizer=tokenizer)
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    loaded = AutoTokenizer.from_pretrained(out)
+    assert loaded.convert_tokens_to_ids(["w3", "w94", "zz"]) == [3, 94, 95]
+    load_hf(out)
+
+
+def test_a_failed_export_leaves_nothing(trained, tmp_path):
+    tmp, _ = trained
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tmp / "ckpt", ckpt)
+    rank1 = ckpt / "step-00000005" / "rank-00001-of-00002.safetensors"
+    data = bytearray(rank1.read_bytes())
+    data[-5] ^= 0x01
+    rank1.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"rank-00001-of-00002\.safetensors: checksum"):
+        export_hf(ckpt, tmp_path / "hf")
+    # Without verification the export runs (the flip is in the weights) and would write;
+    # an error in the middle (here: a truncated file) still leaves nothing.
+    rank1.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CheckpointError, match=r"rank-00001-of-00002\.safetensors"):
+        export_hf(ckpt, tmp_path / "hf", verify=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_existing_output_needs_overwrite(trained, tmp_path):
+    tmp, _ = trained
+    out = tmp_path / "hf"
+    out.mkdir()
+    export_hf(tmp / "ckpt", out)  # an empty folder is fine
+    with pytest.raises(ExportError, match=r"hf: exists and is not empty"):
+        export_hf(tmp / "ckpt", out)
+    (out / "stale.txt").write_text("old")
+    export_hf(tmp / "ckpt", out, overwrite=True, dtype="fp32")
+    assert not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+# ---------------------------------------------------------------------------------- CLI
+def cli(*args):
+    from zerotune.cli import main
+
+    result = CliRunner().invoke(main, ["export", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def test_cli_exports(trained, tmp_path):
+    tmp, _ = trained
+    code, output = cli(tmp / "ckpt", tmp_path / "hf", "--dtype", "fp32", "--max-shard-size", "40KB")
+    assert code == 0, output
+    assert "exported to" in output and "weight file(s)" in output
+    load_hf(tmp_path / "hf")
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "no such checkpoint folder"),
+        ("incomplete", "incomplete checkpoint"),
+        ("output_exists", "exists and is not empty"),
+        ("bad_dtype", "dtype must be one of bf16, fp16, fp32"),
+        ("bad_size", "max_shard_size: cannot read"),
+        ("empty_root", "no complete checkpoint"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(trained, tmp_path, case, message):
+    tmp, _ = trained
+    ckpt, out, extra = tmp / "ckpt", tmp_path / "hf", []
+    if case == "missing":
+        ckpt = tmp_path / "nothing"
+    elif case == "incomplete":
+        ckpt = tmp_path / "ckpt" / "step-00000005"
+        shutil.copytree(tmp / "ckpt" / "step-00000005", ckpt)
+        (ckpt / "COMPLETE").unlink()
+    elif case == "output_exists":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    elif case == "bad_dtype":
+        extra = ["--dtype", "fp8"]
+    elif case == "bad_size":
+        extra = ["--max-shard-size", "lots"]
+    elif case == "empty_root":
+        ckpt = tmp_path / "empty"
+        ckpt.mkdir()
+    code, output = cli(ckpt, out, *extra)
+    assert code == 2, output
+    lines = output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zerotune export: error: "), output
+    assert message in lines[0] and "Traceback" not in output
+    if case == "output_exists":
+        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    else:
+        assert not out.exists()
+    assert not any(p.name.startswith(".hf") for p in tmp_path.iterdir())
