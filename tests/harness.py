@@ -140,6 +140,8 @@ def train_zero(
     weights = engine.full_state_dict()
     with torch.no_grad():
         eval_loss = float(loss_of(engine, batches(model_name, 1)[0]))
+    memory = engine.memory_report()
+    engine.close()
     return {
         "eval_loss": eval_loss,
         "states_after": [u.state.value for u in engine.units if not u.persistent],
@@ -148,7 +150,7 @@ def train_zero(
         "norms": norms,
         "weights": weights,
         "skipped": [i.skipped for i in infos],
-        "memory": engine.memory_report(),
+        "memory": memory,
         "pool_allocations": engine.pool.allocations,
     }
 

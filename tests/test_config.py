@@ -34,6 +34,12 @@ def test_impossible_values_are_explained():
         ZeroConfig(dtype="bf61")
     with pytest.raises(ConfigError, match="nvme_path is set"):
         ZeroConfig(nvme_path="/tmp/x")
+    with pytest.raises(ConfigError, match="needs nvme_path"):
+        ZeroConfig(offload_optimizer="nvme")
+    with pytest.raises(ConfigError, match="needs stage 3"):
+        ZeroConfig(stage=2, offload_param="cpu")
+    with pytest.raises(ConfigError, match="did you mean 'nvme'"):
+        ZeroConfig(offload_param="nvmee")
 
 
 def test_yaml_and_json_files(tmp_path):

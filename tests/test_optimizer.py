@@ -29,7 +29,10 @@ def reference(adamw: bool) -> dict:
         opt.zero_grad()
         sched.step()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "weights": {n: p.detach().numpy() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "weights": {n: p.detach().numpy() for n, p in model.named_parameters()},
+    }
 
 
 def run_scheduled(rank, world, adamw, config):
@@ -54,7 +57,12 @@ def run_scheduled(rank, world, adamw, config):
             dist.all_reduce(total)
         losses.append(float(total))
     persistent = [u.name for u in engine.units if u.persistent and u.numel]
-    return {"losses": losses, "weights": engine.full_state_dict(), "lrs": lrs, "persistent": persistent}
+    return {
+        "losses": losses,
+        "weights": engine.full_state_dict(),
+        "lrs": lrs,
+        "persistent": persistent,
+    }
 
 
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam-l2"])

@@ -94,8 +94,17 @@ class ZeroConfig:
         model's ``_no_split_modules`` plus embeddings and the output head.
     auto_external_params: register parameters a unit's forward reads from another unit
         (see sharding/external.py); off, such a read raises instead.
-    offload_param / offload_optimizer / nvme_path: ZeRO-Infinity tiers (see docs/design.md
-        status: only ``none`` is implemented so far).
+    offload_param: where stage-3 parameter shards live between uses: none (the compute
+        device), cpu (host memory), nvme (a swap file under nvme_path).
+    offload_optimizer: where fp32 master weights, Adam moments and gradient shards live:
+        none, cpu, nvme. The optimizer step then runs the C++ CPU Adam.
+    nvme_path: folder for swap files (one per rank and kind, private, removed at exit).
+    grad_host_bytes: with offload_optimizer=nvme, gradient shards stay in host memory while
+        they fit in this many bytes (then accumulation writes nothing to disk); beyond, they
+        go to the swap file too.
+    staging_bytes: the pool of host buffers NVMe reads and writes go through (allocated once,
+        part of the memory report); must hold three units' optimizer state.
+    aio_threads / aio_block_bytes / aio_queue_depth: the asynchronous I/O engine.
     """
 
     stage: int = 3
@@ -108,6 +117,11 @@ class ZeroConfig:
     offload_param: str = "none"
     offload_optimizer: str = "none"
     nvme_path: str | None = None
+    grad_host_bytes: int = 2**30
+    staging_bytes: int = 256 * 2**20
+    aio_threads: int = 4
+    aio_block_bytes: int = 2**20
+    aio_queue_depth: int = 16
     loss_scale_init: float = 2.0**16
     loss_scale_window: int = 1000
     loss_scale_min: float = 1.0
@@ -123,7 +137,14 @@ class ZeroConfig:
                     f"{name} must be one of fp32, bf16, fp16, got {value!r}"
                     + _suggest(str(value), list(_DTYPES))
                 )
-        for name in ("prefetch_bytes", "max_live_bytes", "persistence_threshold"):
+        for name in (
+            "prefetch_bytes",
+            "max_live_bytes",
+            "persistence_threshold",
+            "grad_host_bytes",
+            "staging_bytes",
+            "aio_block_bytes",
+        ):
             setattr(self, name, parse_bytes(getattr(self, name), name=name))
         for name in ("offload_param", "offload_optimizer"):
             value = getattr(self, name)
@@ -132,11 +153,17 @@ class ZeroConfig:
                     f"{name} must be one of none, cpu, nvme, got {value!r}"
                     + _suggest(str(value), list(_OFFLOAD))
                 )
-            if value != "none":
-                raise ConfigError(
-                    f"{name}={value!r} is not implemented yet (ZeRO-Infinity offload is "
-                    "tracked in docs/design.md, status); use 'none'"
-                )
+        if self.offload_param != "none" and self.stage != 3:
+            raise ConfigError(
+                f"offload_param={self.offload_param!r} needs stage 3 (stages 1-2 keep every "
+                "parameter gathered on the device)"
+            )
+        if "nvme" in (self.offload_param, self.offload_optimizer) and not self.nvme_path:
+            raise ConfigError("offload to nvme needs nvme_path (a folder on a fast local disk)")
+        if self.aio_threads < 1 or self.aio_queue_depth < 1:
+            raise ConfigError("aio_threads and aio_queue_depth must be at least 1")
+        if self.aio_block_bytes < 4096 or self.aio_block_bytes % 4096:
+            raise ConfigError("aio_block_bytes must be a multiple of 4096")
         if self.nvme_path is not None and "nvme" not in (
             self.offload_param,
             self.offload_optimizer,

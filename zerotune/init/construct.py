@@ -16,7 +16,6 @@ rotary embeddings recompute ``inv_freq`` in ``_init_weights``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import zlib
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig, load_config
+from ..memory.host import release_free_memory
 from ..sharding.engine import ZeroEngine
 
 __all__ = [
@@ -134,23 +134,6 @@ def realize_placeholders(model: nn.Module, device: torch.device) -> None:
                 placeholder = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape)
                 swapped[id(p)] = nn.Parameter(placeholder, requires_grad=p.requires_grad)
             m._parameters[name] = swapped[id(p)]
-
-
-def release_free_memory() -> None:
-    """Return freed heap memory to the system (glibc keeps it otherwise, and RSS, the
-    number memory bounds are checked against, never falls)."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL("libc.so.6")
-            _libc = _libc if hasattr(_libc, "malloc_trim") else False
-        except OSError:
-            _libc = False
-    if _libc:
-        _libc.malloc_trim(0)
-
-
-_libc = None
 
 
 def materialize_buffers(modules: list[nn.Module], device: torch.device) -> list[nn.Module]:

@@ -11,11 +11,37 @@ so each unit keeps its own flat tensor and only frees and re-allocates its stora
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 
-__all__ = ["BufferPool", "ByteCounter"]
+__all__ = ["BufferPool", "ByteCounter", "WriteQueue"]
+
+
+class WriteQueue:
+    """NVMe writes in flight, at most ``limit`` of them: adding one more finishes the oldest
+    (waits for it and gives its buffer back), which bounds the buffers they hold."""
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self._entries: deque = deque()
+
+    def add(self, owner: list, handle, buf, give_back) -> None:
+        entry = [handle, buf, give_back, False]
+        owner.append(entry)
+        self._entries.append(entry)
+        while len(self._entries) > self.limit:
+            self.finish(self._entries.popleft())
+
+    @staticmethod
+    def finish(entry) -> None:
+        handle, buf, give_back, done = entry
+        if done:
+            return
+        entry[3] = True
+        handle.wait()
+        if give_back is not None:
+            give_back(buf)
 
 
 class ByteCounter:
@@ -39,6 +65,7 @@ class BufferPool:
         self.pin = pin and self.device.type == "cpu" and torch.cuda.is_available()
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         self.gathered = ByteCounter()  # gathered parameter storage held by the units
+        self.writes = WriteQueue()  # NVMe writes of gradient and parameter shards in flight
         self.allocations = 0  # buffers created since the pool was made
         self.allocated_bytes = 0  # bytes owned by the pool (free or lent out)
         self.in_use_bytes = 0
@@ -47,10 +74,17 @@ class BufferPool:
     def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer of exactly ``numel`` elements; its contents are undefined."""
         free = self._free[(numel, dtype)]
-        if free:
+        reused = bool(free)
+        if reused:
             buf = free.pop()
+        elif self.device.type == "cpu" and not self.pin:
+            # 4 KiB aligned: these buffers also carry NVMe reads and writes.
+            from .aio import aligned_empty
+
+            buf = aligned_empty(numel, dtype)
         else:
             buf = torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
+        if not reused:
             self.allocations += 1
             self.allocated_bytes += buf.numel() * buf.element_size()
         self.in_use_bytes += buf.numel() * buf.element_size()

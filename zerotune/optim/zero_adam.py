@@ -4,10 +4,17 @@
 The optimizer sees the model's parameter groups (so HF's decay / no-decay split and LR
 schedulers work unchanged), but it updates shards, not parameters. For every unit, the part of
 this rank's shard that belongs to parameters of one group, contiguous in the flat layout, is
-one *segment*: a view of the unit's fp32 master shard, with matching views of the gradient
-shard, the two Adam moments (flat per unit) and, for bf16/fp16, the compute-dtype shard that
-receives the updated weights in the same pass. ``param_groups[i]["params"]`` holds the master
-views, so torch's Optimizer machinery (schedulers, hyper-parameters per group) works as usual.
+one *segment*. ``param_groups[i]["params"]`` holds one tensor per segment (a view of the fp32
+master shard when that is in memory, an empty placeholder when it lives on NVMe), so torch's
+Optimizer machinery (schedulers, hyper-parameters per group) works as usual; the state per
+segment is its step count. The master weights, moments and gradients themselves come from a
+state store (see [Note: optimizer state stores] in state_store.py), chunk by chunk; the C++
+kernel updates master and moments and, for bf16/fp16, writes the compute-dtype shard in the
+same pass.
+
+Gradient clipping and the fp16 loss scale do not rewrite the gradients: they set one factor
+that the update applies to each chunk of gradient it reads (``grad * factor``), so gradients
+on NVMe are read once for the norm and once for the step.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ class _Segment:
     unit: object
     start: int  # shard-local element range
     end: int
+    group: int = 0
+    key: torch.Tensor | None = None  # the tensor in param_groups standing for the segment
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -61,6 +70,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid Adam hyper-parameters: lr={lr} betas={betas} eps={eps}")
+        if getattr(engine, "optimizer", None) is not None:
+            raise ValueError("this engine already has an optimizer")
         self.engine = engine
         defaults = dict(
             lr=lr,
@@ -78,50 +89,39 @@ class ZeroAdamW(torch.optim.Optimizer):
                     raise ValueError("a parameter appears in more than one parameter group")
                 group_of[id(p)] = gi
 
-        self._moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        segments: list[list[_Segment]] = [[] for _ in groups]
+        self._unit_segments: dict[int, list[_Segment]] = {}
         for unit in engine.units:
             lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
-            last: tuple[int, _Segment] | None = None
+            segs: list[_Segment] = []
             for slot in unit.slots:
                 gi = group_of.get(id(slot.param))
                 a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
                 if gi is None or not slot.trainable or a >= b:
-                    last = None
                     continue
-                if last is not None and last[0] == gi and last[1].end == a - lo:
-                    last[1].end = b - lo
-                    continue
-                seg = _Segment(unit, a - lo, b - lo)
-                segments[gi].append(seg)
-                last = (gi, seg)
-            if any(seg.unit is unit for segs in segments for seg in segs):
-                self._moments[unit.index] = (
-                    torch.zeros_like(unit.master),
-                    torch.zeros_like(unit.master),
-                )
+                if segs and segs[-1].group == gi and segs[-1].end == a - lo:
+                    segs[-1].end = b - lo
+                else:
+                    segs.append(_Segment(unit, a - lo, b - lo, gi))
+            if segs:
+                self._unit_segments[unit.index] = segs
 
-        torch_groups = []
-        self._segment_of: dict[int, _Segment] = {}
-        for g, segs in zip(groups, segments):
-            views = []
+        live_units = [u for u in engine.units if u.index in self._unit_segments]
+        self.store = engine.make_optimizer_store(live_units)
+        torch_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups
+        ]
+        for segs in self._unit_segments.values():
             for seg in segs:
-                view = seg.unit.master[seg.start : seg.end]
-                self._segment_of[id(view)] = seg
-                views.append(view)
-            torch_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": views})
+                master = seg.unit.master
+                seg.key = master[seg.start : seg.end] if master is not None else torch.empty(0)
+                torch_groups[seg.group]["params"].append(seg.key)
         super().__init__(torch_groups, defaults)
-        for group in self.param_groups:
-            for view in group["params"]:
-                seg = self._segment_of[id(view)]
-                m, v = self._moments[seg.unit.index]
-                self.state[view] = {
-                    "step": 0,
-                    "exp_avg": m[seg.start : seg.end],
-                    "exp_avg_sq": v[seg.start : seg.end],
-                }
-        self._unscaled = False
+        for segs in self._unit_segments.values():
+            for seg in segs:
+                self.state[seg.key] = {"step": 0}
+        self._prepared = False
         self._overflow = False
+        self._factor = 1.0  # applied to gradients in the update: 1/loss scale * clip coef
         self._grad_norm: float | None = None
         engine.optimizer = self
 
@@ -137,57 +137,53 @@ class ZeroAdamW(torch.optim.Optimizer):
         return [{"params": params}]
 
     # --------------------------------------------------------------------------- helpers
-    def _live_segments(self):
-        for group in self.param_groups:
-            for view in group["params"]:
-                seg = self._segment_of[id(view)]
-                if not seg.unit.grad_is_zero:
-                    yield group, view, seg
+    def _live_units(self):
+        return [
+            u for u in self.engine.units if u.index in self._unit_segments and not u.grad_is_zero
+        ]
 
-    def _grad(self, seg: _Segment) -> torch.Tensor:
-        return seg.unit.grad_shard[seg.start : seg.end]
+    def _grad_sum_of_squares(self) -> torch.Tensor:
+        """Sum over this rank's live segments of grad**2 (inf/nan if any gradient is)."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
+        for unit in self._live_units():
+            for c0, c1, grad in self.engine.grad_chunks(unit):
+                for seg in self._unit_segments[unit.index]:
+                    a, b = max(seg.start, c0), min(seg.end, c1)
+                    if a < b:
+                        g = grad[a - c0 : b - c0].float()
+                        sq += torch.dot(g, g)
+        return sq
 
-    def _prepare(self) -> bool:
-        """Finalize gradients and undo the fp16 loss scale once. Returns True on overflow."""
-        if self._unscaled:
-            return False
+    def _prepare(self) -> None:
+        """Finalize gradients; with fp16, check every rank for overflow (once per step)."""
+        if self._prepared:
+            return
         self.engine.finalize_grads()
-        self._unscaled = True
+        self._prepared = True
         scaler = self.engine.scaler
-        if scaler is None:
-            return False
-        flag = torch.zeros(1, device=self.engine.device)
-        for unit in self.engine.units:
-            if unit.grad_shard is not None and not unit.grad_is_zero:
-                if not torch.isfinite(unit.grad_shard).all():
-                    flag.fill_(1.0)
-                    break
-        zdist.all_reduce_sum(flag, self.engine.group)
-        if flag.item() > 0:
-            return True
-        inv = 1.0 / scaler.scale
-        for unit in self.engine.units:
-            if unit.grad_shard is not None and not unit.grad_is_zero:
-                unit.grad_shard.mul_(inv)
-        return False
+        self._factor = 1.0 if scaler is None else 1.0 / scaler.scale
+        if scaler is not None:
+            sq = self._grad_sum_of_squares()
+            zdist.all_reduce_sum(sq, self.engine.group)
+            self._overflow = not bool(torch.isfinite(sq).item())
+            self._sum_sq = sq
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm (over all ranks) is at most ``max_norm``;
         returns the norm before clipping (like ``torch.nn.utils.clip_grad_norm_``)."""
-        if self._prepare():
-            self._overflow = True
+        self._prepare()
+        if self._overflow:
             return torch.tensor(float("inf"))
-        sq = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
-        for _, _, seg in self._live_segments():
-            g = self._grad(seg).float()
-            sq += torch.dot(g, g)
-        zdist.all_reduce_sum(sq, self.engine.group)
-        norm = sq.sqrt()
+        if self.engine.scaler is None:
+            sq = self._grad_sum_of_squares()
+            zdist.all_reduce_sum(sq, self.engine.group)
+        else:
+            sq = self._sum_sq
+        norm = sq.sqrt() * self._factor
         coef = max_norm / (norm.item() + 1e-6)
         if coef < 1.0:
-            for _, _, seg in self._live_segments():
-                self._grad(seg).mul_(coef)
+            self._factor *= coef
         self._grad_norm = norm.item()
         return norm
 
@@ -195,60 +191,68 @@ class ZeroAdamW(torch.optim.Optimizer):
     def step(self, closure=None) -> StepInfo:
         if closure is not None:
             raise ValueError("ZeroAdamW.step does not take a closure")
-        overflow = self._overflow or self._prepare()
+        self._prepare()
         scaler = self.engine.scaler
         info = StepInfo(
-            skipped=overflow,
+            skipped=self._overflow,
             loss_scale=scaler.scale if scaler is not None else 1.0,
             grad_norm=self._grad_norm,
         )
-        if not overflow:
-            for group, view, seg in self._live_segments():
-                state = self.state[view]
-                state["step"] += 1
-                self._update(group, view, seg, state)
+        if not self._overflow:
+            units = self._live_units()
+            for unit in units:
+                for seg in self._unit_segments[unit.index]:
+                    self.state[seg.key]["step"] += 1
+            items = [(u, c0, c1) for u in units for c0, c1 in self.store.chunks(u)]
+            self.store.run(items, self._update_chunk)
             self.engine.after_step()
         if scaler is not None:
-            scaler.update(overflow)
-        self._unscaled = False
+            scaler.update(self._overflow)
+        self._prepared = False
         self._overflow = False
         self._grad_norm = None
         self.engine.zero_grad()
         return info
 
-    def _update(self, group: dict, view: torch.Tensor, seg: _Segment, state: dict) -> None:
-        beta1, beta2 = group["betas"]
-        unit = seg.unit
-        lowp = None if unit.master is unit.shard else unit.shard[seg.start : seg.end]
-        kwargs = dict(
-            step=state["step"],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            adamw=group["adamw_mode"],
-            bias_correction=group["bias_correction"],
-        )
-        if view.device.type == "cpu":
-            adam_update(
-                view,
-                self._grad(seg),
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                out_lowp=lowp,
-                **kwargs,
+    def _update_chunk(self, unit, c0, c1, master, m, v, grad) -> None:
+        if self._factor != 1.0:
+            grad.mul_(self._factor)
+        target = self.engine.lowp_target(unit)  # compute-dtype shard to refresh, or None
+        fused = target is not None and target.dtype != torch.float32 and unit.param_extent is None
+        for seg in self._unit_segments[unit.index]:
+            a, b = max(seg.start, c0), min(seg.end, c1)
+            if a >= b:
+                continue
+            group = self.param_groups[seg.group]
+            beta1, beta2 = group["betas"]
+            r = slice(a - c0, b - c0)
+            kwargs = dict(
+                step=self.state[seg.key]["step"],
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                adamw=group["adamw_mode"],
+                bias_correction=group["bias_correction"],
             )
-        else:
-            _adam_torch(view, self._grad(seg), state["exp_avg"], state["exp_avg_sq"], **kwargs)
-            if lowp is not None:
-                lowp.copy_(view)
+            if master.device.type == "cpu":
+                out = target[a:b] if fused else None
+                adam_update(master[r], grad[r], m[r], v[r], out_lowp=out, **kwargs)
+            else:
+                _adam_torch(master[r], grad[r], m[r], v[r], **kwargs)
+                if fused:
+                    target[a:b].copy_(master[r])
+        if target is not None and not fused:
+            target[c0:c1].copy_(master)
+        if c1 == unit.shard_numel:
+            self.engine.lowp_done(unit, target)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
 
     def state_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() * 2 for m, _ in self._moments.values())
+        return self.store.nbytes()
 
 
 def _adam_torch(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 
 import torch
@@ -57,6 +58,11 @@ def _unit_modules(root: nn.Module, other_units: set[int]) -> list[nn.Module]:
     return order
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy, pinned when an accelerator exists (fast, asynchronous copies)."""
+    return t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
+
+
 class ZeroEngine(nn.Module):
     """Wraps a model whose parameters are sharded; calling it calls the model."""
 
@@ -96,6 +102,10 @@ class ZeroEngine(nn.Module):
             if config.torch_dtype == torch.float16
             else None
         )
+        self.swap = None
+        self.staging = None
+        self._grads_on_disk = False
+        self._lowp_buffers: dict[int, torch.Tensor] = {}
         self.units = self._build_units(model)
         self._sync = True
         self._final_callback_queued = False
@@ -132,10 +142,16 @@ class ZeroEngine(nn.Module):
 
         dtype = self.config.torch_dtype
         grad_dtype = self.config.torch_grad_dtype
+        plan = []  # (numel, persistent, trainable) per unit, for the swap space layout
+        for params in per_unit:
+            numel = sum(p.numel() for _, p in params)
+            gathered = math.ceil(numel / self.world) * self.world * torch.finfo(dtype).bits // 8
+            persistent = self.config.stage < 3 or gathered <= self.config.persistence_threshold
+            plan.append((numel, persistent, any(p.requires_grad for _, p in params)))
+        self._open_swap(plan)
         units: list[Unit] = []
         for i, (name, module) in enumerate(specs):
-            gathered = sum(p.numel() for _, p in per_unit[i]) * torch.finfo(dtype).bits // 8
-            persistent = self.config.stage < 3 or gathered <= self.config.persistence_threshold
+            persistent = plan[i][1]
             fill = None
             if self._prepare_unit is not None:
                 fill = self._prepare_unit(name, _unit_modules(module, unit_module_ids), per_unit[i])
@@ -157,6 +173,7 @@ class ZeroEngine(nn.Module):
             unit.pins = 0
             unit.backward_active = False
             unit.deps = []
+            self._place(unit)  # to its tiers now: the next unit's construction needs the room
             units.append(unit)
 
         # Dependencies: parameters that a unit's modules hold but another unit owns (tied
@@ -176,6 +193,116 @@ class ZeroEngine(nn.Module):
                     "zerotune: unit %s uses parameters of unit %s (shared)", units[i].name, dep.name
                 )
         return units
+
+    def _open_swap(self, plan: list[tuple[int, bool, bool]]) -> None:
+        """Create this rank's swap files, sized from the plan (see memory/swap.py)."""
+        cfg = self.config
+        if "nvme" not in (cfg.offload_param, cfg.offload_optimizer):
+            return
+        from ..memory.swap import StagingPool, SwapSpace, round_up
+
+        itemsize = torch.finfo(cfg.torch_dtype).bits // 8
+        sizes: dict[str, dict[int, int]] = {"param": {}, "grad": {}, "optim": {}}
+        for i, (numel, persistent, trainable) in enumerate(plan):
+            shard = math.ceil(numel / self.world)
+            if cfg.offload_param == "nvme" and not persistent and numel:
+                sizes["param"][i] = shard * itemsize
+            if cfg.offload_optimizer == "nvme" and trainable:
+                sizes["optim"][i] = 3 * round_up(shard * 4)
+        if cfg.offload_optimizer == "nvme":
+            grad_bytes = sum(math.ceil(n / self.world) * 4 for n, _, t in plan if t)
+            self._grads_on_disk = grad_bytes > cfg.grad_host_bytes
+            if self._grads_on_disk:
+                sizes["grad"] = {
+                    i: math.ceil(n / self.world) * 4 for i, (n, _, t) in enumerate(plan) if t
+                }
+        # Parameter and gradient files are read into pool buffers: buffered I/O is enough.
+        # The optimizer file streams through aligned staging buffers with O_DIRECT.
+        self.swap = SwapSpace(
+            cfg.nvme_path,
+            sizes,
+            cfg,
+            self.group,
+            direct={"param": False, "grad": False, "optim": True},
+        )
+        from ..optim.state_store import chunk_elements
+
+        chunk = chunk_elements(cfg.staging_bytes, self._grads_on_disk)
+        self._chunk = chunk
+        self.staging = StagingPool(cfg.staging_bytes, (4 if self._grads_on_disk else 3) * chunk * 4)
+
+    def _place(self, unit: Unit) -> None:
+        """Move a freshly built unit's shards to their tiers."""
+        cfg = self.config
+        host = torch.device("cpu")
+        if cfg.offload_param == "cpu" and not unit.persistent and unit.shard.device != host:
+            shared = unit.master is unit.shard
+            unit.shard = _to_host(unit.shard)
+            unit.master = unit.shard if shared else unit.master
+        if cfg.offload_optimizer == "cpu":
+            if unit.master is not unit.shard and unit.master.device != host:
+                unit.master = _to_host(unit.master)
+            unit.grad_device = host
+        if self.swap is None:
+            return
+        if ("param", unit.index) in self.swap.extents:
+            unit.offload_params(self.swap.extent("param", unit.index))
+        if ("grad", unit.index) in self.swap.extents:
+            unit.grad_extent = self.swap.extent("grad", unit.index)
+        if ("optim", unit.index) in self.swap.extents:
+            from ..optim.state_store import write_initial_state
+
+            write_initial_state(unit, self.swap, self.staging)
+
+    def make_optimizer_store(self, units: list[Unit]):
+        """Where the optimizer keeps master weights and moments (see optim/state_store.py)."""
+        from ..optim.state_store import NvmeStore, ResidentStore
+
+        if self.config.offload_optimizer == "nvme":
+            return NvmeStore(self.swap, self.staging, self._chunk)
+        return ResidentStore(units)
+
+    def grad_chunks(self, unit: Unit):
+        """(start, stop, gradient values) over this rank's gradient shard of ``unit``."""
+        if unit.grad_extent is None:
+            yield 0, unit.shard_numel, unit.grad_shard
+            return
+        unit.wait_writes()
+        step = 1 << 22
+        buf = self.pool.acquire(min(step, unit.shard_numel), torch.float32)
+        try:
+            for c0 in range(0, unit.shard_numel, step):
+                c1 = min(c0 + step, unit.shard_numel)
+                part = buf[: c1 - c0]
+                unit.grad_extent.file.read(part, unit.grad_extent.offset + c0 * 4).wait()
+                yield c0, c1, part
+        finally:
+            self.pool.release(buf)
+
+    def lowp_target(self, unit: Unit) -> torch.Tensor | None:
+        """The compute-dtype shard the optimizer refreshes (None: it is the master itself)."""
+        if unit.param_extent is not None:
+            buf = self._lowp_buffers.get(unit.index)
+            if buf is None:
+                buf = self._lowp_buffers[unit.index] = self.pool.acquire(
+                    unit.shard_numel, unit.dtype
+                )
+            return buf
+        if unit.master is unit.shard:
+            return None
+        return unit.shard
+
+    def lowp_done(self, unit: Unit, target: torch.Tensor | None) -> None:
+        if unit.param_extent is not None:
+            self._lowp_buffers.pop(unit.index)
+            unit.store_shard(target, give_back=self.pool.release)
+
+    def close(self) -> None:
+        """Finish pending I/O and remove this rank's swap files (also done at exit)."""
+        for u in self.units:
+            u.wait_writes()
+        if self.swap is not None:
+            self.swap.close()
 
     # ------------------------------------------------------------------------ the model
     def forward(self, *args, **kwargs):
@@ -357,6 +484,8 @@ class ZeroEngine(nn.Module):
     def finalize_grads(self) -> None:
         """Make every gradient shard final before clipping or the optimizer step."""
         for unit in self.units:
+            unit.wait_writes()
+        for unit in self.units:
             if unit.has_pending_grads():
                 unit.reduce_grads(sync=True)
             elif unit.unreduced is not None:
@@ -376,29 +505,38 @@ class ZeroEngine(nn.Module):
         tail zero): ``master`` (fp32 weights), and once an optimizer exists ``exp_avg``,
         ``exp_avg_sq``. The tensors are the live ones: checkpoints read them, and
         ``load_unit_state`` writes them."""
-        out = {"master": unit.master}
         optimizer = getattr(self, "optimizer", None)
-        if optimizer is not None and unit.index in optimizer._moments:
-            out["exp_avg"], out["exp_avg_sq"] = optimizer._moments[unit.index]
-        return out
+        if optimizer is not None and unit.index in optimizer._unit_segments:
+            return optimizer.store.read_unit(unit)
+        return {"master": unit.master}
 
     @torch.no_grad()
     def load_unit_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
         """Overwrite this rank's slices of ``unit`` (keys as in ``unit_state``) and bring the
         compute-dtype copy (and, for gathered units, the whole buffer) up to date. Every rank
         must call it for every unit: gathered units all-gather."""
-        live = self.unit_state(unit)
+        optimizer = getattr(self, "optimizer", None)
+        with_optimizer = optimizer is not None and unit.index in optimizer._unit_segments
+        allowed = ("master", "exp_avg", "exp_avg_sq") if with_optimizer else ("master",)
         for key, value in state.items():
-            if key not in live:
+            if key not in allowed:
                 raise KeyError(f"unit {unit.name} has no state {key!r}")
-            if value.numel() != live[key].numel():
+            if value.numel() != unit.shard_numel:
                 raise ValueError(
                     f"unit {unit.name}: {key} has {value.numel()} elements, "
-                    f"expected {live[key].numel()}"
+                    f"expected {unit.shard_numel}"
                 )
-            live[key].copy_(value.reshape(-1))
-        if unit.master is not unit.shard:
-            unit.shard.copy_(unit.master)
+        if with_optimizer:
+            optimizer.store.write_unit(unit, state)
+        elif "master" in state:
+            unit.master.copy_(state["master"].reshape(-1))
+        if "master" in state:
+            master = state["master"].reshape(-1).to(unit.dtype)
+            if unit.param_extent is not None:
+                unit.store_shard(master.contiguous())
+                unit.wait_writes()
+            elif unit.shard is not unit.master:
+                unit.shard.copy_(master)
         unit.refresh()
 
     # ------------------------------------------------------------------------ reporting
@@ -421,6 +559,8 @@ class ZeroEngine(nn.Module):
         if optimizer is not None:
             report["optimizer"] = optimizer.state_bytes()
         report["pool"] = self.pool.allocated_bytes
+        report["staging"] = self.staging.allocated if self.staging is not None else 0
+        report["nvme"] = self.swap.total_bytes if self.swap is not None else 0
         report["gathered_now"] = self.pool.gathered.now
         report["gathered_peak"] = self.pool.gathered.peak
         return report

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from .. import dist as zdist
-from ..memory.pool import BufferPool
+from ..memory.aio import aligned_empty
+from ..memory.pool import BufferPool, WriteQueue
 
 __all__ = ["Slot", "Unit", "UnitState"]
 
@@ -127,11 +128,17 @@ class Unit:
         # Allocated on the first gradient (see _grad_buffer): building or evaluating a model
         # holds no gradient memory.
         self.grad_shard: torch.Tensor | None = None
+        self.grad_device = device  # the host, with optimizer offload
         self.grad_is_zero = True  # grad_shard holds no gradient yet (contents are stale)
         self.unreduced: torch.Tensor | None = None  # full-size grads kept under no_sync()
 
         self.state = UnitState.SHARDED
         self._work = None
+        # NVMe tiers (see memory/swap.py): set by the engine when offloading.
+        self.param_extent = None  # the compute-dtype shard lives here instead of ``shard``
+        self.grad_extent = None  # the gradient shard lives here instead of ``grad_shard``
+        self._read = None  # (handle, staging tensor or None) of a parameter read in flight
+        self._pending_writes: list = []  # this unit's entries of pool.writes
         if persistent:
             self._point_params(self.full)
             self.state = UnitState.GATHERED
@@ -147,6 +154,9 @@ class Unit:
         if self.state is UnitState.GATHERING:
             self.wait()
             return
+        if self.param_extent is not None:
+            self._gather_from_nvme(async_op)
+            return
         if self.world == 1:
             # The shard is the whole flat buffer: point at it, nothing to move.
             self._point_params(self.flat)
@@ -161,12 +171,65 @@ class Unit:
             self._work = work
             self.state = UnitState.GATHERING
 
+    def _gather_from_nvme(self, async_op: bool) -> None:
+        # Read this rank's slice from the swap file: straight into the flat buffer at world
+        # size 1, else into a staging buffer that the all-gather then sends.
+        self.wait_writes()
+        self._alloc_storage()
+        # A fresh aligned buffer, freed (back to the system) right after the gather: a
+        # pooled one would keep prefetch-depth copies of the shards resident for good.
+        tmp = aligned_empty(self.shard_numel, self.dtype)
+        handle = self.param_extent.file.read(tmp, self.param_extent.offset)
+        self._read = (handle, tmp)
+        self.state = UnitState.GATHERING
+        if not async_op:
+            self.wait()
+
     def wait(self) -> None:
-        if self.state is UnitState.GATHERING:
+        if self.state is not UnitState.GATHERING:
+            return
+        if self._read is not None:
+            handle, tmp = self._read
+            self._read = None
+            handle.wait()
+            zdist.all_gather_into(self.flat, tmp, group=self.group)  # a copy at world size 1
+            del tmp
+        else:
             self._work.wait()
             self._work = None
-            self._point_params(self.flat)
-            self.state = UnitState.GATHERED
+        self._point_params(self.flat)
+        self.state = UnitState.GATHERED
+
+    def wait_writes(self) -> None:
+        """Finish this unit's NVMe writes in flight and give their buffers back."""
+        for entry in self._pending_writes:
+            WriteQueue.finish(entry)
+        self._pending_writes.clear()
+
+    def offload_params(self, extent) -> None:
+        """Keep this rank's compute-dtype shard in ``extent`` (NVMe) instead of memory."""
+        self.wait_writes()
+        staged = self.pool.acquire(self.shard_numel, self.dtype)
+        staged.copy_(self.shard)
+        extent.file.write(staged, extent.offset).wait()
+        self.pool.release(staged)
+        self.param_extent = extent
+        if self.world == 1:
+            # The flat buffer was the shard; now it is allocated on each gather.
+            self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+            self.flat.untyped_storage().resize_(0)
+        self.shard = None  # with fp32, self.master keeps the tensor
+
+    def store_shard(self, values: torch.Tensor, give_back=None) -> None:
+        """After an optimizer step: the new compute-dtype shard, written to NVMe (async;
+        ``give_back(values)`` runs once the write is done) or copied into memory."""
+        if self.param_extent is None:
+            self.shard.copy_(values)
+            if give_back is not None:
+                give_back(values)
+            return
+        handle = self.param_extent.file.write(values, self.param_extent.offset)
+        self.pool.writes.add(self._pending_writes, handle, values, give_back)
 
     def release(self) -> None:
         """Drop the gathered parameters (no-op for persistent units)."""
@@ -174,7 +237,7 @@ class Unit:
             return
         self.wait()
         self._empty_params()
-        if self.world > 1:
+        if self.world > 1 or self.param_extent is not None:
             self._free_storage()
         self.state = UnitState.SHARDED
 
@@ -242,11 +305,16 @@ class Unit:
             self.unreduced = None
         out = self.pool.acquire(self.shard_numel, torch.float32)
         zdist.reduce_scatter_avg(out, flat, group=self.group)
+        self.pool.release(flat)
+        if self.grad_extent is not None:
+            self._accumulate_nvme(out)
+            return
         self._accumulate(self._grad_buffer(), out)
         self.pool.release(out)
-        self.pool.release(flat)
 
     def _grad_buffer(self) -> torch.Tensor:
+        if self.grad_extent is not None:
+            raise RuntimeError("the gradient shard of this unit is on NVMe")
         if self.grad_shard is None:
             self.grad_shard = torch.zeros(
                 self.shard_numel, dtype=self.grad_dtype, device=self.device
@@ -255,6 +323,15 @@ class Unit:
 
     def _add_into_shard_directly(self) -> None:
         # World 1: the shard is the whole flat buffer; no collective and no staging copy.
+        if self.grad_extent is not None:
+            flat = self.pool.acquire(self.padded_numel, torch.float32)
+            for s in self.slots:
+                g = s.param.grad
+                region = flat[s.offset : s.offset + s.numel]
+                region.copy_(g.reshape(-1)) if g is not None and s.trainable else region.zero_()
+                s.param.grad = None
+            self._accumulate_nvme(flat)
+            return
         self._grad_buffer()
         first = self.grad_is_zero
         for s in self.slots:
@@ -267,7 +344,24 @@ class Unit:
             s.param.grad = None
         self.grad_is_zero = False
 
+    def _accumulate_nvme(self, values: torch.Tensor) -> None:
+        """Add ``values`` (fp32, a pool buffer this call takes over) to the gradient shard on
+        NVMe: the first micro-batch is written while backward goes on; later ones read,
+        add and write."""
+        if self.grad_dtype != torch.float32:
+            raise RuntimeError("gradient shards on NVMe are fp32")
+        if not self.grad_is_zero:
+            self.wait_writes()
+            old = self.pool.acquire(self.shard_numel, torch.float32)
+            self.grad_extent.file.read(old, self.grad_extent.offset).wait()
+            values.add_(old)
+            self.pool.release(old)
+        handle = self.grad_extent.file.write(values, self.grad_extent.offset)
+        self.pool.writes.add(self._pending_writes, handle, values, self.pool.release)
+        self.grad_is_zero = False
+
     def _accumulate(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        src = src.to(dst.device, non_blocking=False)
         if self.grad_is_zero:
             dst.copy_(src)
             self.grad_is_zero = False
@@ -290,10 +384,11 @@ class Unit:
         params = nbytes(self.full) if self.persistent else nbytes(self.shard)
         master = 0 if self.master is self.shard else nbytes(self.master)
         grad_itemsize = torch.finfo(self.grad_dtype).bits // 8
+        on_disk = self.grad_extent is not None
         return {
             "params": params,
             "master": master,
             # Steady state: the gradient shard exists from the first backward on.
-            "grads": self.shard_numel * grad_itemsize if self.trainable else 0,
+            "grads": self.shard_numel * grad_itemsize if self.trainable and not on_disk else 0,
             "padding_elements": self.padded_numel - self.numel,
         }

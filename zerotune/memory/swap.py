@@ -1,0 +1,215 @@
+"""NVMe swap space: one preallocated file per rank and kind, an extent per unit.
+
+[Note: swap space]
+``nvme_path/<run id>/rank<r>/<kind>.swap`` for kind in param (compute-dtype shards),
+optim (fp32 master, exp_avg, exp_avg_sq) and grad (gradient shards that do not fit the host
+budget). Folders are 0700 and files 0600. Every extent starts on a 4 KiB boundary and its
+length is rounded up to 4 KiB, so O_DIRECT reads and writes need no bounce. Before any file is
+made, the free space of nvme_path is checked against everything this rank will write, and a
+shortfall is refused with the numbers. A run folder records its owners' pids; one whose
+owners are all gone (a crashed run) is removed at the next start. ``close()`` (also at exit)
+removes this rank's files.
+
+All transfers go through a bounded pool of aligned staging buffers (``StagingPool``),
+allocated on first use and reused for the whole run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from .. import dist as zdist
+from ..config import ConfigError
+
+__all__ = ["Extent", "StagingPool", "SwapSpace", "round_up"]
+
+log = logging.getLogger(__name__)
+ALIGN = 4096
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class Extent:
+    """A unit's region of a swap file."""
+
+    __slots__ = ("file", "offset", "nbytes")
+
+    def __init__(self, file, offset: int, nbytes: int):
+        self.file, self.offset, self.nbytes = file, offset, nbytes
+
+    def read(self, buffer: torch.Tensor):
+        return self.file.read(buffer[: self.nbytes // buffer.element_size()], self.offset)
+
+    def write(self, buffer: torch.Tensor):
+        return self.file.write(buffer[: self.nbytes // buffer.element_size()], self.offset)
+
+
+class StagingPool:
+    """Aligned host buffers for NVMe transfers: equal slots of ``slot_bytes``, at most
+    ``limit`` bytes in all, made on first use and reused for the whole run."""
+
+    def __init__(self, limit: int, slot_bytes: int):
+        self.limit = limit
+        self.slot = round_up(slot_bytes)
+        if 3 * self.slot > limit:
+            raise ConfigError(
+                f"staging_bytes={limit:,} is too small: the NVMe pipeline keeps three buffers "
+                f"of {self.slot:,} bytes in flight; raise staging_bytes"
+            )
+        self.allocated = 0
+        self._free: list[torch.Tensor] = []
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A 4 KiB-aligned uint8 buffer of ``slot`` bytes (``nbytes`` must fit)."""
+        from .aio import aligned_empty
+
+        if nbytes > self.slot:
+            raise ValueError(
+                f"a staging request of {nbytes:,} bytes exceeds the slot of {self.slot:,}"
+            )
+        if self._free:
+            return self._free.pop()
+        if self.allocated + self.slot > self.limit:
+            raise RuntimeError(
+                f"staging buffers exhausted ({self.allocated:,} of {self.limit:,} bytes in use)"
+            )
+        self.allocated += self.slot
+        return aligned_empty(self.slot, torch.uint8)
+
+    def release(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+
+
+class SwapSpace:
+    """This rank's swap files under ``nvme_path``."""
+
+    def __init__(
+        self,
+        nvme_path: str | os.PathLike,
+        sizes: dict[str, dict[int, int]],
+        config,
+        group=None,
+        direct: dict[str, bool] | None = None,
+    ):
+        """``sizes[kind][unit_index]`` = bytes of that unit's extent in that kind's file;
+        ``direct[kind]``: use O_DIRECT for that file (its buffers must then be aligned)."""
+        from .aio import SwapFile
+        from .host import prefer_mmap_for_large_buffers
+
+        prefer_mmap_for_large_buffers()  # see memory/host.py
+        self.root = Path(nvme_path)
+        if not self.root.is_dir():
+            raise ConfigError(f"nvme_path {self.root} does not exist or is not a folder")
+        if not os.access(self.root, os.W_OK):
+            raise ConfigError(f"nvme_path {self.root} is not writable by this user")
+        rank = zdist.get_rank(group)
+        run_id = _shared_run_id(group)
+        _remove_stale_runs(self.root)
+        layout = {k: _layout(v) for k, v in sizes.items() if v}
+        need = sum(total for _, total in layout.values())
+        free = shutil.disk_usage(self.root).free
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if need * local > free:
+            parts = ", ".join(f"{k} {total / 2**30:.2f} GiB" for k, (_, total) in layout.items())
+            raise ConfigError(
+                f"nvme_path {self.root} has {free / 2**30:.2f} GiB free; this run needs "
+                f"{need * local / 2**30:.2f} GiB of swap files "
+                f"({local} rank(s) here, each: {parts})"
+            )
+        self.run_dir = self.root / run_id
+        self.dir = self.run_dir / f"rank{rank}"
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.run_dir, 0o700)
+        (self.run_dir / f"owner-rank{rank}").write_text(f"{socket.gethostname()} {os.getpid()}\n")
+        self.files = {}
+        self.extents: dict[tuple[str, int], Extent] = {}
+        try:
+            for kind, (offsets, total) in layout.items():
+                f = SwapFile(
+                    self.dir / f"{kind}.swap",
+                    total,
+                    threads=config.aio_threads,
+                    block_bytes=config.aio_block_bytes,
+                    queue_depth=config.aio_queue_depth,
+                    direct=(direct or {}).get(kind, True),
+                )
+                self.files[kind] = f
+                for index, (offset, nbytes) in offsets.items():
+                    self.extents[kind, index] = Extent(f, offset, nbytes)
+        except OSError as exc:
+            self.close()
+            raise ConfigError(f"cannot create swap files in {self.dir}: {exc}") from None
+        self.total_bytes = need
+        atexit.register(self.close)
+
+    def extent(self, kind: str, index: int) -> Extent:
+        return self.extents[kind, index]
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+        if getattr(self, "dir", None) is not None and self.dir.exists():
+            shutil.rmtree(self.dir, ignore_errors=True)
+            owner = self.run_dir / f"owner-rank{self.dir.name[4:]}"
+            owner.unlink(missing_ok=True)
+            try:
+                self.run_dir.rmdir()  # the last rank out removes the run folder
+            except OSError:
+                pass
+
+
+def _layout(sizes: dict[int, int]) -> tuple[dict[int, tuple[int, int]], int]:
+    offsets, cursor = {}, 0
+    for index, nbytes in sizes.items():
+        length = round_up(max(nbytes, 1))
+        offsets[index] = (cursor, length)
+        cursor += length
+    return offsets, cursor
+
+
+def _shared_run_id(group) -> str:
+    run_id = f"zerotune-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    if zdist.get_world_size(group) > 1:
+        holder = [run_id]
+        torch.distributed.broadcast_object_list(holder, src=0, group=group)
+        run_id = holder[0]
+    return run_id
+
+
+def _remove_stale_runs(root: Path) -> None:
+    host = socket.gethostname()
+    for run in root.glob("zerotune-*"):
+        owners = list(run.glob("owner-rank*"))
+        alive = False
+        for owner in owners:
+            try:
+                owner_host, pid = owner.read_text().split()
+            except (OSError, ValueError):
+                continue
+            if owner_host != host or _pid_alive(int(pid)):
+                alive = True
+        if owners and not alive:
+            log.warning("zerotune: removing stale swap folder %s (its run is gone)", run)
+            shutil.rmtree(run, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
