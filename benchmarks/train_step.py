@@ -1,12 +1,15 @@
 """Time training steps of an HF GPT-2 config: plain PyTorch vs zerotune, in one invocation.
 
 Each variant runs in a fresh subprocess (so peak RSS is its own): plain PyTorch with
-``torch.optim.AdamW(fused=True)``, then zerotune at world size 1 with the chosen stage.
-Prints a table (forward, backward, optimizer, total, peak RSS) and, last, one JSON line with
-``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain), ``step_time_s``, ``peak_rss_gib``.
+``torch.optim.AdamW(fused=True)``, then zerotune at world size 1 with the chosen stage and
+offload. Prints a table (forward, backward, optimizer, total, peak RSS, disk bytes) and, last,
+one JSON line with ``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain),
+``step_time_s``, ``peak_rss_gib``, and for NVMe offload the bytes read and written per step
+(counted by the kernel for this process: /proc/self/io) and the bandwidth they took.
 
     python benchmarks/train_step.py                      # gpt2 (124M), seq 128, batch 1, fp32
-    python benchmarks/train_step.py --model gpt2-medium --steps 4
+    python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp
+    python benchmarks/train_step.py --model gpt2-xl --offload nvme --steps 3 --no-baseline
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def parse() -> argparse.Namespace:
 
 def run_variant(args: argparse.Namespace) -> dict:
     """One variant in this process; returns median phase times and peak RSS."""
+    import psutil
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -50,21 +54,30 @@ def run_variant(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count())
     config = model_config(args.model)
-    model = AutoModelForCausalLM.from_config(config)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if args.variant == "plain":
+        model = AutoModelForCausalLM.from_config(config)
         model.to(dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         runner = model
     else:
         import zerotune
 
-        runner = zerotune.shard(model, {"stage": args.stage, "dtype": args.dtype})
+        zcfg = {"stage": args.stage, "dtype": args.dtype}
+        if args.offload != "none":
+            zcfg.update(offload_param=args.offload, offload_optimizer=args.offload)
+        if args.offload == "nvme":
+            zcfg.update(nvme_path=args.nvme_path, staging_bytes=args.staging)
+        # zero-init: the model is never whole in this process (it could not be, offloaded)
+        runner = zerotune.zero_init(config, zcfg)
+        model = runner.module
         opt = zerotune.ZeroAdamW(runner, lr=1e-5)
+    io = psutil.Process().io_counters
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
     times = {"forward": [], "backward": [], "optimizer": [], "total": []}
-    losses = []
+    losses, read, written = [], [], []
     for step in range(args.warmup + args.steps):
+        before = io()
         t0 = time.perf_counter()
         loss = runner(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
@@ -73,16 +86,21 @@ def run_variant(args: argparse.Namespace) -> dict:
         opt.step()
         opt.zero_grad()
         t3 = time.perf_counter()
+        after = io()
         losses.append(float(loss.detach()))
         if step >= args.warmup:
             for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
                 times[k].append(v)
+            read.append(after.read_bytes - before.read_bytes)
+            written.append(after.write_bytes - before.write_bytes)
     result = {k: statistics.median(v) for k, v in times.items()}
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    result["params"] = (
-        sum(p.numel() for p in model.parameters()) if args.variant == "plain" else None
-    )
     result["losses"] = losses
+    result["read_bytes_per_step"] = statistics.median(read)
+    result["written_bytes_per_step"] = statistics.median(written)
+    if args.variant == "zerotune":
+        result["memory_report"] = runner.memory_report()
+        runner.close()
     return result
 
 
@@ -91,6 +109,8 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args)))
         return
+    if args.offload == "nvme" and not args.nvme_path:
+        sys.exit("--offload nvme needs --nvme-path (a folder on a fast local disk)")
     variants = ([] if args.no_baseline else ["plain"]) + ["zerotune"]
     results = {}
     for name in variants:

@@ -533,7 +533,9 @@ class ZeroEngine(nn.Module):
         if "master" in state:
             master = state["master"].reshape(-1).to(unit.dtype)
             if unit.param_extent is not None:
-                unit.store_shard(master.contiguous())
+                staged = self.pool.acquire(unit.shard_numel, unit.dtype)  # aligned for the file
+                staged.copy_(master)
+                unit.store_shard(staged, give_back=self.pool.release)
                 unit.wait_writes()
             elif unit.shard is not unit.master:
                 unit.shard.copy_(master)
