@@ -205,7 +205,7 @@ def _param_steps(engine, optimizer) -> torch.Tensor:
     for u in engine.units:
         base[u.index] = i
         i += len(u.slots)
-    steps = torch.full((len(slots),), -1, dtype=torch.int64, device=engine.device)
+    local = [-1] * len(slots)
     if optimizer is not None:
         for key, unit, start, end in _segments(optimizer):
             lo, hi = unit.shard_start + start, unit.shard_start + end
@@ -213,7 +213,8 @@ def _param_steps(engine, optimizer) -> torch.Tensor:
             for k, s in enumerate(unit.slots):
                 if s.offset < hi and s.offset + s.numel > lo:
                     j = base[unit.index] + k
-                    steps[j] = max(int(steps[j]), step)
+                    local[j] = max(local[j], step)
+    steps = torch.tensor(local, dtype=torch.int64, device=engine.device)
     _all_reduce_max(steps, engine.group)
     return steps.cpu()
 
