@@ -191,7 +191,14 @@ class Unit:
         if self._read is not None:
             handle, tmp = self._read
             self._read = None
-            handle.wait()
+            try:
+                handle.wait()
+            except BaseException:
+                # The read failed: back to SHARDED, so that hooks running after the error
+                # (release) find a consistent unit.
+                self._free_storage()
+                self.state = UnitState.SHARDED
+                raise
             zdist.all_gather_into(self.flat, tmp, group=self.group)  # a copy at world size 1
             del tmp
         else:
