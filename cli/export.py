@@ -42,8 +42,8 @@ def export(
 ) -> None:
     """Write the model of CHECKPOINT_DIR as a Hugging Face folder in OUTPUT_DIR.
 
-    CHECKPOINT_DIR is a checkpoint folder, or the folder holding checkpoints (the newest
-    complete one is exported). Memory stays bounded by one piece of one tensor, whatever the
+    CHECKPOINT_DIR is a checkpoint folder, or the folder holding checkpoints (the one its
+    'latest' file names is exported). Memory stays bounded by one piece of one tensor, whatever the
     model size; the output appears only once it is complete.
 
     \b

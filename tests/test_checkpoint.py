@@ -229,6 +229,14 @@ def test_loading_the_root_the_latest_file_or_the_folder(root, two_checkpoints):
     assert weights_equal(engine, weights[1])
 
 
+def test_latest_is_followed_when_it_names_a_complete_checkpoint(root, two_checkpoints):
+    (root / "latest").write_text("step-00000001\n")
+    engine = fresh_odd()
+    assert load_checkpoint(engine, root).step == 1
+    assert weights_equal(engine, two_checkpoints[1][1])
+    assert zerotune.latest_checkpoint(root) == root / "step-00000001"
+
+
 def test_incomplete_newest_falls_back_with_a_warning(root, two_checkpoints, caplog):
     (root / "step-00000002" / "COMPLETE").unlink()
     engine = fresh_odd()

@@ -204,7 +204,7 @@ def export_hf(
 ) -> Path:
     """Write the checkpoint's model as a Hugging Face folder (see [Note: streaming export]).
 
-    checkpoint: a checkpoint folder or the folder holding checkpoints (newest complete).
+    checkpoint: a checkpoint folder or the folder holding checkpoints (what ``latest`` names).
     dtype: bf16, fp16 or fp32 (from the fp32 master weights).
     max_shard_size: split into several files above this size (bytes, or "5GB", "500MiB").
     overwrite: replace an existing non-empty ``output_dir``.

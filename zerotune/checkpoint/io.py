@@ -12,9 +12,9 @@ rank's failure (a full disk) makes every rank raise instead of hanging in the ne
 3. rank 0 writes persistent buffers, config.json (+ generation config, tokenizer files), the
    manifest (see [Note: checkpoint layout] in manifest.py), then ``COMPLETE``, then the root's
    ``latest`` pointer, and finally drops checkpoints beyond ``keep_last``.
-A process killed anywhere leaves the previous complete checkpoint as the newest complete
-one. The compute-dtype (bf16/fp16) copy is not saved: it is the master rounded to nearest
-even, both at construction and after every optimizer step, so loading recomputes it exactly.
+A process killed anywhere leaves the previous checkpoint complete and pointed at. The
+compute-dtype (bf16/fp16) copy is not saved: it is the master rounded to nearest even, both
+at construction and after every optimizer step, so loading recomputes it exactly.
 Gradients are not saved: save between optimizer steps.
 
 [Note: loading at another world size]
@@ -592,8 +592,8 @@ def load_checkpoint(
 ) -> CheckpointInfo:
     """Load a checkpoint saved at any world size into ``engine`` (every rank must call).
 
-    path: a checkpoint folder, or the folder holding checkpoints (the newest complete one is
-        loaded; an interrupted newer save is skipped with a warning), or its ``latest`` file.
+    path: a checkpoint folder, or the folder holding checkpoints (the one ``latest`` names,
+        else the newest complete one; see resolve_checkpoint), or its ``latest`` file.
     optimizer: default ``engine.optimizer``; create it before loading to restore its state.
     verify: check every file's sha256 (each file is read by one rank).
     Raises CheckpointError, naming the file, for a missing, corrupt or incomplete checkpoint or

@@ -4,7 +4,7 @@
 A checkpoint root holds one folder per saved checkpoint and a ``latest`` pointer::
 
     root/
-      latest                                 name of the newest complete checkpoint
+      latest                                 name of the checkpoint saved last
       step-00000010/
         rank-00000-of-00002.safetensors      rank 0's slices: u{i}.master, u{i}.exp_avg,
         rank-00001-of-00002.safetensors      u{i}.exp_avg_sq per unit, rng.torch; metadata:
@@ -124,21 +124,58 @@ def find_checkpoints(root: str | Path) -> list[tuple[Path, bool]]:
     return [(p, is_complete(p)) for p in found]
 
 
+def _choose(root: Path, warn: bool) -> Path | None:
+    """The checkpoint under ``root`` that ``latest`` names, if complete; else the newest
+    complete one (None if there is none). ``warn``: log why when it is not the newest."""
+    found = find_checkpoints(root)
+    complete = [p for p, ok in found if ok]
+    if not complete:
+        return None
+    pointer = root / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    chosen = next((p for p in complete if p.name == named), None)
+    if chosen is None:
+        chosen = complete[-1]
+        if warn and named is not None:
+            log.warning(
+                "zerotune: %s names %r, which is not a complete checkpoint; loading the newest "
+                "complete one, %s",
+                pointer,
+                named,
+                chosen,
+            )
+    at = [p for p, _ in found].index(chosen)
+    newer = [p for p, _ in found[at + 1 :]]
+    if warn and newer:
+        if any(p in complete for p in newer):
+            # Killed between a completion marker and the pointer update: either is whole.
+            log.info("zerotune: %s is newer than %s but was never pointed at", newer[-1], pointer)
+        else:
+            log.warning(
+                "zerotune: checkpoint %s is incomplete (its save was interrupted); loading the "
+                "previous complete one, %s",
+                newer[-1],
+                chosen,
+            )
+    return chosen
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one), or None."""
+    """The checkpoint ``load_checkpoint(root)`` would load (``root`` itself if it is a complete
+    checkpoint), or None when there is none."""
     root = Path(root)
     if root.name == LATEST and root.is_file():
         root = root.parent
     if looks_like_checkpoint(root):
         return root if is_complete(root) else None
-    complete = [p for p, ok in find_checkpoints(root) if ok]
-    return complete[-1] if complete else None
+    return _choose(root, warn=False) if root.is_dir() else None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder to load from ``path``: a checkpoint folder, its root (the newest
-    complete checkpoint; an interrupted newer save is skipped with a warning), or the root's
-    ``latest`` file. Raises CheckpointError when there is none."""
+    """The checkpoint folder to load from ``path``: a checkpoint folder; or a folder of
+    checkpoints, where ``latest`` names the one to load (when it names no complete checkpoint,
+    the newest complete one is loaded with a warning; an interrupted newer save is skipped with
+    a warning); or that folder's ``latest`` file. Raises CheckpointError when there is none."""
     path = Path(path)
     if path.name == LATEST and path.is_file():
         path = path.parent
@@ -153,34 +190,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
                 f"load its parent folder to get the newest complete checkpoint"
             )
         return path
-    found = find_checkpoints(path)
-    complete = [p for p, ok in found if ok]
-    if not complete:
+    chosen = _choose(path, warn=True)
+    if chosen is None:
+        found = find_checkpoints(path)
         what = f" ({len(found)} incomplete: interrupted saves)" if found else ""
         raise CheckpointError(f"{path}: no complete checkpoint in this folder{what}")
-    chosen = complete[-1]
-    at = [p for p, _ in found].index(chosen)
-    newer = [p for p, ok in found[at + 1 :] if not ok]
-    pointer = path / LATEST
-    named = pointer.read_text().strip() if pointer.is_file() else None
-    if newer:
-        log.warning(
-            "zerotune: checkpoint %s is incomplete (its save was interrupted); loading the "
-            "previous complete one, %s",
-            newer[-1],
-            chosen,
-        )
-    elif named is not None and named != chosen.name:
-        if named in {p.name for p in complete}:
-            # Killed between the completion marker and the pointer update.
-            log.info("zerotune: %s is newer than %s names; loading it", chosen, pointer)
-        else:
-            log.warning(
-                "zerotune: %s names %r, which is not a complete checkpoint; loading %s",
-                pointer,
-                named,
-                chosen,
-            )
     return chosen
 
 
