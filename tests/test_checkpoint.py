@@ -163,10 +163,8 @@ def test_low_precision_resume_is_exact(tmp_path, dtype):
 def test_offloaded_state_resumes_exactly(tmp_path, tier):
     # The checkpoint holds the real master weights and moments wherever they live (read
     # through engine.unit_state), and loading writes them back to their tier.
-    config = {"stage": 3, "offload_optimizer": tier}
-    if tier == "cpu":
-        config["offload_param"] = "cpu"
-    else:
+    config = {"stage": 3, "offload_optimizer": tier, "offload_param": tier}
+    if tier == "nvme":
         config.update(nvme_path=str(tmp_path), staging_bytes="1MiB")
     try:
         zerotune.ZeroConfig.from_dict(config)
