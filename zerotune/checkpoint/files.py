@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..init.pretrained import _DTYPES, ModelLoadError, _read_header
+from ..init.pretrained import SAFETENSORS_DTYPES, ModelLoadError, read_safetensors_header
 from .manifest import CheckpointError
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
     "st_dtype",
 ]
 
-_NAMES = {v: k for k, v in _DTYPES.items()}
+_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _BLOCK = 8 * 2**20  # read size when hashing whole files
 
 
@@ -225,7 +225,7 @@ class TensorFileReader:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         try:
-            self.entries = _read_header(self.path)
+            self.entries = read_safetensors_header(self.path)
         except ModelLoadError as exc:
             raise CheckpointError(str(exc)) from None
         except OSError as exc:

@@ -108,20 +108,8 @@ def _all_reduce_max(t: torch.Tensor, group) -> None:
 
 
 def _segments(optimizer):
-    """(state key, unit, start, end) for every segment of a ZeroAdamW (see [Note: segments]):
-    ``optimizer.state[key]["step"]`` is the segment's step count, ``[start, end)`` its range
-    in this rank's shard of ``unit``. Segments have no public accessor yet; this reads the
-    optimizer's own tables (both layouts it has had)."""
-    unit_segments = getattr(optimizer, "_unit_segments", None)
-    if unit_segments is not None:
-        for segs in unit_segments.values():
-            for seg in segs:
-                yield seg.key, seg.unit, seg.start, seg.end
-        return
-    for group in optimizer.param_groups:
-        for view in group["params"]:
-            seg = optimizer._segment_of[id(view)]
-            yield view, seg.unit, seg.start, seg.end
+    """(state key, unit, start, end) for every segment of a ZeroAdamW."""
+    return optimizer.segments()
 
 
 def _jsonable(obj, what: str):

@@ -28,11 +28,18 @@ from ..config import ZeroConfig, load_config
 from ..sharding.engine import ZeroEngine
 from .construct import default_device, hidden, materialize_buffers, realize_placeholders
 
-__all__ = ["ModelLoadError", "SafetensorsCheckpoint", "from_pretrained", "resolve_model_folder"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "ModelLoadError",
+    "SafetensorsCheckpoint",
+    "from_pretrained",
+    "read_safetensors_header",
+    "resolve_model_folder",
+]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -78,7 +85,7 @@ class SafetensorsCheckpoint:
             raise ModelLoadError(f"no *.safetensors weights in {folder}{hint}")
         self.entries: dict[str, _Entry] = {}
         for path in files:
-            self.entries.update(_read_header(path))
+            self.entries.update(read_safetensors_header(path))
         self._files: dict[Path, object] = {}
 
     def read(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
@@ -105,7 +112,8 @@ class SafetensorsCheckpoint:
         self._files.clear()
 
 
-def _read_header(path: Path) -> dict[str, _Entry]:
+def read_safetensors_header(path: Path) -> dict[str, _Entry]:
+    """The tensors of one safetensors file: dtype, shape, byte offset and length of each."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -123,15 +131,14 @@ def _read_header(path: Path) -> dict[str, _Entry]:
         if key == "__metadata__":
             continue
         begin, end = meta["data_offsets"]
-        if meta["dtype"] not in _DTYPES:
+        if meta["dtype"] not in SAFETENSORS_DTYPES:
             raise ModelLoadError(f"{path}: tensor {key!r} has unsupported dtype {meta['dtype']}")
         if 8 + n + end > size:
             raise ModelLoadError(
                 f"{path}: tensor {key!r} runs past the end of the file (truncated)"
             )
-        out[key] = _Entry(
-            path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin, end - begin
-        )
+        dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+        out[key] = _Entry(path, dtype, tuple(meta["shape"]), 8 + n + begin, end - begin)
     return out
 
 

@@ -136,6 +136,14 @@ class ZeroAdamW(torch.optim.Optimizer):
             return [dict(g, params=list(g["params"])) for g in params]
         return [{"params": params}]
 
+    def segments(self):
+        """(state key, unit, start, end) for every segment (see [Note: segments]):
+        ``self.state[key]["step"]`` is its step count, ``[start, end)`` its range in this
+        rank's shard of ``unit``."""
+        for segs in self._unit_segments.values():
+            for seg in segs:
+                yield seg.key, seg.unit, seg.start, seg.end
+
     # --------------------------------------------------------------------------- helpers
     def _live_units(self):
         return [
