@@ -104,6 +104,22 @@ def tiny_gpt2(seed: int = 0, layers: int = 2, tie: bool = True, **overrides):
     return GPT2LMHeadModel(cfg)
 
 
+def tiny_llama_config(kind: str = "llama"):
+    """A two-layer Llama or Qwen2 config (Qwen2 with tied embeddings)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    return cls(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=96,
+        tie_word_embeddings=(kind == "qwen2"),
+    )
+
+
 class OddNet(torch.nn.Module):
     """A non-HF model with odd parameter sizes, a root-level parameter and a ModuleList."""
 

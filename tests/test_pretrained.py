@@ -8,24 +8,14 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import run_world, tiny_gpt2
+from conftest import run_world, tiny_gpt2, tiny_llama_config
 
 
 def _llama_like(kind: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
-    cfg = cls(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=96,
-        tie_word_embeddings=(kind == "qwen2"),
-    )
     torch.manual_seed(1)
-    return AutoModelForCausalLM.from_config(cfg)
+    return AutoModelForCausalLM.from_config(tiny_llama_config(kind))
 
 
 def _save(kind: str, folder, shard_size=None):

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import run_world, tiny_gpt2
+from conftest import run_world, tiny_gpt2, tiny_llama_config
 
 
 def build_zero(rank, world, seed):
@@ -66,18 +66,11 @@ def test_first_loss_matches_plain_from_config(per_world):
 
 
 def test_llama_rotary_buffers_are_initialized():
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     import zerotune
 
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=96,
-    )
+    cfg = tiny_llama_config("llama")
     engine = zerotune.zero_init(cfg, {"stage": 3})
     plain = AutoModelForCausalLM.from_config(cfg)
     torch.testing.assert_close(
