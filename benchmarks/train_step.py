@@ -36,8 +36,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument(
-        "--offload", default="none", choices=["none"], help="cpu/nvme: not implemented yet"
+        "--offload",
+        default="none",
+        choices=["none", "cpu", "nvme"],
+        help="parameters and optimizer state both on this tier",
     )
+    ap.add_argument("--nvme-path", default=None, help="folder for swap files (--offload nvme)")
+    ap.add_argument("--staging", default="256MiB", help="NVMe staging buffers")
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument("--variant", choices=["plain", "zerotune"], help=argparse.SUPPRESS)
     return ap.parse_args()
