@@ -26,6 +26,18 @@ from .sharding import ShardedParameterError, ZeroEngine, shard
 
 __version__ = "0.1.0"
 
+# The Trainer classes import transformers; they load on first use (``zerotune.ZeroTrainer``).
+_HF_EXPORTS = ("ZeroTrainer", "ZeroTrainingArguments")
+
+
+def __getattr__(name: str):
+    if name in _HF_EXPORTS:
+        from . import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'zerotune' has no attribute {name!r}")
+
+
 __all__ = [
     "CPUAdam",
     "CheckpointError",
@@ -36,6 +48,8 @@ __all__ = [
     "ZeroAdamW",
     "ZeroConfig",
     "ZeroEngine",
+    "ZeroTrainer",
+    "ZeroTrainingArguments",
     "export_hf",
     "from_pretrained",
     "latest_checkpoint",

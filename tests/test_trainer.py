@@ -1,0 +1,209 @@
+"""ZeroTrainer against the plain HF Trainer: same logged losses at every stage and offload tier,
+at world 1 and under torchrun at world 2 (DDP), exact resume, HF folders, argument checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_cases import COMMON, dataset, logged, model, plain_run, zero_run
+
+import zerotune
+from zerotune.hf import ZeroTrainer, ZeroTrainingArguments
+
+RTOL = 1e-5
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The plain Trainer's run (world 1): logs, final weights, evaluation."""
+    trainer = plain_run(str(tmp_path_factory.mktemp("plain")))
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    metrics = trainer.evaluate(dataset(16))
+    predictions = trainer.predict(dataset(16)).predictions
+    return {
+        "loss": logged(trainer),
+        "grad_norm": logged(trainer, "grad_norm"),
+        "lr": logged(trainer, "learning_rate"),
+        "weights": weights,
+        "eval_loss": metrics["eval_loss"],
+        "logits": predictions[0] if isinstance(predictions, tuple) else predictions,
+    }
+
+
+@pytest.mark.parametrize(
+    "zero",
+    [
+        dict(zero_stage=1),
+        dict(zero_stage=2),
+        dict(zero_stage=3),
+        dict(zero_stage=3, offload_param="cpu", offload_optimizer="cpu"),
+        dict(zero_stage=3, offload_param="nvme", offload_optimizer="nvme"),
+    ],
+    ids=["stage1", "stage2", "stage3", "stage3-cpu", "stage3-nvme"],
+)
+def test_same_losses_as_plain_trainer(reference, tmp_path, zero):
+    if "nvme" in zero.values():
+        zero = {**zero, "nvme_path": str(tmp_path)}
+    trainer = zero_run(str(tmp_path / "out"), **zero)
+    assert isinstance(trainer.optimizer, zerotune.ZeroAdamW)
+    assert trainer.model_wrapped is trainer.engine  # no DDP or other wrapper
+    assert trainer.state.global_step == COMMON["max_steps"]
+    assert len(logged(trainer)) == COMMON["max_steps"]
+    torch.testing.assert_close(logged(trainer), reference["loss"], rtol=RTOL, atol=0)
+    torch.testing.assert_close(
+        logged(trainer, "grad_norm"), reference["grad_norm"], rtol=1e-4, atol=0
+    )
+    assert logged(trainer, "learning_rate") == pytest.approx(reference["lr"], rel=1e-12)
+    weights = trainer.engine.full_state_dict()
+    assert set(weights) == set(reference["weights"])
+    for name, ref in reference["weights"].items():
+        torch.testing.assert_close(weights[name], ref, rtol=RTOL, atol=RTOL, msg=name)
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"], rel=RTOL)
+    out = trainer.predict(dataset(16)).predictions
+    logits = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(
+        torch.as_tensor(logits), torch.as_tensor(reference["logits"]), rtol=1e-4, atol=1e-4
+    )
+    if zero["zero_stage"] == 3 and zero.get("offload_param") == "nvme":
+        assert trainer.memory_summary()["nvme"] > 0
+    trainer.close()
+
+
+def test_config_and_pretrained_folder_models(reference, tmp_path):
+    """A folder (streamed into the shards) trains like the module it was saved from; a config
+    is zero-initialized (its own seed-per-unit init, so only its loss is checked)."""
+    folder = tmp_path / "hf"
+    model().save_pretrained(folder)
+    trainer = zero_run(str(tmp_path / "a"), model_source=str(folder))
+    torch.testing.assert_close(logged(trainer), reference["loss"], rtol=RTOL, atol=0)
+    trainer = zero_run(str(tmp_path / "b"), model_source=model().config)
+    losses = logged(trainer)
+    assert len(losses) == COMMON["max_steps"] and losses[-1] < losses[0]
+
+
+def test_world2_torchrun_matches_ddp(tmp_path):
+    """The plain Trainer under DDP and ZeroTrainer (stage 3; stage 2 with NVMe optimizer
+    state), each on 2 ranks under torchrun: the same logged losses and gradient norms."""
+    out = tmp_path / "world2.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(HERE / "trainer_cases.py"), str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    plain = results.pop("plain")
+    assert plain["world"] == 2 and len(plain["loss"]) == COMMON["max_steps"]
+    for name, got in results.items():
+        assert got["world"] == 2 and got["engine_world"] == 2, name
+        torch.testing.assert_close(got["loss"], plain["loss"], rtol=RTOL, atol=0, msg=name)
+        torch.testing.assert_close(
+            got["grad_norm"], plain["grad_norm"], rtol=1e-4, atol=0, msg=name
+        )
+
+
+def test_resume_from_mid_run_checkpoint(tmp_path):
+    """Checkpoints every 2 steps, keeping 2: a new trainer resumed from step 4 logs the
+    never-stopped run's losses for steps 5-6; resume_from_checkpoint=True skips a save that
+    was cut short."""
+    saving = dict(save_strategy="steps", save_steps=2, save_total_limit=2, zero_stage=3)
+    full = zero_run(str(tmp_path / "full"), **saving)
+    expected = logged(full)
+    names = sorted(p.name for p in (tmp_path / "full").glob("checkpoint-*"))
+    assert names == ["checkpoint-4", "checkpoint-6"]  # save_total_limit rotated checkpoint-2
+    ckpt = tmp_path / "full" / "checkpoint-4"
+    assert (ckpt / "zero" / "COMPLETE").is_file() and (ckpt / "trainer_state.json").is_file()
+    assert not list(ckpt.rglob("*.pt*")) and not list(ckpt.rglob("*.bin"))  # no pickle
+
+    resumed = zero_run(str(tmp_path / "full"), train=False, **saving)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.state.global_step == COMMON["max_steps"]
+    torch.testing.assert_close(logged(resumed)[-2:], expected[-2:], rtol=RTOL, atol=0)
+
+    # A newer checkpoint whose zerotune files were never completed is skipped.
+    broken = tmp_path / "full" / "checkpoint-6" / "zero" / "COMPLETE"
+    broken.unlink()
+    again = zero_run(str(tmp_path / "full"), train=False, **saving)
+    again.train(resume_from_checkpoint=True)
+    torch.testing.assert_close(logged(again)[-2:], expected[-2:], rtol=RTOL, atol=0)
+
+
+def test_save_model_writes_hf_folder(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = zero_run(str(tmp_path / "run"), zero_stage=3, save_strategy="steps", save_steps=3)
+    trainer.save_model()  # into the output folder, next to its checkpoints
+    out = tmp_path / "run"
+    assert (out / "model.safetensors").is_file() and (out / "checkpoint-6").is_dir()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    weights = trainer.engine.full_state_dict()
+    for name, p in loaded.named_parameters():
+        if name in weights:
+            torch.testing.assert_close(p.detach(), weights[name], rtol=0, atol=0)
+    # save_only_model checkpoints hold an HF folder and refuse to resume.
+    only = zero_run(
+        str(tmp_path / "only"), save_strategy="steps", save_steps=6, save_only_model=True
+    )
+    ckpt = tmp_path / "only" / "checkpoint-6"
+    assert (ckpt / "model.safetensors").is_file() and not (ckpt / "zero").exists()
+    with pytest.raises(zerotune.CheckpointError, match="save_only_model"):
+        only.train(resume_from_checkpoint=str(ckpt))
+
+
+def test_bf16_trains(tmp_path):
+    trainer = zero_run(str(tmp_path / "bf16"), bf16=True, max_steps=4)
+    assert trainer.engine.config.dtype == "bf16" and trainer.args.mixed_precision == "no"
+    losses = logged(trainer)
+    assert len(losses) == 4 and all(l == l for l in losses)  # noqa: E741 - finite, not nan
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(deepspeed={"zero_optimization": {"stage": 3}}), "--deepspeed cannot be combined"),
+        (dict(fsdp="full_shard"), "--fsdp cannot be combined"),
+        (dict(auto_find_batch_size=True), "--auto_find_batch_size is not supported"),
+        (dict(offload_param="nvme"), "NVMe offload needs --nvme_path"),
+        (dict(zero_config="zero3-offload-nvme"), "NVMe offload needs --nvme_path"),
+        (dict(zero_stage=2, offload_param="cpu"), "needs stage 3"),
+        (dict(optim="sgd"), "--optim sgd is not supported"),
+        (dict(zero_config={"stag": 3}), "did you mean 'stage'"),
+        (dict(bf16=True, zero_config={"dtype": "fp16"}), "--bf16 contradicts"),
+    ],
+)
+def test_arguments_reject_contradictions(kwargs, message):
+    with pytest.raises(zerotune.ConfigError, match=message):
+        ZeroTrainingArguments(output_dir="unused", **kwargs)
+
+
+def test_arguments_through_hf_argument_parser(tmp_path):
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(ZeroTrainingArguments).parse_args_into_dataclasses(
+        ["--output-dir", str(tmp_path), "--zero-config", "zero3-offload-cpu", "--zero_stage", "3",
+         "--prefetch-bytes", "1MiB", "--persistence_threshold", "4096", "--max_steps", "3"]
+    )  # fmt: skip
+    z = args.zero
+    assert (z.stage, z.offload_param, z.offload_optimizer) == (3, "cpu", "cpu")
+    assert (z.prefetch_bytes, z.persistence_threshold, args.max_steps) == (2**20, 4096, 3)
+    assert args.place_model_on_device is False and args.use_cpu  # no accelerator here
+
+
+def test_trainer_refuses_what_it_cannot_do(tmp_path):
+    from transformers import TrainingArguments
+
+    with pytest.raises(TypeError, match="ZeroTrainingArguments"):
+        ZeroTrainer(model=model(), args=TrainingArguments(output_dir=str(tmp_path)))
+    args = ZeroTrainingArguments(output_dir=str(tmp_path), **COMMON)
+    with pytest.raises(ValueError, match="builds its ZeroAdamW"):
+        ZeroTrainer(model=model(), args=args, optimizers=(torch.optim.SGD([torch.zeros(1)]), None))

@@ -1,0 +1,119 @@
+"""The shared job of the ZeroTrainer tests: a tiny GPT-2, a small dataset, the same arguments for
+the plain Trainer and ZeroTrainer. Run as a script under torchrun, it trains the plain Trainer
+(DDP) and ZeroTrainer at several stages in the same processes and writes their logs as JSON:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 trainer_cases.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from conftest import tiny_gpt2  # noqa: E402
+
+# Global batch 8 per optimizer step at world 1 (4 x 2 accumulation), 16 at world 2.
+COMMON = dict(
+    per_device_train_batch_size=4,
+    per_device_eval_batch_size=8,
+    gradient_accumulation_steps=2,
+    max_steps=6,
+    learning_rate=2e-3,
+    weight_decay=0.1,
+    max_grad_norm=0.5,  # small enough to clip
+    lr_scheduler_type="linear",
+    warmup_steps=2,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    seed=0,
+    use_cpu=True,
+    dataloader_num_workers=0,
+)
+
+
+def dataset(n: int = 64, seq: int = 16, vocab: int = 96):
+    """Learnable rows: each counts up from a random start by a random stride."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(7)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    stride = torch.randint(1, 4, (n, 1), generator=g)
+    ids = ((start + stride * torch.arange(seq)) % vocab).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def model():
+    return tiny_gpt2(seed=0)  # dropout off: the two trainers see the same function
+
+
+def logged(trainer, key: str = "loss") -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h and "step" in h]
+
+
+def plain_run(output_dir: str, **overrides):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=output_dir, **{**COMMON, **overrides})
+    trainer = Trainer(model=model(), args=args, train_dataset=dataset())
+    trainer.train()
+    return trainer
+
+
+def zero_run(output_dir: str, *, model_source=None, train: bool = True, **overrides):
+    from zerotune.hf import ZeroTrainer, ZeroTrainingArguments
+
+    args = ZeroTrainingArguments(output_dir=output_dir, **{**COMMON, **overrides})
+    trainer = ZeroTrainer(
+        model=model() if model_source is None else model_source,
+        args=args,
+        train_dataset=dataset(),
+        eval_dataset=dataset(16),
+    )
+    if train:
+        trainer.train()
+    return trainer
+
+
+CASES_WORLD2 = {
+    "stage3": dict(zero_stage=3),
+    "stage2_nvme_optimizer": dict(zero_stage=2, offload_optimizer="nvme"),
+}
+
+
+def main(out: str) -> None:
+    import tempfile
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    work = Path(out).parent
+    results = {}
+    plain = plain_run(str(work / "plain"))
+    results["plain"] = {"world": plain.args.world_size, "loss": logged(plain)}
+    for name, overrides in CASES_WORLD2.items():
+        extra = dict(overrides)
+        if "nvme" in extra.values():
+            extra["nvme_path"] = tempfile.gettempdir()
+        trainer = zero_run(str(work / name), **extra)
+        results[name] = {
+            "world": trainer.args.world_size,
+            "engine_world": trainer.engine.world,
+            "loss": logged(trainer),
+            "grad_norm": logged(trainer, "grad_norm"),
+        }
+        trainer.close()
+    if rank == 0:
+        results["plain"]["grad_norm"] = logged(plain, "grad_norm")
+        Path(out).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,242 @@
+"""``ZeroTrainingArguments``: ``TrainingArguments`` plus how zerotune shards and offloads.
+
+Every field is also a command-line flag through ``HfArgumentParser`` (``--zero_stage 3``,
+``--offload_param nvme``, ``--nvme_path /mnt/nvme``, ``--prefetch_bytes 64MiB``, ...).
+``zero_config`` (a YAML/JSON path or a dict, see ``zerotune.ZeroConfig``) gives the base; the
+fields set here override it. ``--bf16`` / ``--fp16`` choose the dtype the engine keeps the
+parameters in (fp32 master weights stay on the optimizer side), not an autocast: accelerate's
+mixed precision is switched off, and fp16 uses the engine's dynamic loss scaler.
+"""
+
+# No ``from __future__ import annotations``: HfArgumentParser reads the field types at run time.
+
+import copy
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainingArguments
+
+from ..config import ConfigError, ZeroConfig
+
+__all__ = ["ZeroTrainingArguments", "list_zero_presets", "read_zero_config_file"]
+
+# Optimizer names that ZeroAdamW implements (the Trainer's default is one of them).
+_ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
+# Fields that map one to one onto ZeroConfig keys.
+_CONFIG_FIELDS = {
+    "zero_stage": "stage",
+    "offload_param": "offload_param",
+    "offload_optimizer": "offload_optimizer",
+    "nvme_path": "nvme_path",
+    "prefetch_bytes": "prefetch_bytes",
+    "max_live_bytes": "max_live_bytes",
+    "persistence_threshold": "persistence_threshold",
+    "staging_bytes": "staging_bytes",
+    "grad_host_bytes": "grad_host_bytes",
+}
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return accelerator.is_available()
+    return torch.cuda.is_available()
+
+
+def list_zero_presets() -> list[str]:
+    """Names of the zerotune config presets shipped in ``configs/*.yaml``."""
+    folder = resources.files("zerotune._configs")
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def read_zero_config_file(name_or_path: str | Path) -> dict[str, Any]:
+    """The mapping in a zerotune config file (YAML or JSON), or in a shipped preset given by
+    name (``zero3-offload-nvme``). Not validated: flags are merged in first."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        preset = resources.files("zerotune._configs") / f"{name_or_path}.yaml"
+        if not preset.is_file():
+            presets = ", ".join(list_zero_presets())
+            raise ConfigError(
+                f"zerotune config {str(name_or_path)!r} is neither a file nor a preset ({presets})"
+            )
+        path = Path(str(preset))
+    try:
+        text = path.read_text()
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # noqa: BLE001 - any read or parse error becomes one message
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"cannot read zerotune config {path}: {reason}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a zerotune config must be a mapping of keys to values")
+    return data
+
+
+@dataclass
+class ZeroTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` for :class:`zerotune.hf.ZeroTrainer`.
+
+    Unset zerotune fields (None) take their value from ``zero_config``, then from
+    ``ZeroConfig``'s defaults (ZeRO-3, no offload). Sizes are bytes; strings such as
+    ``"64MiB"`` work too.
+    """
+
+    zero_config: dict | str | None = field(
+        default=None,
+        metadata={"help": "zerotune config: a YAML/JSON file (see configs/zero3*.yaml) or a dict; "
+                  "the zerotune flags below override it."},
+    )  # fmt: skip
+    zero_stage: int | None = field(
+        default=None,
+        metadata={"help": "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also "
+                  "parameters (default 3).", "choices": [1, 2, 3]},
+    )  # fmt: skip
+    offload_param: str | None = field(
+        default=None,
+        metadata={"help": "Where stage-3 parameter shards live between uses.",
+                  "choices": ["none", "cpu", "nvme"]},
+    )  # fmt: skip
+    offload_optimizer: str | None = field(
+        default=None,
+        metadata={"help": "Where fp32 master weights, Adam moments and gradient shards live.",
+                  "choices": ["none", "cpu", "nvme"]},
+    )  # fmt: skip
+    nvme_path: str | None = field(
+        default=None, metadata={"help": "Folder for NVMe swap files (needed by nvme offload)."}
+    )
+    prefetch_bytes: int | str | None = field(
+        default=None, metadata={"help": "Bytes of parameters gathered ahead of use (stage 3)."}
+    )
+    max_live_bytes: int | str | None = field(
+        default=None, metadata={"help": "Bound on gathered parameter bytes held at once."}
+    )
+    persistence_threshold: int | str | None = field(
+        default=None,
+        metadata={"help": "Units of at most this many gathered bytes stay gathered (stage 3)."},
+    )
+    staging_bytes: int | str | None = field(
+        default=None, metadata={"help": "Host staging buffers for NVMe transfers, in bytes."}
+    )
+    grad_host_bytes: int | str | None = field(
+        default=None,
+        metadata={"help": "With nvme optimizer offload: gradient shards stay in host memory "
+                  "up to this many bytes."},
+    )  # fmt: skip
+    save_dtype: str | None = field(
+        default=None,
+        metadata={"help": "dtype of the weights save_model writes (default: the training dtype).",
+                  "choices": ["fp32", "bf16", "fp16"]},
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self._check_contradictions()
+        # The engine holds the parameters in bf16/fp16 itself: hide the flags from the parent
+        # (which would turn on accelerate's autocast and, for bf16 on CPU, refuse), then
+        # restore them so the arguments still read as given.
+        if not self.use_cpu and not _has_accelerator():
+            # Without it, accelerate on a CPU-only host under torchrun trains each rank alone
+            # (world size 1 in the Trainer) while torch.distributed spans all ranks.
+            self.use_cpu = True
+        bf16, fp16 = bool(self.bf16), bool(self.fp16)
+        self.bf16 = self.fp16 = False
+        try:
+            super().__post_init__()
+        finally:
+            self.bf16, self.fp16 = bf16, fp16
+        self.mixed_precision = "no"
+        self._zero = self._build_zero_config()
+
+    # ------------------------------------------------------------------ validation
+    def _check_contradictions(self) -> None:
+        if self.deepspeed:
+            raise ConfigError(
+                "--deepspeed cannot be combined with ZeroTrainer: zerotune is the ZeRO engine "
+                "here; drop --deepspeed and set --zero_stage / --offload_* (or --zero_config)."
+            )
+        if self.fsdp:
+            raise ConfigError(
+                "--fsdp cannot be combined with ZeroTrainer: zerotune already shards the model; "
+                "drop --fsdp and choose a --zero_stage."
+            )
+        if self.auto_find_batch_size:
+            raise ConfigError(
+                "--auto_find_batch_size is not supported by ZeroTrainer (it rebuilds the model "
+                "after an out-of-memory error, and a sharded model cannot be rebuilt in place); "
+                "set --per_device_train_batch_size instead."
+            )
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 cannot both be set; choose one training dtype.")
+        optim = getattr(self.optim, "value", self.optim)
+        if optim not in _ADAMW_NAMES:
+            raise ConfigError(
+                f"--optim {optim} is not supported by ZeroTrainer, which trains with ZeroAdamW "
+                f"(AdamW over the shards); use --optim adamw_torch or leave it unset."
+            )
+        base = self._raw_config()
+        offload = (
+            self.offload_param or base.get("offload_param"),
+            self.offload_optimizer or base.get("offload_optimizer"),
+        )
+        if "nvme" in offload and not self.nvme_path and not base.get("nvme_path"):
+            raise ConfigError(
+                "NVMe offload needs --nvme_path (a folder on a fast local disk for the swap files)."
+            )
+
+    def _raw_config(self) -> dict[str, Any]:
+        try:
+            return self.zero_config_dict()
+        except ConfigError:
+            return {}  # reported by _build_zero_config with the file's own message
+
+    def zero_config_dict(self) -> dict[str, Any]:
+        """The raw mapping of ``zero_config`` (empty when unset)."""
+        source = self.zero_config
+        if source is None:
+            return {}
+        if isinstance(source, ZeroConfig):
+            return source.to_dict()
+        if isinstance(source, dict):
+            return copy.deepcopy(source)
+        return read_zero_config_file(source)
+
+    def _build_zero_config(self) -> ZeroConfig:
+        data = self.zero_config_dict()
+        for name, key in _CONFIG_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                data[key] = value
+        flag_dtype = "bf16" if self.bf16 else "fp16" if self.fp16 else None
+        if flag_dtype is not None:
+            if data.get("dtype") not in (None, flag_dtype):
+                raise ConfigError(
+                    f"--{flag_dtype} contradicts dtype={data['dtype']!r} in the zerotune config; "
+                    "keep one of them."
+                )
+            data["dtype"] = flag_dtype
+        try:
+            return ZeroConfig.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"invalid zerotune configuration: {exc}") from None
+
+    # -------------------------------------------------------------------- results
+    @property
+    def zero(self) -> ZeroConfig:
+        """The engine configuration these arguments describe."""
+        return self._zero
+
+    @property
+    def place_model_on_device(self) -> bool:
+        # The engine places every shard on its tier; the Trainer must not move the model.
+        return False

@@ -1,0 +1,329 @@
+"""Training data for causal LM fine-tuning: loading, tokenization, packing into blocks.
+
+[Note: data pipeline]
+1. ``load_raw_dataset``: a local file or folder (json / jsonl / csv / parquet / txt) through
+   ``datasets``' packaged builders, or a hub dataset name (from the local cache when
+   HF_HUB_OFFLINE is set). A .txt file is one document (not one row per line).
+2. ``choose_columns``: a text column (``text``, ``content``) or a prompt/response pair
+   (``prompt``/``response``, ``prompt``/``completion``, ``instruction``/``output``,
+   ``question``/``answer``), unless named explicitly.
+3. ``tokenize_and_pack``: each example becomes token ids followed by the end-of-sequence
+   token; for a pair, the prompt's tokens get label -100 (no loss on the prompt) unless
+   ``train_on_prompt``. Examples are concatenated (1,000 at a time) and cut into blocks of
+   ``block_size`` tokens (each group's tail shorter than a block is dropped), so every batch
+   is full and needs no padding or attention mask.
+A model without a tokenizer gets ``byte_tokenizer()``: ids 0-255 are the bytes of the UTF-8
+text, then ``<|endoftext|>`` (256), ``<|pad|>`` (257) and ``<|unk|>`` (258); it needs no
+download and ``save_pretrained`` writes a ``tokenizer.json`` that ``AutoTokenizer`` loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "Columns",
+    "DataError",
+    "byte_tokenizer",
+    "choose_columns",
+    "load_raw_dataset",
+    "prepare_datasets",
+    "tokenize_and_pack",
+]
+
+BYTE_VOCAB_SIZE = 259
+_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+}
+_TEXT_COLUMNS = ("text", "content")
+_PAIRS = (
+    ("prompt", "response"),
+    ("prompt", "completion"),
+    ("instruction", "output"),
+    ("question", "answer"),
+    ("input", "output"),
+)
+
+
+class DataError(ValueError):
+    """The training data cannot be used as given; the message says why and what to do."""
+
+
+# ------------------------------------------------------------------------- tokenizer
+def _byte_to_char() -> dict[int, str]:
+    """A printable character per byte (BPE byte-level convention): printable Latin-1 bytes
+    stand for themselves, the rest are moved above 255."""
+    printable = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    out, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + shift)
+            shift += 1
+    return out
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer needing no download: token id = byte value (0-255), then
+    ``<|endoftext|>`` = 256 (bos/eos), ``<|pad|>`` = 257, ``<|unk|>`` = 258."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = _byte_to_char()
+    core = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(["<|endoftext|>", "<|pad|>", "<|unk|>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        unk_token="<|unk|>",
+    )
+
+
+# ----------------------------------------------------------------------------- loading
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip():
+        text = str(cause).strip()  # datasets wraps the reader's error in a generic one
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_raw_dataset(source: str | os.PathLike):
+    """The ``train`` split of a local file / folder or a hub dataset (see [Note: data pipeline])."""
+    import datasets
+
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in _BUILDERS)
+        kinds = {_BUILDERS[p.suffix.lower()] for p in files}
+        if not files:
+            raise DataError(f"dataset folder {path} has no {'/'.join(sorted(_BUILDERS))} files")
+        if len(kinds) > 1:
+            raise DataError(f"dataset folder {path} mixes file types ({', '.join(sorted(kinds))})")
+        builder = kinds.pop()
+    elif path.is_file():
+        files = [path]
+        builder = _BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise DataError(
+                f"dataset {path}: unknown file type {path.suffix or '(none)'}; use one of "
+                + ", ".join(sorted(_BUILDERS))
+            )
+        if not os.access(path, os.R_OK):
+            raise DataError(f"dataset {path} is not readable")
+    else:
+        if path.suffix.lower() in _BUILDERS or str(source).startswith((".", "/", "~")):
+            raise DataError(f"dataset {source}: no such file or folder")
+        return _load_hub_dataset(str(source))
+
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        with _quiet_datasets():
+            ds = datasets.load_dataset(
+                builder, data_files=[str(f) for f in files], split="train", **kwargs
+            )
+    except Exception as exc:  # noqa: BLE001 - a parse error of any reader becomes one line
+        raise DataError(f"cannot read dataset {path} as {builder}: {_first_line(exc)}") from None
+    if len(ds) == 0:
+        raise DataError(f"dataset {path} is empty")
+    return ds
+
+
+def _load_hub_dataset(name: str):
+    import datasets
+
+    try:
+        with _quiet_datasets():
+            return datasets.load_dataset(name, split="train")
+    except Exception as exc:  # noqa: BLE001
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        where = "the local cache (HF_HUB_OFFLINE is set)" if offline else "the hub"
+        raise DataError(
+            f"dataset {name!r} is not a local file and could not be loaded from {where}: "
+            f"{_first_line(exc)}"
+        ) from None
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No progress bars or log lines while reading raw files: a failure is reported once,
+    by the DataError raised."""
+    import datasets
+
+    level = datasets.logging.get_verbosity()
+    bars = datasets.is_progress_bar_enabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+# ----------------------------------------------------------------------------- columns
+@dataclass
+class Columns:
+    """Which columns feed the model: ``text`` alone, or ``prompt`` and ``response``."""
+
+    text: str | None = None
+    prompt: str | None = None
+    response: str | None = None
+
+    def describe(self) -> str:
+        if self.text is not None:
+            return f"text column {self.text!r}"
+        return f"prompt column {self.prompt!r}, response column {self.response!r}"
+
+
+def choose_columns(
+    names: list[str],
+    *,
+    text_column: str | None = None,
+    prompt_column: str | None = None,
+    response_column: str | None = None,
+    source: str = "the dataset",
+) -> Columns:
+    """Pick the columns to train on: the ones named, or the first known name present."""
+    have = ", ".join(names)
+    for given in (text_column, prompt_column, response_column):
+        if given is not None and given not in names:
+            raise DataError(f"{source} has no column {given!r} (its columns: {have})")
+    if text_column is not None:
+        if prompt_column or response_column:
+            raise DataError("give either a text column or a prompt/response pair, not both")
+        return Columns(text=text_column)
+    if (prompt_column is None) != (response_column is None):
+        # One of the pair given: find its partner among the known pairs.
+        for p, r in _PAIRS:
+            if prompt_column in (None, p) and response_column in (None, r):
+                if (prompt_column or p) in names and (response_column or r) in names:
+                    return Columns(prompt=prompt_column or p, response=response_column or r)
+        raise DataError(
+            f"{source}: name both --prompt-column and --response-column (its columns: {have})"
+        )
+    if prompt_column is not None:
+        return Columns(prompt=prompt_column, response=response_column)
+    for name in _TEXT_COLUMNS:
+        if name in names:
+            return Columns(text=name)
+    for p, r in _PAIRS:
+        if p in names and r in names:
+            return Columns(prompt=p, response=r)
+    raise DataError(
+        f"{source} has no text column ({', '.join(_TEXT_COLUMNS)}) and no prompt/response "
+        f"pair (its columns: {have}); name one with --text-column or "
+        "--prompt-column/--response-column"
+    )
+
+
+# -------------------------------------------------------------------- tokenize, pack
+def tokenize_and_pack(
+    ds,
+    tokenizer,
+    columns: Columns,
+    block_size: int,
+    *,
+    train_on_prompt: bool = False,
+    num_proc: int | None = None,
+):
+    """A dataset of ``input_ids`` and ``labels`` blocks of ``block_size`` tokens."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("the tokenizer has no end-of-sequence token; give one that does")
+
+    def ids_of(texts):
+        texts = ["" if t is None else str(t) for t in texts]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def tokenize(batch):
+        if columns.text is not None:
+            ids = [x + [eos] for x in ids_of(batch[columns.text])]
+            return {"input_ids": ids, "labels": [list(x) for x in ids]}
+        prompts = ids_of(batch[columns.prompt])
+        responses = ids_of(batch[columns.response])
+        ids, labels = [], []
+        for p, r in zip(prompts, responses):
+            ids.append(p + r + [eos])
+            labels.append((p if train_on_prompt else [-100] * len(p)) + r + [eos])
+        return {"input_ids": ids, "labels": labels}
+
+    def pack(batch):
+        ids = [t for x in batch["input_ids"] for t in x]
+        labels = [t for x in batch["labels"] for t in x]
+        n = len(ids) // block_size * block_size
+        return {
+            "input_ids": [ids[i : i + block_size] for i in range(0, n, block_size)],
+            "labels": [labels[i : i + block_size] for i in range(0, n, block_size)],
+        }
+
+    tokenized = ds.map(
+        tokenize,
+        batched=True,
+        remove_columns=ds.column_names,
+        num_proc=num_proc,
+        desc="Tokenizing",
+    )
+    # Packing goes 1,000 examples at a time (bounded memory); blocks cross example
+    # boundaries within a batch, and each batch drops its last partial block.
+    blocks = tokenized.map(pack, batched=True, batch_size=1000, desc="Packing")
+    if len(blocks) == 0:
+        raise DataError(
+            f"the dataset makes no block of {block_size} tokens; use a smaller --block-size "
+            "or more data"
+        )
+    return blocks
+
+
+def prepare_datasets(
+    source: str | os.PathLike,
+    tokenizer,
+    block_size: int,
+    *,
+    eval_split: float = 0.0,
+    text_column: str | None = None,
+    prompt_column: str | None = None,
+    response_column: str | None = None,
+    train_on_prompt: bool = False,
+    seed: int = 0,
+):
+    """(train blocks, eval blocks or None, the columns used): see [Note: data pipeline]."""
+    if block_size < 2:
+        raise DataError(f"--block-size must be at least 2, got {block_size}")
+    if not 0.0 <= eval_split < 1.0:
+        raise DataError(f"--eval-split must be a fraction in [0, 1), got {eval_split}")
+    raw = load_raw_dataset(source)
+    columns = choose_columns(
+        raw.column_names,
+        text_column=text_column,
+        prompt_column=prompt_column,
+        response_column=response_column,
+        source=f"dataset {source}",
+    )
+    blocks = tokenize_and_pack(raw, tokenizer, columns, block_size, train_on_prompt=train_on_prompt)
+    if not eval_split:
+        return blocks, None, columns
+    n_eval = max(1, round(len(blocks) * eval_split))
+    if len(blocks) - n_eval < 1:
+        raise DataError(
+            f"the dataset makes {len(blocks)} block(s) of {block_size} tokens: too few to hold "
+            f"out {eval_split:.0%} for evaluation"
+        )
+    split = blocks.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
+    return split["train"], split["test"], columns

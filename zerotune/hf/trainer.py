@@ -1,0 +1,381 @@
+"""``ZeroTrainer``: the Hugging Face ``Trainer`` running on a zerotune engine.
+
+[Note: how ZeroTrainer plugs into Trainer]
+The Trainer keeps its loop, data loading, logging, callbacks, evaluation and schedulers; the
+engine replaces what DDP/DeepSpeed would do, through the Trainer's override points:
+- ``__init__`` builds the engine before the Trainer sees the model (zero-init for a config,
+  a streaming load for a folder or hub id, ``ZeroEngine`` for a built module). ``self.model``
+  is the HF model inside the engine; ``ZeroTrainingArguments.place_model_on_device`` is False,
+  so the Trainer never moves it.
+- ``_wrap_model`` returns the engine, for training and evaluation: the Trainer then skips
+  ``accelerator.prepare(model)``, so accelerate adds no DDP. Its ``no_sync(model)`` finds the
+  engine's ``no_sync`` for the non-final micro-batches of gradient accumulation.
+- ``create_optimizer`` builds ``ZeroAdamW`` from the Trainer's own decay / no-decay split,
+  by parameter *name* (at stage 3 a released parameter has size 0, so shapes cannot be used).
+  The optimizer is marked as prepared, so accelerate's wrapper (which round-trips the state
+  dict to move it to the device) leaves it alone; it reports skipped fp16 steps itself.
+- ``_clip_grad_norm`` / ``_get_grad_norm`` use the optimizer's global-norm clipping.
+- Gradients are averaged over ranks, like DDP's, so ``average_tokens_across_devices`` (which
+  scales each rank's loss by the world size) gives DDP's numbers.
+- fp16: the engine's loss scaler multiplies the loss before accelerate's ``backward`` (a
+  wrapper set on this trainer's accelerator only); accelerate's own mixed precision is off.
+- Checkpoints: ``checkpoint-N/`` holds the Trainer's ``trainer_state.json`` and, in
+  ``checkpoint-N/zero/``, a zerotune checkpoint (master weights, Adam moments, step counts,
+  scheduler, loss scaler, RNG states; safetensors and JSON, no pickle), written by
+  ``_save_optimizer_and_scheduler``. ``save_model`` skips the model inside checkpoints (the
+  zerotune checkpoint holds it; ``zerotune export checkpoint-N out`` consolidates it) unless
+  ``save_only_model`` is set. Resuming loads everything in ``_load_optimizer_and_scheduler``,
+  once the optimizer and scheduler exist, at any world size.
+- ``save_model`` writes a consolidated HF folder (config.json + safetensors) with
+  ``save_hf``: every rank takes part, rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PretrainedConfig, Trainer
+
+from .. import dist as zdist
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_hf
+from ..checkpoint.manifest import MARKER
+from ..init import from_pretrained, zero_init
+from ..optim import ZeroAdamW
+from ..sharding import ZeroEngine
+from .args import ZeroTrainingArguments
+
+__all__ = ["ZeroTrainer", "build_engine", "describe_config", "latest_complete_checkpoint"]
+
+log = logging.getLogger(__name__)
+log.addFilter(zdist.RankFilter())
+
+ZERO_DIR = "zero"  # the zerotune checkpoint inside a Trainer checkpoint folder
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$|^model\.safetensors\.index\.json$")
+
+
+def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
+    """The engine for ``model``: a ``ZeroEngine`` (used as is), a built ``nn.Module`` (sharded
+    in place), a transformers config (zero-init, seeded with ``args.seed``), or a local folder
+    or hub id (pretrained weights streamed into the shards)."""
+    device = args.device  # also sets up torch.distributed under torchrun
+    config = args.zero
+    if isinstance(model, ZeroEngine):
+        return model
+    if isinstance(model, nn.Module):
+        for module in model.modules():  # the shards go to `device`; buffers follow
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != device:
+                    module._buffers[name] = buf.to(device)
+        return ZeroEngine(model, config, device=device)
+    if isinstance(model, PretrainedConfig):
+        return zero_init(model, config, seed=args.seed, device=device)
+    if isinstance(model, (str, os.PathLike)):
+        return from_pretrained(model, config, device=device)
+    raise TypeError(
+        "ZeroTrainer needs a model: a ZeroEngine, an nn.Module, a transformers config (random "
+        f"init; zerotune.hf.model_config(name) for presets), or a folder / hub id, not {model!r}"
+    )
+
+
+class _TrainerAdamW(ZeroAdamW):
+    """ZeroAdamW as the Trainer drives it. Marked as prepared so accelerate does not wrap it
+    (see [Note: how ZeroTrainer plugs into Trainer]); ``step_was_skipped`` is what
+    ``accelerator.optimizer_step_was_skipped`` reads to hold the scheduler back on fp16
+    overflow."""
+
+    _is_accelerate_prepared = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.last_info = None
+
+    def step(self, closure=None):
+        self.last_info = super().step(closure)
+        return self.last_info
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.last_info is not None and self.last_info.skipped
+
+
+class ZeroTrainer(Trainer):
+    """``transformers.Trainer`` with ZeRO-1/2/3 sharding and ZeRO-Infinity offload.
+
+    ``model``: a transformers config (zero-init: built one unit at a time, never whole), a
+    local HF folder or hub id (weights streamed into the shards), a built ``nn.Module``
+    (sharded in place) or a ``ZeroEngine``. ``args`` must be :class:`ZeroTrainingArguments`.
+    Everything else is the Trainer's: datasets, collator, callbacks, ``compute_metrics``,
+    ``train(resume_from_checkpoint=...)``, ``evaluate()``, ``predict()``, ``save_model()``.
+    Call ``close()`` at the end to remove NVMe swap files early (they also go at exit).
+    """
+
+    def __init__(self, model=None, args: ZeroTrainingArguments | None = None, **kwargs):
+        if args is None:
+            args = ZeroTrainingArguments(output_dir="trainer_output")
+        if not isinstance(args, ZeroTrainingArguments):
+            raise TypeError(
+                "ZeroTrainer needs ZeroTrainingArguments (a TrainingArguments subclass with the "
+                "zerotune fields), not " + type(args).__name__
+            )
+        if kwargs.get("model_init") is not None:
+            raise ValueError(
+                "ZeroTrainer does not take model_init (the sharded model is built once); pass "
+                "the model, its config or its folder"
+            )
+        optimizer, scheduler = kwargs.get("optimizers", (None, None))
+        if optimizer is not None or scheduler is not None or kwargs.get("optimizer_cls_and_kwargs"):
+            raise ValueError(
+                "ZeroTrainer builds its ZeroAdamW and scheduler from the arguments (learning_rate, "
+                "weight_decay, adam_*, lr_scheduler_type); subclass and override create_optimizer "
+                "or create_scheduler to change them"
+            )
+        if model is None:
+            raise ValueError("ZeroTrainer needs a model: a config, a folder, a module or an engine")
+        self.engine = build_engine(model, args)
+        self._resume_rng: dict | None = None
+        self._num_params = sum(s.numel for u in self.engine.units for s in u.slots)
+        super().__init__(model=self.engine.module, args=args, **kwargs)
+        if args.world_size != self.engine.world:
+            raise ValueError(
+                f"the Trainer sees {args.world_size} data-parallel rank(s) but the engine is "
+                f"sharded over {self.engine.world}; launch with torchrun and let the arguments "
+                "set up torch.distributed before building the engine"
+            )
+
+    # --------------------------------------------------------------- the Trainer's hooks
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        scaler = self.engine.scaler
+        if scaler is not None:
+            plain_backward = self.accelerator.backward
+
+            def backward(loss, **kwargs):
+                plain_backward(loss * scaler.scale, **kwargs)
+
+            self.accelerator.backward = backward  # this trainer's accelerator only
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        return self.engine
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            args = self.args
+            decay = set(self.get_decay_parameter_names(self.model))
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
+            self.optimizer = _TrainerAdamW(
+                self.engine,
+                groups,
+                lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+                weight_decay=args.weight_decay,
+            )
+        return self.optimizer
+
+    def _clip_grad_norm(self, model):
+        return self.optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            grad_norm = self.optimizer.clip_grad_norm_(float("inf"))  # the norm, no clipping
+        return float(grad_norm)
+
+    def floating_point_ops(self, inputs) -> int:
+        # The model's own count reads parameter sizes, which are 0 for released parameters.
+        ids = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
+        tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
+        return 6 * tokens * self._num_params
+
+    # -------------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the model as a consolidated HF folder (config.json, safetensors, tokenizer)
+        that ``from_pretrained`` loads; every rank must call it."""
+        output = Path(output_dir if output_dir is not None else self.args.output_dir)
+        if _internal_call and not self.args.save_only_model:
+            return  # inside a checkpoint: the zerotune checkpoint holds the weights
+        dtype = self.args.save_dtype or self.args.zero.dtype
+        tokenizer = self.processing_class
+        if not hasattr(tokenizer, "save_pretrained"):
+            tokenizer = None
+        fresh = not output.exists() or not any(output.iterdir())
+        # save_hf writes into a new folder and renames it into place; a folder that holds
+        # other things (checkpoints, logs) gets the new files moved in one by one.
+        target = output if fresh else output / f".zerotune-model-{os.getpid()}"
+        save_hf(self.engine, target, dtype=dtype, tokenizer=tokenizer)
+        if self.engine.rank == 0:
+            if not fresh:
+                _move_model_files(target, output)
+            (output / "training_args.json").write_text(self.args.to_json_string())
+        zdist.barrier(self.engine.group)
+        log.info("zerotune: saved the model to %s", output)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        tokenizer = self.processing_class
+        save_checkpoint(
+            self.engine,
+            output_dir,
+            name=ZERO_DIR,
+            step=self.state.global_step,
+            optimizer=self.optimizer,
+            scheduler=self.lr_scheduler,
+            tokenizer=tokenizer if hasattr(tokenizer, "save_pretrained") else None,
+        )
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        pass  # the zerotune checkpoint holds every rank's RNG states
+
+    # ------------------------------------------------------------------------- loading
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise CheckpointError(
+                    f"no complete checkpoint to resume from in {self.args.output_dir}"
+                )
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # Only checked here: the weights are loaded with the optimizer state, once the
+        # optimizer exists (_load_optimizer_and_scheduler).
+        _check_resumable(Path(resume_from_checkpoint))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        folder = Path(checkpoint)
+        _check_resumable(folder)
+        load_checkpoint(
+            self.engine, folder / ZERO_DIR, optimizer=self.optimizer, scheduler=self.lr_scheduler
+        )
+        # The Trainer restores RNG states later (after skipping the trained batches); keep
+        # what the checkpoint held for then.
+        self._resume_rng = _capture_rng()
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is not None and self._resume_rng is not None:
+            _restore_rng(self._resume_rng)
+
+    def _load_best_model(self) -> None:
+        best = Path(self.state.best_model_checkpoint)
+        log.info("zerotune: loading the best model from %s", best)
+        _check_resumable(best)
+        load_checkpoint(self.engine, best / ZERO_DIR, load_optimizer=False, load_rng=False)
+
+    # ------------------------------------------------------------------------ reporting
+    def memory_summary(self) -> dict[str, int | None]:
+        """Peak bytes per memory tier of this rank: accelerator (None without one), host
+        (peak resident set of this process), nvme (swap files), and the engine's report."""
+        report = self.engine.memory_report()
+        accel = None
+        if self.engine.device.type == "cuda":
+            accel = torch.cuda.max_memory_allocated(self.engine.device)
+        return {
+            "accelerator_peak": accel,
+            "host_peak": _peak_rss(),
+            "nvme": report.get("nvme", 0),
+            **{f"engine_{k}": v for k, v in report.items()},
+        }
+
+    def close(self) -> None:
+        """Finish pending I/O and remove this rank's NVMe swap files."""
+        self.engine.close()
+
+
+# ------------------------------------------------------------------------------ helpers
+def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest ``checkpoint-N`` under ``output_dir`` whose trainer state and zerotune
+    checkpoint were both written to the end (a save killed half-way is skipped)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    found = []
+    for p in root.iterdir():
+        m = _CHECKPOINT.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    for _, p in sorted(found, reverse=True):
+        if (p / "trainer_state.json").is_file() and (p / ZERO_DIR / MARKER).is_file():
+            return str(p)
+        log.warning("zerotune: %s is incomplete (its save was interrupted); skipping it", p)
+    return None
+
+
+def _check_resumable(folder: Path) -> None:
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint folder")
+    if (folder / ZERO_DIR).is_dir():
+        return
+    if any(_WEIGHT_FILES.match(p.name) for p in folder.iterdir()):
+        raise CheckpointError(
+            f"{folder} holds a model but no optimizer state (saved with save_only_model); "
+            "start a new run from it (model=that folder) instead of resuming"
+        )
+    raise CheckpointError(f"{folder} is not a ZeroTrainer checkpoint (no {ZERO_DIR}/ folder)")
+
+
+def _move_model_files(staged: Path, output: Path) -> None:
+    """Move a finished HF folder's files into ``output``, replacing the weight files of an
+    earlier save (one rename per file)."""
+    new = {p.name for p in staged.iterdir()}
+    for old in output.iterdir():
+        if old.is_file() and _WEIGHT_FILES.match(old.name) and old.name not in new:
+            old.unlink()
+    for p in staged.iterdir():
+        dest = output / p.name
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        os.replace(p, dest)
+    staged.rmdir()
+
+
+def _capture_rng() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _peak_rss() -> int:
+    """Peak resident set size of this process (VmHWM), in bytes."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def describe_config(config) -> str:
+    """One line naming a ZeroConfig's stage, dtype and offload tiers."""
+    parts = [f"ZeRO-{config.stage}", config.dtype]
+    if config.offload_param != "none" or config.offload_optimizer != "none":
+        parts.append(f"offload param={config.offload_param} optimizer={config.offload_optimizer}")
+    return ", ".join(parts)
