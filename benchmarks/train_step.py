@@ -138,12 +138,24 @@ def main() -> None:
             f"{r['total']:>10.3f}{r['peak_rss_gib']:>14.2f}"
         )
     zt = results["zerotune"]
+    gb = 1e9
+    moved = zt["read_bytes_per_step"] + zt["written_bytes_per_step"]
+    if args.offload == "nvme":
+        print(
+            f"zerotune disk traffic per step: read {zt['read_bytes_per_step'] / gb:.2f} GB, "
+            f"written {zt['written_bytes_per_step'] / gb:.2f} GB, "
+            f"{moved / gb / zt['total']:.2f} GB/s averaged over the step"
+        )
     summary = {
         "model": args.model,
         "stage": args.stage,
         "dtype": args.dtype,
+        "offload": args.offload,
         "step_time_s": round(zt["total"], 4),
         "peak_rss_gib": round(zt["peak_rss_gib"], 3),
+        "read_gb_per_step": round(zt["read_bytes_per_step"] / gb, 3),
+        "written_gb_per_step": round(zt["written_bytes_per_step"] / gb, 3),
+        "io_gbps": round(moved / gb / zt["total"], 3),
     }
     if "plain" in results:
         plain = results["plain"]

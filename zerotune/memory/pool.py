@@ -19,26 +19,32 @@ __all__ = ["BufferPool", "ByteCounter", "WriteQueue"]
 
 
 class WriteQueue:
-    """NVMe writes in flight, at most ``limit`` of them: adding one more finishes the oldest
-    (waits for it and gives its buffer back), which bounds the buffers they hold."""
+    """NVMe writes in flight: adding one finishes the oldest (waits for it and gives its
+    buffer back) while more than ``limit`` are in flight or, beyond the newest, they hold
+    more than ``limit_bytes``. This bounds the buffers writes keep alive."""
 
-    def __init__(self, limit: int = 2):
+    def __init__(self, limit: int = 2, limit_bytes: int = 128 * 2**20):
         self.limit = limit
+        self.limit_bytes = limit_bytes
         self._entries: deque = deque()
+        self._bytes = 0
 
     def add(self, owner: list, handle, buf, give_back) -> None:
         entry = [handle, buf, give_back, False]
         owner.append(entry)
         self._entries.append(entry)
-        while len(self._entries) > self.limit:
+        self._bytes += buf.numel() * buf.element_size()
+        while len(self._entries) > 1 and (
+            len(self._entries) > self.limit or self._bytes > self.limit_bytes
+        ):
             self.finish(self._entries.popleft())
 
-    @staticmethod
-    def finish(entry) -> None:
+    def finish(self, entry) -> None:
         handle, buf, give_back, done = entry
         if done:
             return
         entry[3] = True
+        self._bytes -= buf.numel() * buf.element_size()
         handle.wait()
         if give_back is not None:
             give_back(buf)

@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import dist as zdist
 from ..memory.aio import aligned_empty
-from ..memory.pool import BufferPool, WriteQueue
+from ..memory.pool import BufferPool
 
 __all__ = ["Slot", "Unit", "UnitState"]
 
@@ -210,7 +210,7 @@ class Unit:
     def wait_writes(self) -> None:
         """Finish this unit's NVMe writes in flight and give their buffers back."""
         for entry in self._pending_writes:
-            WriteQueue.finish(entry)
+            self.pool.writes.finish(entry)
         self._pending_writes.clear()
 
     def offload_params(self, extent) -> None:
