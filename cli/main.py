@@ -6,6 +6,7 @@ import click
 
 from .env import env
 from .export import export
+from .finetune import finetune
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -16,3 +17,4 @@ def main() -> None:
 
 main.add_command(env)
 main.add_command(export)
+main.add_command(finetune)

@@ -1,8 +1,26 @@
-"""Hugging Face integration: ZeroTrainer, ZeroTrainingArguments, data preparation, presets."""
+"""Hugging Face integration: ZeroTrainer, ZeroTrainingArguments, data preparation, presets.
 
-from .args import ZeroTrainingArguments, list_zero_presets
+``ZeroTrainer``, ``ZeroTrainingArguments`` and ``build_engine`` load on first use: they import
+``transformers.Trainer``, which takes seconds, and the data and config helpers do not need it.
+"""
+
+from .configs import list_zero_presets, read_zero_config_file
 from .presets import list_presets, model_config
-from .trainer import ZeroTrainer, build_engine
+
+_LAZY = {
+    "ZeroTrainer": "trainer",
+    "build_engine": "trainer",
+    "ZeroTrainingArguments": "args",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'zerotune.hf' has no attribute {name!r}")
+
 
 __all__ = [
     "ZeroTrainer",
@@ -11,4 +29,5 @@ __all__ = [
     "list_presets",
     "list_zero_presets",
     "model_config",
+    "read_zero_config_file",
 ]

@@ -11,17 +11,15 @@ mixed precision is switched off, and fp16 uses the engine's dynamic loss scaler.
 # No ``from __future__ import annotations``: HfArgumentParser reads the field types at run time.
 
 import copy
-import json
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from transformers import TrainingArguments
 
 from ..config import ConfigError, ZeroConfig
+from .configs import read_zero_config_file
 
-__all__ = ["ZeroTrainingArguments", "list_zero_presets", "read_zero_config_file"]
+__all__ = ["ZeroTrainingArguments"]
 
 # Optimizer names that ZeroAdamW implements (the Trainer's default is one of them).
 _ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
@@ -46,42 +44,6 @@ def _has_accelerator() -> bool:
     if accelerator is not None:
         return accelerator.is_available()
     return torch.cuda.is_available()
-
-
-def list_zero_presets() -> list[str]:
-    """Names of the zerotune config presets shipped in ``configs/*.yaml``."""
-    folder = resources.files("zerotune._configs")
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
-
-
-def read_zero_config_file(name_or_path: str | Path) -> dict[str, Any]:
-    """The mapping in a zerotune config file (YAML or JSON), or in a shipped preset given by
-    name (``zero3-offload-nvme``). Not validated: flags are merged in first."""
-    path = Path(name_or_path)
-    if not path.is_file():
-        preset = resources.files("zerotune._configs") / f"{name_or_path}.yaml"
-        if not preset.is_file():
-            presets = ", ".join(list_zero_presets())
-            raise ConfigError(
-                f"zerotune config {str(name_or_path)!r} is neither a file nor a preset ({presets})"
-            )
-        path = Path(str(preset))
-    try:
-        text = path.read_text()
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as exc:  # noqa: BLE001 - any read or parse error becomes one message
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"cannot read zerotune config {path}: {reason}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a zerotune config must be a mapping of keys to values")
-    return data
 
 
 @dataclass

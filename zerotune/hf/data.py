@@ -292,7 +292,7 @@ def tokenize_and_pack(
 
 
 def prepare_datasets(
-    source: str | os.PathLike,
+    source,
     tokenizer,
     block_size: int,
     *,
@@ -303,12 +303,13 @@ def prepare_datasets(
     train_on_prompt: bool = False,
     seed: int = 0,
 ):
-    """(train blocks, eval blocks or None, the columns used): see [Note: data pipeline]."""
+    """(train blocks, eval blocks or None, the columns used): see [Note: data pipeline].
+    ``source``: what ``load_raw_dataset`` takes, or a ``datasets.Dataset`` it returned."""
     if block_size < 2:
         raise DataError(f"--block-size must be at least 2, got {block_size}")
     if not 0.0 <= eval_split < 1.0:
         raise DataError(f"--eval-split must be a fraction in [0, 1), got {eval_split}")
-    raw = load_raw_dataset(source)
+    raw = source if hasattr(source, "column_names") else load_raw_dataset(source)
     columns = choose_columns(
         raw.column_names,
         text_column=text_column,

@@ -1,0 +1,641 @@
+"""``zerotune finetune``: full fine-tuning of a causal LM with ZeroTrainer, from one command.
+
+[Note: finetune flow]
+1. Parse: click takes the zerotune options; every other ``--flag`` goes to
+   ``HfArgumentParser(ZeroTrainingArguments)``, so any TrainingArguments flag works.
+2. Check everything that can be wrong before writing anything: the arguments, the zerotune
+   config (preset YAML merged with --stage / --offload / --nvme-path), the model, the
+   tokenizer, the dataset and its columns, then the engine itself (NVMe space is checked when
+   its swap files are made). Bad input ends here with one line and exit code 2, and the
+   output folder has not been created.
+3. ``--nproc-per-node N`` (outside torchrun) re-runs this command in N processes through
+   ``torch.distributed.run`` after step 2 passed; the launcher owns the processes.
+4. Train with ZeroTrainer, write the consolidated HF folder into --output-dir, then (rank 0)
+   the loss curve PNG, ``run_summary.json`` and the summary on the terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+BAD_INPUT = 2
+
+# The embedded default job: what `zerotune finetune --output-dir D` trains.
+DEFAULT_MODEL = "tiny-gpt2"
+DEFAULT_OFFLOAD = "nvme"
+DEFAULT_JOB_ARGS = {
+    "max_steps": 60,
+    "per_device_train_batch_size": 8,
+    "learning_rate": 3e-3,
+    "warmup_steps": 5,
+    "weight_decay": 0.01,
+    "save_steps": 30,
+}
+# Defaults for every run that differ from TrainingArguments' own.
+CLI_ARGS = {"logging_steps": 5, "report_to": "none", "save_total_limit": 2}
+
+
+class BadInput(click.ClickException):
+    """Bad input: one line on stderr, exit code 2."""
+
+    exit_code = BAD_INPUT
+
+    def show(self, file=None) -> None:
+        click.echo(f"zerotune finetune: error: {self.message}", err=True)
+
+
+class _Command(click.Command):
+    """Usage errors (a bad choice, a missing --output-dir) as one line and exit code 2."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            raise BadInput(exc.format_message()) from None
+
+
+def _default_dataset() -> str:
+    from importlib import resources
+
+    return str(resources.files("zerotune._configs") / "data" / "tiny_corpus.txt")
+
+
+@dataclass
+class Job:
+    """Everything a run needs, checked (see [Note: finetune flow])."""
+
+    args: object  # ZeroTrainingArguments
+    model_name: str
+    init: str  # "pretrained" or "random"
+    model_source: object  # a folder path (pretrained) or a transformers config (random)
+    tokenizer: object
+    tokenizer_kind: str
+    dataset: str
+    block_size: int
+    train: object
+    eval: object
+    columns: object
+    temp_nvme: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@click.command(
+    cls=_Command,
+    context_settings={
+        "ignore_unknown_options": True,
+        "allow_extra_args": True,
+        "help_option_names": ["-h", "--help"],
+        "max_content_width": 100,
+    },
+)
+@click.option(
+    "--model",
+    default=None,
+    help="A local HF folder, a hub id (from the cache), or with --init random a preset "
+    "(tiny-gpt2, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a config.json. "
+    f"Default: the {DEFAULT_MODEL} preset from random weights (the embedded default job).",
+)
+@click.option(
+    "--init",
+    type=click.Choice(["pretrained", "random"]),
+    default=None,
+    help="pretrained: load the model's weights (default); random: zero-init from its config.",
+)
+@click.option(
+    "--tokenizer",
+    default=None,
+    help="Tokenizer folder or hub id (default: the "
+    "model's own; without one, a byte-level tokenizer that needs no download).",
+)
+@click.option(
+    "--dataset",
+    default=None,
+    help="json/jsonl/csv/parquet/txt file or folder, or a hub dataset name. "
+    "Default: the small corpus shipped with zerotune.",
+)
+@click.option("--text-column", default=None, help="Column holding the text (default: text).")
+@click.option("--prompt-column", default=None, help="Prompt column of prompt/response data.")
+@click.option("--response-column", default=None, help="Response column of prompt/response data.")
+@click.option("--train-on-prompt", is_flag=True, help="Also compute the loss on prompt tokens.")
+@click.option(
+    "--block-size",
+    type=int,
+    default=None,
+    help="Tokens per training block (default: the model's context length, at most 1024).",
+)
+@click.option(
+    "--eval-split",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Fraction of the blocks held out for evaluation.",
+)
+@click.option(
+    "--stage",
+    type=click.Choice(["1", "2", "3"]),
+    default=None,
+    help="ZeRO stage (default 3, or the config's).",
+)
+@click.option(
+    "--offload",
+    type=click.Choice(["none", "cpu", "nvme"]),
+    default=None,
+    help="Offload optimizer state (and at stage 3 parameters) to CPU RAM or NVMe.",
+)
+@click.option(
+    "--nvme-path",
+    default=None,
+    help="Folder for NVMe swap files (default: a temporary folder, removed at the end).",
+)
+@click.option(
+    "--config",
+    "zero_config",
+    default=None,
+    help="zerotune config: a YAML/JSON file or a preset name (zero3, "
+    "zero3-offload-cpu, zero3-offload-nvme); the flags above override it.",
+)
+@click.option(
+    "--output-dir", required=True, help="Where the model, checkpoints, loss curve and summary go."
+)
+@click.option(
+    "--nproc-per-node",
+    type=int,
+    default=None,
+    help="Run N processes on this node through torch.distributed.run.",
+)
+@click.option(
+    "--resume", is_flag=True, help="Resume from the newest complete checkpoint in --output-dir."
+)
+@click.argument("hf_args", nargs=-1, type=click.UNPROCESSED)
+def finetune(**options) -> None:
+    """Fully fine-tune a causal LM with ZeRO-3 / ZeRO-Infinity.
+
+    Every TrainingArguments flag works too (--max_steps 100, --learning_rate 2e-5, --bf16,
+    --gradient_accumulation_steps 4, --eval_strategy steps, --save_steps 500, ...), and so do
+    the ZeroTrainingArguments ones (--prefetch_bytes 64MiB, --offload_param cpu, ...).
+
+    \b
+    Examples:
+      zerotune finetune --output-dir out          # the embedded default job
+      zerotune finetune --model path/to/hf-model --dataset data.jsonl --output-dir out \\
+          --offload cpu --max_steps 500 --bf16
+      zerotune finetune --model gpt2-xl --init random --config zero3-offload-nvme \\
+          --nvme-path /mnt/nvme --output-dir out
+      zerotune finetune --output-dir out --nproc-per-node 2
+      zerotune finetune --output-dir out --resume --max_steps 120
+    """
+    nproc = options.pop("nproc_per_node")
+    under_launcher = (
+        "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    )
+    if nproc is not None and nproc < 1:
+        raise BadInput(f"--nproc-per-node must be at least 1, got {nproc}")
+    if nproc is not None and nproc > 1 and not under_launcher:
+        _launch(nproc, options)
+        return
+    _run(options)
+
+
+# ------------------------------------------------------------------------------ checks
+@contextlib.contextmanager
+def _fail_on(*kinds):
+    """Turn the expected errors of a step into BadInput (its first line)."""
+    try:
+        yield
+    except BadInput:
+        raise
+    except kinds as exc:
+        text = str(exc).strip()
+        raise BadInput(text.splitlines()[0] if text else repr(exc)) from None
+
+
+def _zero_settings(options: dict) -> dict:
+    """The zerotune fields from --config / --stage / --offload / --nvme-path (the flags win),
+    checked as a whole. ``nvme_path`` None with nvme offload: a temporary folder is made."""
+    from zerotune.config import ConfigError, ZeroConfig
+    from zerotune.hf.configs import read_zero_config_file
+
+    base: dict = {}
+    if options["zero_config"]:
+        with _fail_on(ConfigError):
+            base = read_zero_config_file(options["zero_config"])
+    default_job = options["model"] is None
+    stage = int(options["stage"]) if options["stage"] else base.get("stage", 3)
+    offload = options["offload"] or (DEFAULT_OFFLOAD if default_job and not base else None)
+    settings: dict = {"zero_stage": stage}
+    if offload is not None:
+        settings["offload_optimizer"] = offload
+        settings["offload_param"] = offload if stage == 3 else "none"
+    param = settings.get("offload_param", base.get("offload_param", "none"))
+    optim = settings.get("offload_optimizer", base.get("offload_optimizer", "none"))
+    if "nvme" in (param, optim):
+        settings["nvme_path"] = options["nvme_path"] or base.get("nvme_path")
+    elif options["nvme_path"]:
+        raise BadInput("--nvme-path is set but nothing is offloaded to nvme (add --offload nvme)")
+    merged = {**base, **{_CONFIG_KEYS.get(k, k): v for k, v in settings.items()}}
+    if "nvme_path" in settings and merged["nvme_path"] is None:
+        merged["nvme_path"] = tempfile.gettempdir()  # stands for the folder made later
+    with _fail_on(ConfigError):
+        try:
+            ZeroConfig.from_dict(merged)
+        except ConfigError as exc:
+            raise ConfigError(f"impossible zerotune configuration: {exc}") from None
+    return settings
+
+
+_CONFIG_KEYS = {"zero_stage": "stage"}
+
+
+def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
+    from transformers import HfArgumentParser
+
+    from zerotune.hf.args import ZeroTrainingArguments
+
+    class Parser(HfArgumentParser):
+        def error(self, message):  # argparse would print usage and exit
+            raise BadInput(message)
+
+    parser = Parser(ZeroTrainingArguments)
+    defaults = dict(CLI_ARGS)
+    if options["model"] is None:
+        defaults.update(DEFAULT_JOB_ARGS)
+    parser.set_defaults(**defaults)
+    argv = list(options["hf_args"]) + ["--output_dir", options["output_dir"]]
+    if options["zero_config"]:
+        argv += ["--zero_config", options["zero_config"]]
+    for key, value in zero.items():
+        if key == "nvme_path":
+            value = nvme_path
+        if value is not None:
+            argv += [f"--{key}", str(value)]
+    with _fail_on(ValueError):
+        args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if rest:
+        raise BadInput(
+            f"unknown option(s): {' '.join(rest)} (neither a zerotune finetune nor a "
+            "TrainingArguments flag; see zerotune finetune --help)"
+        )
+    if options["eval_split"] == 0 and str(getattr(args.eval_strategy, "value", "no")) != "no":
+        raise BadInput(
+            f"--eval_strategy {args.eval_strategy.value} needs held-out data: add --eval-split "
+            "0.1 (for example)"
+        )
+    return args
+
+
+def _resolve_model(options: dict):
+    """(name, init, source, config): source is a folder for pretrained, the config itself
+    for random init."""
+    from zerotune.hf import list_presets, model_config
+
+    name = options["model"] or DEFAULT_MODEL
+    init = options["init"] or ("random" if options["model"] is None else "pretrained")
+    if init == "random":
+        try:
+            config = model_config(name)
+        except ValueError as exc:
+            config = _hub_config(name)
+            if config is None:
+                raise BadInput(f"unknown model {name!r}: {exc}") from None
+        return name, init, config, config
+    from transformers import AutoConfig
+
+    from zerotune.init.pretrained import ModelLoadError, resolve_model_folder
+
+    try:
+        folder = resolve_model_folder(name)
+    except ModelLoadError as exc:
+        hint = ""
+        if name in list_presets():
+            hint = f" ({name!r} is also a zerotune preset: add --init random to train it from "
+            hint += "random weights)"
+        raise BadInput(f"unknown model: {exc}{hint}") from None
+    if not any(folder.glob("*.safetensors")):
+        raise BadInput(
+            f"model {name!r}: {folder} has no *.safetensors weights (zerotune loads only "
+            "safetensors; add --init random to start from random weights)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001
+        raise BadInput(f"model {name!r}: cannot read {folder}/config.json: {exc}") from None
+    return name, init, folder, config
+
+
+def _hub_config(name: str):
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name)
+    except Exception:  # noqa: BLE001 - the caller reports the preset error instead
+        return None
+
+
+def _resolve_tokenizer(options: dict, source, config):
+    from transformers import AutoTokenizer
+
+    from zerotune.hf.data import byte_tokenizer
+
+    given = options["tokenizer"]
+    folder = source if isinstance(source, Path) else None
+    if given is None and folder is not None and _has_tokenizer(folder):
+        given = str(folder)
+    if given is not None:
+        try:
+            tok = AutoTokenizer.from_pretrained(given)
+        except Exception as exc:  # noqa: BLE001
+            raise BadInput(f"cannot load tokenizer {given!r}: {exc}") from None
+        kind = f"tokenizer of {given}"
+    else:
+        tok = byte_tokenizer()
+        kind = "byte-level tokenizer (no tokenizer given)"
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and len(tok) > vocab:
+        raise BadInput(
+            f"the {kind} has {len(tok)} tokens but the model's vocabulary is {vocab}; give a "
+            "matching --tokenizer"
+        )
+    if tok.eos_token_id is None:
+        raise BadInput(f"the {kind} has no end-of-sequence token")
+    return tok, kind
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    return any((folder / n).is_file() for n in names)
+
+
+def _context_length(config) -> int:
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1024
+
+
+def _prepare(options: dict) -> Job:
+    """Steps 1-2 of [Note: finetune flow], cheapest checks first, without touching the output
+    folder."""
+    from zerotune.hf.data import DataError, choose_columns, load_raw_dataset
+
+    out = Path(options["output_dir"])
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--output-dir {out} exists and is not a folder")
+    if options["resume"] and not out.is_dir():
+        raise BadInput(f"--resume: {out} does not exist (nothing to resume)")
+    zero = _zero_settings(options)
+    dataset = options["dataset"] or _default_dataset()
+    with _fail_on(DataError):
+        raw = load_raw_dataset(dataset)
+        columns = choose_columns(
+            raw.column_names,
+            text_column=options["text_column"],
+            prompt_column=options["prompt_column"],
+            response_column=options["response_column"],
+            source=f"dataset {dataset}",
+        )
+    temp_nvme = None
+    nvme_path = zero.get("nvme_path")
+    if "nvme_path" in zero and nvme_path is None:
+        temp_nvme = os.environ.get(_TEMP_NVME_ENV)  # made by the launcher
+        if temp_nvme is None:
+            temp_nvme = tempfile.mkdtemp(prefix="zerotune-nvme-")
+        nvme_path = temp_nvme
+    try:
+        args = _parse_training_args(options, zero, nvme_path)
+        name, init, source, config = _resolve_model(options)
+        tokenizer, tok_kind = _resolve_tokenizer(options, source, config)
+        if init == "random":  # the model's special tokens are the tokenizer's
+            for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+                if getattr(tokenizer, key, None) is not None:
+                    setattr(config, key, getattr(tokenizer, key))
+        context = _context_length(config)
+        block = options["block_size"] or min(context, 1024)
+        if block > context:
+            raise BadInput(f"--block-size {block} exceeds the model's context length {context}")
+        from zerotune.hf.data import prepare_datasets
+
+        with args.main_process_first(desc="dataset preparation"), _fail_on(DataError):
+            train, evaluation, columns = prepare_datasets(
+                raw,
+                tokenizer,
+                block,
+                eval_split=options["eval_split"],
+                text_column=columns.text,
+                prompt_column=columns.prompt,
+                response_column=columns.response,
+                train_on_prompt=options["train_on_prompt"],
+                seed=args.seed,
+            )
+    except BaseException:
+        if temp_nvme is not None and _TEMP_NVME_ENV not in os.environ:
+            shutil.rmtree(temp_nvme, ignore_errors=True)
+        raise
+    return Job(
+        args=args,
+        model_name=name,
+        init=init,
+        model_source=source,
+        tokenizer=tokenizer,
+        tokenizer_kind=tok_kind,
+        dataset=dataset,
+        block_size=block,
+        train=train,
+        eval=evaluation,
+        columns=columns,
+        temp_nvme=temp_nvme,
+    )
+
+
+_TEMP_NVME_ENV = "ZEROTUNE_FINETUNE_TEMP_NVME"
+
+
+# ------------------------------------------------------------------------------ launch
+def _launch(nproc: int, options: dict) -> None:
+    """Check the job here, then run this command on ``nproc`` processes with torchrun."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    job = _prepare(options)  # bad input stops here, before any process starts
+    env_before = os.environ.get(_TEMP_NVME_ENV)
+    if job.temp_nvme is not None:
+        os.environ[_TEMP_NVME_ENV] = job.temp_nvme
+    argv = [
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--no-python",
+        sys.executable,
+        "-c",
+        "from zerotune.cli import main; main()",
+        "finetune",
+        *_child_argv(options),
+    ]
+    click.echo(f"zerotune finetune: launching {nproc} processes (torch.distributed.run)", err=True)
+    try:
+        torchrun(argv)
+    except ChildFailedError as exc:
+        codes = [f.exitcode for f in exc.failures.values()]
+        code = BAD_INPUT if BAD_INPUT in codes else next((c for c in codes if c), 1)
+        sys.exit(code)
+    finally:
+        if env_before is None:
+            os.environ.pop(_TEMP_NVME_ENV, None)
+        if job.temp_nvme is not None:
+            shutil.rmtree(job.temp_nvme, ignore_errors=True)
+
+
+def _child_argv(options: dict) -> list[str]:
+    argv: list[str] = []
+    for key, value in options.items():
+        if key == "hf_args" or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key == "zero_config":
+            flag = "--config"
+        if key == "eval_split" and not value:
+            continue
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv + list(options["hf_args"])
+
+
+# --------------------------------------------------------------------------------- run
+def _run(options: dict) -> None:
+    job = _prepare(options)  # first: it fails fast on bad input, before the slow imports
+    from zerotune.config import ConfigError
+    from zerotune.hf import ZeroTrainer, build_engine
+    from zerotune.init.pretrained import ModelLoadError
+
+    try:
+        args = job.args
+        with _fail_on(ConfigError, ModelLoadError):
+            engine = build_engine(job.model_source, args)
+        from transformers import default_data_collator
+
+        with _fail_on(ValueError):
+            trainer = ZeroTrainer(
+                model=engine,
+                args=args,
+                train_dataset=job.train,
+                eval_dataset=job.eval,
+                processing_class=job.tokenizer,
+                data_collator=default_data_collator,
+            )
+        resume = args.resume_from_checkpoint or (True if options["resume"] else None)
+        result = trainer.train(resume_from_checkpoint=resume)
+        eval_metrics = None
+        if job.eval is not None:
+            eval_metrics = trainer.evaluate()
+        trainer.save_model()
+        memory = trainer.memory_summary()
+        if trainer.is_world_process_zero():
+            _finish(job, trainer, result, eval_metrics, memory, _since_start())
+        trainer.close()
+    finally:
+        if job.temp_nvme is not None and _TEMP_NVME_ENV not in os.environ:
+            shutil.rmtree(job.temp_nvme, ignore_errors=True)
+
+
+def _since_start() -> float:
+    """Seconds since this process started (imports included)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+def _finish(job: Job, trainer, result, eval_metrics, memory, elapsed: float) -> None:
+    from zerotune.hf.trainer import describe_config
+
+    args = trainer.args
+    out = Path(args.output_dir)
+    history = trainer.state.log_history
+    losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+    steps_run = result.global_step - getattr(trainer, "_initial_global_step", 0)
+    world = trainer.engine.world
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    tokens = steps_run * batch * job.block_size
+    runtime = result.metrics.get("train_runtime") or elapsed
+    png = _plot_losses(out / "loss_curve.png", losses, evals, job.model_name)
+    summary = {
+        "model": job.model_name,
+        "init": job.init,
+        "parameters": trainer._num_params,
+        "zero": trainer.engine.config.to_dict(),
+        "world_size": world,
+        "dataset": job.dataset,
+        "columns": job.columns.describe(),
+        "tokenizer": job.tokenizer_kind,
+        "block_size": job.block_size,
+        "train_blocks": len(job.train),
+        "eval_blocks": len(job.eval) if job.eval is not None else 0,
+        "global_step": result.global_step,
+        "steps_this_run": steps_run,
+        "tokens_this_run": tokens,
+        "train_runtime_s": runtime,
+        "tokens_per_s": tokens / runtime if runtime else None,
+        "losses": losses,
+        "eval_loss": eval_metrics.get("eval_loss") if eval_metrics else None,
+        "memory_rank0": memory,
+        "output_dir": str(out),
+        "loss_curve": str(png) if png else None,
+        "elapsed_s": elapsed,
+    }
+    (out / "run_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+    def mib(n):
+        return "none" if n is None else f"{n / 2**20:,.1f} MiB"
+
+    first, last = (losses[0][1], losses[-1][1]) if losses else (float("nan"),) * 2
+    lines = [
+        f"zerotune finetune: done in {elapsed:.1f} s",
+        f"  model    {job.model_name} ({job.init} init, {trainer._num_params / 1e6:.2f}M "
+        f"parameters); {describe_config(trainer.engine.config)}; world size {world}",
+        f"  data     {job.dataset}: {len(job.train)} blocks of {job.block_size} tokens "
+        f"({job.columns.describe()}; {job.tokenizer_kind})",
+        f"  steps    {steps_run} this run (global step {result.global_step}), "
+        f"{tokens:,} tokens, {summary['tokens_per_s'] or 0:,.0f} tokens/s",
+        f"  loss     {first:.4f} -> {last:.4f}"
+        + (f" (eval {summary['eval_loss']:.4f})" if summary["eval_loss"] is not None else ""),
+        f"  memory   per rank, peak: accelerator {mib(memory['accelerator_peak'])}, host "
+        f"{mib(memory['host_peak'])} (RSS), nvme {mib(memory['nvme'] or None)} (swap files)",
+        f"  output   {out}/ (config.json, safetensors, tokenizer); loss curve "
+        f"{png if png else '(not drawn)'}; run_summary.json",
+    ]
+    click.echo("\n".join(lines))
+
+
+def _plot_losses(path: Path, losses, evals, title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        click.echo("zerotune finetune: matplotlib is missing; no loss curve drawn", err=True)
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    if losses:
+        ax.plot(*zip(*losses), marker=".", label="training loss")
+    if evals:
+        ax.plot(*zip(*evals), marker="o", linestyle="--", label="evaluation loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"zerotune finetune: {title}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,196 @@
+"""``zerotune finetune`` driven as a user would, in a subprocess: the embedded default job,
+an exact resume, a local model folder with a jsonl dataset, two processes, and bad input
+(one line, exit code 2, no output folder)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+COMMAND = [sys.executable, "-c", "from zerotune.cli import main; main()", "finetune"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Offline, with private HF / datasets caches and TMPDIR (to see temp folders cleaned)."""
+    root = tmp_path_factory.mktemp("cli-env")
+    (root / "tmp").mkdir()
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(root / "hf"),
+        "TMPDIR": str(root / "tmp"),
+        "TRANSFORMERS_VERBOSITY": "error",
+        # Tiny models: one thread each (OpenMP threads spinning on a shared 2-core machine
+        # cost more than they compute).
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def finetune(env, *args, timeout=300, check=True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [*COMMAND, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def summary(folder: Path) -> dict:
+    return json.loads((folder / "run_summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def default_run(env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("default") / "out"
+    proc = finetune(env, "--output-dir", out)
+    return out, proc
+
+
+def test_default_job(default_run, env):
+    """No arguments but the output folder: tiny GPT-2 from random weights, the shipped corpus,
+    ZeRO-3 with NVMe offload to a temporary folder; the loss goes down, within 2 minutes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, proc = default_run
+    s = summary(out)
+    assert s["model"] == "tiny-gpt2" and s["init"] == "random" and s["world_size"] == 1
+    zero = s["zero"]
+    assert (zero["stage"], zero["offload_param"], zero["offload_optimizer"]) == (3, "nvme", "nvme")
+    assert s["memory_rank0"]["nvme"] > 0 and s["global_step"] == 60
+    losses = [loss for _, loss in s["losses"]]
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert s["elapsed_s"] < 120
+    assert "zerotune finetune: done" in proc.stdout and "tokens/s" in proc.stdout
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-30", "checkpoint-60"]
+    assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))  # the temp swap folder is gone
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("The engine cuts a model into units", return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    assert float(loss) < losses[0]  # the saved weights are the trained ones
+
+
+def test_resume_continues_with_the_same_losses(default_run, env, tmp_path):
+    """--resume from a copy of the default run's step-30 checkpoint logs its losses of steps
+    35-60 again."""
+    out, _ = default_run
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copytree(out / "checkpoint-30", again / "checkpoint-30")
+    finetune(env, "--output-dir", again, "--resume")
+    s = summary(again)
+    assert s["global_step"] == 60 and s["steps_this_run"] == 30
+    expected = dict((step, loss) for step, loss in summary(out)["losses"] if step > 30)
+    got = {step: loss for step, loss in s["losses"] if step > 30}  # also holds the history
+    assert sorted(got) == sorted(expected)
+    torch.testing.assert_close([got[k] for k in sorted(got)], [expected[k] for k in sorted(got)],
+                               rtol=1e-5, atol=0)  # fmt: skip
+
+
+def test_local_model_folder_and_jsonl(env, tmp_path):
+    """A local HF folder (with its tokenizer) and prompt/response jsonl, ZeRO-2 with CPU
+    optimizer offload, an eval split."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from zerotune.hf.data import byte_tokenizer
+
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=259, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    data = tmp_path / "qa.jsonl"
+    rows = [{"prompt": f"Q: {a}+{a % 7}=", "response": f" {a + a % 7}\n"} for a in range(300)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    finetune(env, "--model", folder, "--dataset", data, "--output-dir", out, "--stage", "2",
+             "--offload", "cpu", "--eval-split", "0.2", "--block-size", "32",
+             "--max_steps", "4", "--logging_steps", "1", "--learning_rate", "1e-2")  # fmt: skip
+    s = summary(out)
+    assert s["init"] == "pretrained" and s["columns"].startswith("prompt column 'prompt'")
+    assert (s["zero"]["stage"], s["zero"]["offload_optimizer"]) == (2, "cpu")
+    assert s["eval_blocks"] > 0 and s["eval_loss"] is not None
+    assert s["tokenizer"].startswith("tokenizer of")
+    before = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert not torch.equal(
+        before["transformer.h.0.mlp.c_fc.weight"], after["transformer.h.0.mlp.c_fc.weight"]
+    )
+
+
+def test_two_processes(env, tmp_path):
+    out = tmp_path / "out"
+    proc = finetune(env, "--output-dir", out, "--nproc-per-node", "2", "--max_steps", "4",
+                    "--save_strategy", "no", "--logging_steps", "1")  # fmt: skip
+    s = summary(out)
+    assert s["world_size"] == 2 and s["global_step"] == 4 and len(s["losses"]) == 4
+    assert "launching 2 processes" in proc.stderr
+    assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "no closing brace"\n')
+    good_json = tmp_path / "good.jsonl"
+    good_json.write_text('{"body": "a"}\n{"body": "b"}\n')
+    impossible = tmp_path / "impossible.yaml"
+    impossible.write_text("stage: 2\noffload_param: nvme\n")
+    small = tmp_path / "small"
+    small.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)])
+    if mount.returncode != 0:
+        pytest.fail("this test needs to mount a small tmpfs (run as root)")
+    cases = {
+        "unknown model": (["--model", "no-such-org/no-such-model"], "unknown model"),
+        "preset without --init": (["--model", "gpt2-xl"], "add --init random"),
+        "missing column": (["--dataset", good_json], "no text column"),
+        "named column missing": (
+            ["--dataset", good_json, "--text-column", "text"],
+            "has no column 'text'",
+        ),  # fmt: skip
+        "unreadable file": (["--dataset", bad_json], "cannot read dataset"),
+        "missing file": (["--dataset", tmp_path / "none.jsonl"], "no such file"),
+        "impossible config": (["--config", impossible], "impossible zerotune configuration"),
+        "nvme without space": (["--offload", "nvme", "--nvme-path", small], "free; this run needs"),
+        "bad choice": (["--stage", "4"], "Invalid value for '--stage'"),
+        "unknown flag": (["--no_such_flag", "3"], "unknown option(s): --no_such_flag 3"),
+    }
+    try:
+        procs = {
+            name: subprocess.Popen(
+                [
+                    *COMMAND,
+                    "--output-dir",
+                    str(tmp_path / "out" / name.replace(" ", "-")),
+                    *map(str, args),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )  # fmt: skip
+            for name, (args, _) in cases.items()
+        }
+        results = {name: (p.wait(timeout=300), *p.communicate()) for name, p in procs.items()}
+    finally:
+        subprocess.run(["umount", str(small)])
+    for name, (code, _, stderr) in results.items():
+        lines = stderr.strip().splitlines()
+        assert code == 2, (name, stderr[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("zerotune finetune: error: "), (name, lines)
+        assert cases[name][1] in lines[0], (name, lines[0])
+    assert not (tmp_path / "out").exists()  # nothing written for any of them
+    assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))

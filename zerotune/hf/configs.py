@@ -1,0 +1,54 @@
+"""zerotune config presets (``configs/*.yaml``) and reading config files before validation.
+
+The flags of ``ZeroTrainingArguments`` and ``zerotune finetune`` are merged into a file's
+mapping first, and only the result is validated as a ``ZeroConfig``; this module reads the
+mapping. It imports neither transformers nor torch, so the command line can check a config
+before loading either.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+
+__all__ = ["list_zero_presets", "read_zero_config_file"]
+
+
+def list_zero_presets() -> list[str]:
+    """Names of the zerotune config presets shipped in ``configs/*.yaml``."""
+    folder = resources.files("zerotune._configs")
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def read_zero_config_file(name_or_path: str | Path) -> dict[str, Any]:
+    """The mapping in a zerotune config file (YAML or JSON), or in a shipped preset given by
+    name (``zero3-offload-nvme``). Not validated: flags are merged in first."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        preset = resources.files("zerotune._configs") / f"{name_or_path}.yaml"
+        if not preset.is_file():
+            presets = ", ".join(list_zero_presets())
+            raise ConfigError(
+                f"zerotune config {str(name_or_path)!r} is neither a file nor a preset ({presets})"
+            )
+        path = Path(str(preset))
+    try:
+        text = path.read_text()
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # noqa: BLE001 - any read or parse error becomes one message
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"cannot read zerotune config {path}: {reason}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a zerotune config must be a mapping of keys to values")
+    return data
