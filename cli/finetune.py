@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -34,12 +34,12 @@ BAD_INPUT = 2
 DEFAULT_MODEL = "tiny-gpt2"
 DEFAULT_OFFLOAD = "nvme"
 DEFAULT_JOB_ARGS = {
-    "max_steps": 60,
+    "max_steps": 40,
     "per_device_train_batch_size": 8,
     "learning_rate": 3e-3,
     "warmup_steps": 5,
     "weight_decay": 0.01,
-    "save_steps": 30,
+    "save_steps": 20,
 }
 # Defaults for every run that differ from TrainingArguments' own.
 CLI_ARGS = {"logging_steps": 5, "report_to": "none", "save_total_limit": 2}
@@ -86,7 +86,7 @@ class Job:
     eval: object
     columns: object
     temp_nvme: str | None = None
-    notes: list[str] = field(default_factory=list)
+    start_step: int = 0  # the global step training started from (resume)
 
 
 @click.command(
@@ -179,6 +179,10 @@ class Job:
 @click.argument("hf_args", nargs=-1, type=click.UNPROCESSED)
 def finetune(**options) -> None:
     """Fully fine-tune a causal LM with ZeRO-3 / ZeRO-Infinity.
+
+    With only --output-dir it trains the embedded default job: the tiny-gpt2 preset from
+    random weights on the corpus shipped with zerotune, ZeRO-3 with NVMe offload to a
+    temporary folder, 40 steps (a minute or two on 2 CPU cores).
 
     Every TrainingArguments flag works too (--max_steps 100, --learning_rate 2e-5, --bf16,
     --gradient_accumulation_steps 4, --eval_strategy steps, --save_steps 500, ...), and so do
@@ -530,6 +534,13 @@ def _run(options: dict) -> None:
                 processing_class=job.tokenizer,
                 data_collator=default_data_collator,
             )
+        from transformers import TrainerCallback
+
+        class StartStep(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                job.start_step = state.global_step  # after a resume: the checkpoint's step
+
+        trainer.add_callback(StartStep())
         resume = args.resume_from_checkpoint or (True if options["resume"] else None)
         result = trainer.train(resume_from_checkpoint=resume)
         eval_metrics = None
@@ -560,7 +571,7 @@ def _finish(job: Job, trainer, result, eval_metrics, memory, elapsed: float) -> 
     history = trainer.state.log_history
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
     evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
-    steps_run = result.global_step - getattr(trainer, "_initial_global_step", 0)
+    steps_run = result.global_step - job.start_step
     world = trainer.engine.world
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     tokens = steps_run * batch * job.block_size
@@ -569,7 +580,7 @@ def _finish(job: Job, trainer, result, eval_metrics, memory, elapsed: float) -> 
     summary = {
         "model": job.model_name,
         "init": job.init,
-        "parameters": trainer._num_params,
+        "parameters": trainer.num_parameters,
         "zero": trainer.engine.config.to_dict(),
         "world_size": world,
         "dataset": job.dataset,
@@ -595,17 +606,21 @@ def _finish(job: Job, trainer, result, eval_metrics, memory, elapsed: float) -> 
     def mib(n):
         return "none" if n is None else f"{n / 2**20:,.1f} MiB"
 
-    first, last = (losses[0][1], losses[-1][1]) if losses else (float("nan"),) * 2
+    if losses:
+        loss_line = f"  loss     {losses[0][1]:.4f} (step {losses[0][0]}) -> {losses[-1][1]:.4f}"
+    else:
+        loss_line = f"  loss     mean {result.training_loss:.4f} (fewer steps than --logging_steps)"
+    if summary["eval_loss"] is not None:
+        loss_line += f"; eval {summary['eval_loss']:.4f}"
     lines = [
         f"zerotune finetune: done in {elapsed:.1f} s",
-        f"  model    {job.model_name} ({job.init} init, {trainer._num_params / 1e6:.2f}M "
+        f"  model    {job.model_name} ({job.init} init, {trainer.num_parameters / 1e6:.2f}M "
         f"parameters); {describe_config(trainer.engine.config)}; world size {world}",
         f"  data     {job.dataset}: {len(job.train)} blocks of {job.block_size} tokens "
         f"({job.columns.describe()}; {job.tokenizer_kind})",
         f"  steps    {steps_run} this run (global step {result.global_step}), "
         f"{tokens:,} tokens, {summary['tokens_per_s'] or 0:,.0f} tokens/s",
-        f"  loss     {first:.4f} -> {last:.4f}"
-        + (f" (eval {summary['eval_loss']:.4f})" if summary["eval_loss"] is not None else ""),
+        loss_line,
         f"  memory   per rank, peak: accelerator {mib(memory['accelerator_peak'])}, host "
         f"{mib(memory['host_peak'])} (RSS), nvme {mib(memory['nvme'] or None)} (swap files)",
         f"  output   {out}/ (config.json, safetensors, tokenizer); loss curve "

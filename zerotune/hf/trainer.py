@@ -142,7 +142,8 @@ class ZeroTrainer(Trainer):
             raise ValueError("ZeroTrainer needs a model: a config, a folder, a module or an engine")
         self.engine = build_engine(model, args)
         self._resume_rng: dict | None = None
-        self._num_params = sum(s.numel for u in self.engine.units for s in u.slots)
+        # Counted from the engine: at stage 3 the model's own count sees empty parameters.
+        self.num_parameters = sum(s.numel for u in self.engine.units for s in u.slots)
         super().__init__(model=self.engine.module, args=args, **kwargs)
         if args.world_size != self.engine.world:
             raise ValueError(
@@ -197,7 +198,7 @@ class ZeroTrainer(Trainer):
         # The model's own count reads parameter sizes, which are 0 for released parameters.
         ids = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
         tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
-        return 6 * tokens * self._num_params
+        return 6 * tokens * self.num_parameters
 
     # -------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -214,7 +215,27 @@ class ZeroTrainer(Trainer):
         # save_hf writes into a new folder and renames it into place; a folder that holds
         # other things (checkpoints, logs) gets the new files moved in one by one.
         target = output if fresh else output / f".zerotune-model-{os.getpid()}"
-        save_hf(self.engine, target, dtype=dtype, tokenizer=tokenizer)
+        bar = None
+        if self.engine.rank == 0 and not self.args.disable_tqdm and not _internal_call:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(desc="Writing the model", unit="B", unit_scale=True, leave=False)
+
+        def progress(nbytes: int, total: int) -> None:
+            bar.total = total
+            bar.update(nbytes)
+
+        try:
+            save_hf(
+                self.engine,
+                target,
+                dtype=dtype,
+                tokenizer=tokenizer,
+                progress=progress if bar is not None else None,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
         if self.engine.rank == 0:
             if not fresh:
                 _move_model_files(target, output)
