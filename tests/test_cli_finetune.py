@@ -131,9 +131,11 @@ def test_local_model_folder_and_jsonl(env, tmp_path):
 def test_two_processes(env, tmp_path):
     out = tmp_path / "out"
     proc = finetune(env, "--output-dir", out, "--nproc-per-node", "2", "--max_steps", "4",
-                    "--save_strategy", "no", "--logging_steps", "1")  # fmt: skip
+                    "--save_strategy", "no", "--logging_steps", "1", "--eval-split", "0.2",
+                    "--eval_strategy", "steps", "--eval_steps", "2")  # fmt: skip
     s = summary(out)
     assert s["world_size"] == 2 and s["global_step"] == 4 and len(s["losses"]) == 4
+    assert s["eval_loss"] is not None
     assert "launching 2 processes" in proc.stderr
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
     from transformers import AutoModelForCausalLM

@@ -137,6 +137,26 @@ def test_resume_from_mid_run_checkpoint(tmp_path):
     torch.testing.assert_close(logged(again)[-2:], expected[-2:], rtol=RTOL, atol=0)
 
 
+def test_evaluation_during_training_and_best_model(tmp_path):
+    """eval_strategy steps with load_best_model_at_end: the engine ends with the weights of
+    the best checkpoint (here the first: a larger eval loss is declared better)."""
+    trainer = zero_run(
+        str(tmp_path / "best"),
+        zero_stage=3,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+    )
+    evals = logged(trainer, "eval_loss")
+    assert len(evals) == 3 and evals[0] == max(evals)
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[0], rel=RTOL)
+
+
 def test_save_model_writes_hf_folder(tmp_path):
     from transformers import AutoModelForCausalLM
 
