@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .env import env
+from .estimate import estimate
 from .export import export
 from .finetune import finetune
 
@@ -16,5 +17,6 @@ def main() -> None:
 
 
 main.add_command(env)
+main.add_command(estimate)
 main.add_command(export)
 main.add_command(finetune)

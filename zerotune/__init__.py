@@ -20,6 +20,8 @@ from .checkpoint import (
     save_hf,
 )
 from .config import ConfigError, ZeroConfig, load_config
+from .estimate import MemoryPlan, check_estimate
+from .estimate import estimate as estimate_memory
 from .init import from_pretrained, zero_init
 from .optim import CPUAdam, StepInfo, ZeroAdamW
 from .sharding import ShardedParameterError, ZeroEngine, shard
@@ -43,6 +45,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ExportError",
+    "MemoryPlan",
     "ShardedParameterError",
     "StepInfo",
     "ZeroAdamW",
@@ -50,6 +53,8 @@ __all__ = [
     "ZeroEngine",
     "ZeroTrainer",
     "ZeroTrainingArguments",
+    "check_estimate",
+    "estimate_memory",
     "export_hf",
     "from_pretrained",
     "latest_checkpoint",

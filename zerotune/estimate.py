@@ -1,0 +1,915 @@
+"""The memory plan: bytes per GPU, per host and on NVMe for every stage and offload tier.
+
+``estimate(model, world_size=8, gpu_memory="80GB", ...)`` (or ``zerotune estimate``) returns a
+``MemoryPlan``: one ``Option`` per valid (stage, offload_param, offload_optimizer), what each
+holds per rank on the compute device, the host and NVMe, whether it fits the machine, and
+the weakest option that fits (stage 1 before 2 before 3; no offload before cpu before nvme).
+
+[Note: estimate sources]
+Model states come from the engine's own size rules (sharding/plan.py: units, padding,
+persistence, swap extents, staging slots, placement per tier), so ``estimate`` and
+``ZeroEngine.memory_report()`` agree byte for byte (tests/test_estimate.py checks it on real
+engines at world sizes 1 and 3). Working buffers (gathered units and prefetch, the reduce-buffer
+pool, parameter gradients waiting for their reduction) follow the engine's code paths too, as
+upper bounds. Activations come from a formula ([Note: activation memory]): they depend on the
+model's code, so they are the least exact part.
+
+[Note: activation memory]
+Per transformer layer, for micro-batch b, sequence s, hidden h, MLP width f, a heads, element
+size e (2 for bf16/fp16, 4 for fp32) and dropout-mask size m (1 byte on GPUs; on CPUs torch's
+dropout keeps a mask of the input's dtype, m = e), the bytes autograd keeps are
+
+    s*b*(e*(8h + c_f*f) + n_d*m*h + n_norm*(r - e)*h) + a*s*s*b*c_s
+
+following Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (2022), whose GPT layer (f = 4h, fused GeLU, dropout everywhere, 16-bit) gives the
+familiar s*b*h*(34 + 5*a*s/h):
+  8h: the inputs of the two norms, of the QKV projection, Q, K and V (K and V narrower with
+      grouped-query attention: h + 2*kv_heads*head_dim instead of 3h), the input of the
+      attention output projection and of the MLP;
+  c_f*f: the MLP's hidden activations: 2 for a fused activation (its input and the second
+      projection's input), 4 for a gated MLP (gate, up, act(gate), their product), 5 for
+      GPT-2's gelu_new (written out in Python, it keeps four intermediates);
+  n_d*m*h: dropout masks after attention and MLP (n_d = 2 when dropout is on, else 0);
+  r: bytes a norm keeps per element: e for LayerNorm, 4 + e for RMSNorm written in Python
+      (it keeps an fp32 copy of its input);
+  c_s: attention scores. Eager attention keeps the softmax output (e) and, with attention
+      dropout, its mask (m) and output (e): c_s = e + p*(m + e). Fused attention (SDPA's
+      flash / memory-efficient kernels, flash-attention) keeps no s*s matrix, only the
+      log-sum-exp (4*a*s*b, added). On CPUs, SDPA with attention dropout falls back to its
+      math path (c_s = 3e).
+Outside the layers: the embedding's dropout mask, the final norm's and the head's inputs,
+and the loss, which for HF's causal-LM loss peaks at about s*b*V*(e + 4 + 8 (+4 for the fp32
+upcast when e < 4)) bytes: the logits, the fp32 log-probabilities kept for backward, and the
+two fp32 gradients of the loss's backward.
+With activation checkpointing (one checkpoint per layer) only each layer's input is kept
+(s*b*h*e per layer) plus one layer's activations while it is recomputed.
+The peak is the larger of two moments: the loss's backward (everything kept plus the loss
+term) and backward through the layers (everything kept, the fp32 gradient of the logits and,
+with checkpointing, the recomputed layer). The engine's transient buffers (gathered units,
+gradients waiting for their reduction, NVMe reads) exist only at the second moment, so they
+add to the peak only beyond the difference (see ``_rows``).
+Not counted: a model's own extras (attention masks built per batch, rotary caches), the
+fragmentation of the allocator, the CUDA context. ``headroom`` keeps a share of each tier
+free for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ConfigError, ZeroConfig, parse_bytes
+from .sharding.engine import ZeroEngine
+from .sharding.plan import (
+    SwapPlan,
+    UnitPlan,
+    plan_swap,
+    plan_units,
+    resident_bytes,
+    size_unit,
+)
+
+__all__ = [
+    "MemoryPlan",
+    "ModelShape",
+    "Option",
+    "activation_bytes",
+    "check_estimate",
+    "engine_bytes",
+    "estimate",
+    "model_shape",
+]
+
+log = logging.getLogger(__name__)
+
+TIERS = ("device", "host", "nvme")
+ROWS = ("params", "grads", "optimizer", "activations", "buffers", "staging")
+_OFFLOADS = ("none", "cpu", "nvme")
+_LEVEL = {"none": 0, "cpu": 1, "nvme": 2}
+_F32 = 4
+_GRAD_CHUNK = 1 << 22  # elements per read of a gradient shard on NVMe (ZeroEngine.grad_chunks)
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class ModelShape:
+    """What the activation formula needs from a transformer (see [Note: activation memory])."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    intermediate: int
+    kv_heads: int
+    max_positions: int | None = None
+    mlp_factor: int = 2  # c_f
+    rms_norm: bool = False
+    dropout: bool = False  # hidden / residual dropout
+    attention_dropout: bool = False
+    attention: str = "sdpa"  # eager, sdpa, flash_attention_2, ...
+
+
+def model_shape(model: nn.Module) -> ModelShape | None:
+    """The shape of a Hugging Face-style decoder from ``model.config`` and its modules, or
+    None when the model does not say (then activations are not estimated)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+
+    def get(*names, default=None):
+        for n in names:
+            v = getattr(cfg, n, None)
+            if v is not None:
+                return v
+        return default
+
+    hidden = get("hidden_size", "n_embd", "d_model")
+    layers = get("num_hidden_layers", "n_layer", "num_layers")
+    heads = get("num_attention_heads", "n_head")
+    vocab = get("vocab_size")
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, layers, heads, vocab)):
+        return None
+    names = {type(m).__name__ for m in model.modules()}
+    gated = any(n.endswith("gate_proj") for n, _ in model.named_modules())
+    act = str(get("hidden_act", "activation_function", default="gelu"))
+    mlp_factor = 4 if gated else 5 if act == "gelu_new" else 2
+    return ModelShape(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        vocab=vocab,
+        intermediate=get("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
+        kv_heads=get("num_key_value_heads", default=heads),
+        max_positions=get("max_position_embeddings", "n_positions"),
+        mlp_factor=mlp_factor,
+        rms_norm=any("RMSNorm" in n for n in names),
+        dropout=bool(get("resid_pdrop", "hidden_dropout", "dropout", default=0.0)),
+        attention_dropout=bool(get("attn_pdrop", "attention_dropout", default=0.0)),
+        attention=getattr(cfg, "_attn_implementation", None) or "sdpa",
+    )
+
+
+def activation_bytes(
+    shape: ModelShape,
+    seq_len: int,
+    micro_batch: int,
+    dtype: torch.dtype,
+    *,
+    checkpointing: bool = False,
+    device: str = "cuda",
+) -> dict[str, int]:
+    """Activation bytes of one forward/backward (see [Note: activation memory]): ``layer``
+    (one layer's), ``held`` (kept from forward into backward: every layer's activations, or
+    with checkpointing the layers' inputs, plus what lies outside the layers), ``loss`` (the
+    loss's peak on top of ``held``), ``backward`` (the peak while backward runs through the
+    layers, without the engine's buffers) and ``total`` (the peak)."""
+    e = torch.finfo(dtype).bits // 8
+    s, b, h, f, a = seq_len, micro_batch, shape.hidden, shape.intermediate, shape.heads
+    m = 1 if device != "cpu" else e
+    head_dim = h // a
+    qkv = h + 2 * shape.kv_heads * head_dim  # Q, K, V
+    norm_extra = (4 if shape.rms_norm else 0) * h * 2  # RMSNorm's fp32 copies, two norms
+    per_token = e * (5 * h + qkv + shape.mlp_factor * f) + norm_extra
+    if shape.dropout:
+        per_token += 2 * m * h
+    fused = shape.attention != "eager"
+    if fused and device == "cpu" and shape.attention_dropout and shape.attention == "sdpa":
+        fused = False  # SDPA's math path
+    if fused:
+        scores = 4 * a * s * b  # log-sum-exp
+    else:
+        c_s = e + (m + e if shape.attention_dropout else 0)
+        if device == "cpu" and shape.attention == "sdpa":
+            c_s = 3 * e  # softmax, dropout mask (input dtype), dropout output
+        scores = a * s * s * b * c_s
+    layer = s * b * per_token + scores
+    outside = s * b * h * (2 * e + (m if shape.dropout else 0) + (4 if shape.rms_norm else 0))
+    held = outside + (shape.layers * s * b * h * e if checkpointing else shape.layers * layer)
+    loss = s * b * shape.vocab * (e + 4 + 8 + (4 if e < 4 else 0))
+    # Backward through the layers: the gradient of the logits (fp32) reaches the head, and
+    # with checkpointing one layer is recomputed at a time. The loss's own peak comes
+    # before that; the larger of the two is the activation peak.
+    backward = held + s * b * shape.vocab * 4 + (layer if checkpointing else 0)
+    return {
+        "layer": layer,
+        "held": held,
+        "loss": loss,
+        "backward": backward,
+        "total": max(held + loss, backward),
+    }
+
+
+# ------------------------------------------------------------------- engine-side bytes
+def engine_bytes(
+    units: list[UnitPlan],
+    config: ZeroConfig,
+    world: int,
+    rank: int = 0,
+    *,
+    with_optimizer: bool = True,
+    swap: SwapPlan | None = None,
+) -> dict[str, dict[str, int]]:
+    """What ``ZeroEngine.memory_report()`` says for rank ``rank`` once an optimizer exists
+    and a step ran, by kind and tier: ``params``, ``master``, ``grads``, ``full_grads``,
+    ``optimizer`` (Adam moments), ``staging`` (NVMe staging slots in use), ``nvme`` (swap
+    files), plus ``padding_elements`` (``{"count": n}``)."""
+    if swap is None:
+        swap = plan_swap(units, config, world)
+    out: dict[str, dict[str, int]] = {}
+    for u in units:
+        for kind, tiers in resident_bytes(u, config, rank, swap, with_optimizer).items():
+            for tier, n in tiers.items():
+                out.setdefault(kind, {}).setdefault(tier, 0)
+                out[kind][tier] += n
+    if swap is not None:
+        out["nvme"] = {"nvme": swap.total_bytes}
+        if "optim" in swap.sizes and with_optimizer:
+            # The step pipeline keeps up to three chunks in flight (read, update, write).
+            chunks = sum(
+                math.ceil(u.shard / swap.chunk)
+                for u in units
+                if u.index in swap.sizes["optim"] and u.has_optimizer_state(rank)
+            )
+            out["staging"] = {"host": min(3, max(chunks, 1)) * swap.slot_bytes}
+    out["padding_elements"] = {"count": sum(u.padded - u.numel for u in units)}
+    return out
+
+
+def _buffers_writing(nbytes: int) -> int:
+    """Buffers of ``nbytes`` alive at once when each goes to NVMe through the pool's write
+    queue: the writes it keeps in flight (memory/pool.py, WriteQueue) plus one filling."""
+    from .memory.pool import WriteQueue
+
+    queue = WriteQueue()
+    in_flight = 1
+    while in_flight < queue.limit and (in_flight + 1) * nbytes <= queue.limit_bytes:
+        in_flight += 1
+    return in_flight + 1
+
+
+def _working_buffers(
+    units: list[UnitPlan],
+    config: ZeroConfig,
+    world: int,
+    swap: SwapPlan | None,
+    device: str = "cuda",
+) -> dict[str, dict[str, int]]:
+    """Upper bounds of the engine's working memory during a step, by kind and tier:
+    ``gathered`` (units gathered for use plus prefetch), ``pool`` (reduce and copy buffers,
+    kept for the run), ``param_grads`` (parameter gradients waiting for their reduction),
+    ``nvme_reads`` (host buffers of parameter reads from NVMe)."""
+    out: dict[str, dict[str, int]] = {}
+    by_index = {u.index: u for u in units}
+    param_disk = swap.sizes.get("param", {}) if swap is not None else {}
+    grads_disk = swap is not None and bool(swap.sizes.get("grad"))
+
+    # Gathered parameters of sharded units: the unit in use with what it depends on, and
+    # the units gathered ahead within prefetch_bytes. At world size 1 a unit in memory is
+    # already whole (no copy); one on NVMe is read into a fresh buffer.
+    def needs_copy(u: UnitPlan) -> bool:
+        return not u.persistent and u.numel > 0 and (world > 1 or u.index in param_disk)
+
+    sharded = [u for u in units if needs_copy(u)]
+    if sharded:
+        # A unit others depend on (a tied embedding) stays pinned by its user from the head's
+        # backward until its own; the unit in use and the prefetch window come on top.
+        shared = [u for u in sharded if any(u.index in v.deps for v in units)]
+        pinned = sum(u.gathered_bytes for u in shared)
+        current = max((u.gathered_bytes for u in sharded if u not in shared), default=0)
+        others = sum(u.gathered_bytes for u in sharded) - pinned - current
+        ahead = min(config.prefetch_bytes, max(others, 0)) if config.stage == 3 else 0
+        gathered = pinned + current + ahead
+        if device == "cpu" and param_disk:
+            # A unit read ahead from NVMe has its gather buffer allocated but not written
+            # until it is used: only its read buffer (below) is resident.
+            gathered -= ahead
+        if config.max_live_bytes > 0:
+            gathered = min(gathered, max(config.max_live_bytes, pinned + current))
+        out["gathered"] = {"device": gathered}
+        if param_disk:
+            # Reads land in a host buffer of the shard's size, freed once the unit is used.
+            largest = max(u.shard * u.itemsize for u in sharded)
+            out["nvme_reads"] = {"host": largest + ahead // world}
+
+    # The pool: buffers are keyed by (elements, dtype) and kept for the run.
+    keys: dict[tuple[int, int], int] = {}
+
+    def need(numel: int, itemsize: int, count: int = 1) -> None:
+        if numel > 0:
+            keys[numel, itemsize] = max(keys.get((numel, itemsize), 0), count)
+
+    def same(predicate) -> int:
+        return sum(1 for u in units if predicate(u))
+
+    e = units[0].itemsize if units else 4
+    for u in units:
+        if not u.trainable or u.numel == 0:
+            continue
+        if world > 1:
+            need(u.padded, _F32)  # the whole fp32 gradient, reduce-scattered
+            queued = _buffers_writing(u.shard * _F32) if grads_disk else 1
+            need(u.shard, _F32, min(queued, same(lambda v, n=u.shard: v.shard == n)))
+        elif grads_disk:
+            count = _buffers_writing(u.padded * _F32)
+            need(u.padded, _F32, min(count, same(lambda v, n=u.padded: v.padded == n)))
+        if grads_disk:
+            need(min(_GRAD_CHUNK, u.shard), _F32)  # reading gradients for the norm
+    for u in units:
+        if u.persistent and world > 1 and u.numel:
+            need(u.shard, e)  # refresh: the updated shard, all-gathered
+        if u.index in param_disk:
+            count = min(_buffers_writing(u.shard * e), same(lambda v, n=u.shard: v.shard == n))
+            need(u.shard, e, count)  # updated shards on their way to NVMe
+    pool = sum(n * size * count for (n, size), count in keys.items())
+    if pool:
+        out["pool"] = {"device": pool}
+
+    # Parameter gradients between backward and their reduction (stages 2-3; stage 1 keeps
+    # them all, see full_grads): one unit at a time, except a parameter used by several
+    # units (tied embeddings), whose gradient waits for its last use.
+    if config.stage >= 2:
+        shared = {d for u in units for d in u.deps}
+
+        def grad_numel(u: UnitPlan) -> int:
+            return sum(s.numel for s in u.slots if s.trainable)
+
+        waiting = sum(grad_numel(by_index[i]) for i in shared)
+        single = max((grad_numel(u) for u in units if u.index not in shared), default=0)
+        if waiting + single:
+            out["param_grads"] = {"device": (waiting + single) * e}
+    return out
+
+
+# --------------------------------------------------------------------------- the plan
+@dataclass
+class Option:
+    """One configuration: its bytes per rank by row and tier, and whether it fits."""
+
+    stage: int
+    offload_param: str
+    offload_optimizer: str
+    rows: dict[str, dict[str, int]]  # row -> tier -> bytes per rank
+    detail: dict[str, dict[str, int]]  # engine kinds (memory_report names) and buffers
+    ranks_per_node: int
+    fits: bool | None = None
+    why_not: list[str] = field(default_factory=list)
+    error: str | None = None  # the config itself is refused (e.g. staging too small)
+
+    @property
+    def name(self) -> str:
+        return (
+            f"stage {self.stage}, offload param={self.offload_param}, "
+            f"optimizer={self.offload_optimizer}"
+        )
+
+    def per_rank(self, tier: str) -> int:
+        return sum(r.get(tier, 0) for r in self.rows.values())
+
+    @property
+    def per_gpu(self) -> int:
+        return self.per_rank("device")
+
+    @property
+    def per_host(self) -> int:
+        return self.per_rank("host") * self.ranks_per_node
+
+    @property
+    def nvme_per_host(self) -> int:
+        return self.per_rank("nvme") * self.ranks_per_node
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer state per rank, all tiers (the ZeRO paper's
+        model states)."""
+        return sum(sum(self.rows[r].values()) for r in ("params", "grads", "optimizer"))
+
+    @property
+    def expressible(self) -> bool:
+        """Whether ``zerotune finetune --offload`` can say it (one tier for both, or stage 1-2,
+        where ``--offload`` moves the optimizer only); otherwise it takes a config file."""
+        return self.stage < 3 or self.offload_param == self.offload_optimizer
+
+    def config(self, nvme_path: str | None = None) -> dict[str, Any]:
+        """The ``ZeroConfig`` keys of this option."""
+        out: dict[str, Any] = {
+            "stage": self.stage,
+            "offload_param": self.offload_param,
+            "offload_optimizer": self.offload_optimizer,
+        }
+        if "nvme" in (self.offload_param, self.offload_optimizer):
+            out["nvme_path"] = nvme_path or "/path/on/nvme"
+        return out
+
+    def flags(self, nvme_path: str | None = None) -> str:
+        """The ``zerotune finetune`` options for this configuration (``--offload X`` offloads
+        the optimizer and, at stage 3, the parameters; other mixes go in a config file whose
+        keys ``config()`` gives)."""
+        parts = [f"--stage {self.stage}"]
+        if self.expressible:
+            parts.append(f"--offload {self.offload_optimizer}")
+        else:
+            parts.append("--config zerotune.yaml")
+        if "nvme" in (self.offload_param, self.offload_optimizer):
+            parts.append(f"--nvme-path {nvme_path or '/path/on/nvme'}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "offload_param": self.offload_param,
+            "offload_optimizer": self.offload_optimizer,
+            "per_gpu": {r: self.rows[r].get("device", 0) for r in ROWS} | {"total": self.per_gpu},
+            "per_host": {r: self.rows[r].get("host", 0) * self.ranks_per_node for r in ROWS}
+            | {"total": self.per_host},
+            "nvme_per_host": self.nvme_per_host,
+            "model_states_per_rank": self.model_states,
+            "detail_per_rank": self.detail,
+            "fits": self.fits,
+            "why_not": self.why_not,
+            "error": self.error,
+        }
+
+
+@dataclass
+class MemoryPlan:
+    """Every option for one model on one machine, and the recommendation."""
+
+    model: str
+    parameters: int
+    world_size: int
+    gpus_per_node: int
+    dtype: str
+    grad_dtype: str
+    limits: dict[str, int | None]  # device / host / nvme capacity (per GPU, per host)
+    headroom: float
+    activations: dict[str, Any] | None
+    options: list[Option]
+    nvme_path: str | None = None
+    padding_elements: int = 0
+    units: int = 0
+
+    @property
+    def recommended(self) -> Option | None:
+        """The weakest option that fits (the list is ordered weakest first)."""
+        return next((o for o in self.options if o.fits), None)
+
+    def option(self, stage: int, offload_param: str = "none", offload_optimizer: str = "none"):
+        for o in self.options:
+            if (o.stage, o.offload_param, o.offload_optimizer) == (
+                stage,
+                offload_param,
+                offload_optimizer,
+            ):
+                return o
+        raise KeyError((stage, offload_param, offload_optimizer))
+
+    def to_dict(self) -> dict[str, Any]:
+        rec = self.recommended
+        return {
+            "model": self.model,
+            "parameters": self.parameters,
+            "units": self.units,
+            "world_size": self.world_size,
+            "gpus_per_node": self.gpus_per_node,
+            "dtype": self.dtype,
+            "grad_dtype": self.grad_dtype,
+            "padding_elements_per_rank": self.padding_elements,
+            "limits": self.limits,
+            "headroom": self.headroom,
+            "activations": self.activations,
+            "options": [o.to_dict() for o in self.options],
+            "recommended": None
+            if rec is None
+            else {
+                "stage": rec.stage,
+                "offload_param": rec.offload_param,
+                "offload_optimizer": rec.offload_optimizer,
+                "config": rec.config(self.nvme_path),
+                "flags": rec.flags(self.nvme_path),
+            },
+        }
+
+    def format(self) -> str:
+        """A table for people."""
+        return _format(self)
+
+
+def _options() -> list[tuple[int, str, str]]:
+    """Every valid (stage, offload_param, offload_optimizer), weakest first."""
+    combos = [(s, "none", o) for s in (1, 2) for o in _OFFLOADS]
+    combos += [(3, p, o) for p in _OFFLOADS for o in _OFFLOADS]
+    return sorted(
+        combos, key=lambda c: (c[0], max(_LEVEL[c[1]], _LEVEL[c[2]]), _LEVEL[c[1]], _LEVEL[c[2]])
+    )
+
+
+def _bare_units(numel: int, config: ZeroConfig, world: int) -> list[UnitPlan]:
+    # A bare parameter count: one unit holding everything (padding at most world-1).
+    return [size_unit(0, "<params>", [("<params>", numel, True)], config, world)]
+
+
+def _meta_model(model):
+    """A module for ``model``: a module as is; a transformers config, preset name, config.json
+    path or folder built on the meta device (no weights)."""
+    if isinstance(model, nn.Module):
+        return model, type(model).__name__
+    from .init.construct import _build_on_meta
+
+    name = None
+    if isinstance(model, str):
+        from .hf.presets import model_config
+
+        name = model
+        model = model_config(model)
+    built = _build_on_meta(model)
+    return built, name or type(built).__name__
+
+
+def estimate(
+    model=None,
+    *,
+    params: int | float | None = None,
+    world_size: int = 1,
+    gpus_per_node: int | None = None,
+    gpu_memory: int | str | None = "80GB",
+    host_memory: int | str | None = None,
+    nvme_space: int | str | None = None,
+    seq_len: int | None = None,
+    micro_batch: int = 1,
+    activation_checkpointing: bool = False,
+    dtype: str = "bf16",
+    grad_dtype: str = "fp32",
+    config: ZeroConfig | dict | None = None,
+    device: str = "cuda",
+    headroom: float = 0.1,
+    nvme_path: str | None = None,
+) -> MemoryPlan:
+    """The memory plan of ``model`` (an ``nn.Module``, meta-device or real; a transformers
+    config; a preset name or config.json path), or of a bare parameter count ``params``.
+
+    ``gpu_memory`` is per GPU, ``host_memory`` and ``nvme_space`` per host (None: not
+    checked). ``config`` holds further engine settings (prefetch_bytes, staging_bytes, ...;
+    stage and offload keys are set per option). ``device="cpu"`` estimates a CPU run
+    (activation rules of CPU kernels; device and host are one memory). ``headroom`` is the
+    share of every tier left free for what is not counted (see [Note: activation memory]).
+    """
+    if (model is None) == (params is None):
+        raise ConfigError("give a model or a parameter count (params), not both")
+    if world_size < 1:
+        raise ConfigError(f"world_size must be at least 1, got {world_size}")
+    gpus_per_node = gpus_per_node or min(world_size, 8)
+    if gpus_per_node < 1:
+        raise ConfigError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
+    if micro_batch < 1 or (seq_len is not None and seq_len < 1):
+        raise ConfigError("seq_len and micro_batch must be at least 1")
+    if not 0 <= headroom < 1:
+        raise ConfigError(f"headroom must be in [0, 1), got {headroom}")
+    limits = {
+        "device": None if gpu_memory is None else parse_bytes(gpu_memory, name="gpu_memory"),
+        "host": None if host_memory is None else parse_bytes(host_memory, name="host_memory"),
+        "nvme": None if nvme_space is None else parse_bytes(nvme_space, name="nvme_space"),
+    }
+    ranks_per_node = min(gpus_per_node, world_size)
+    base = config if isinstance(config, ZeroConfig) else ZeroConfig.from_dict(dict(config or {}))
+    base = base.replace(
+        dtype=dtype,
+        grad_dtype=grad_dtype,
+        stage=3,
+        offload_param="none",
+        offload_optimizer="none",
+        nvme_path=None,
+    )
+
+    shape = engine = None
+    if params is not None:
+        if isinstance(params, bool) or not float(params).is_integer() or params < 1:
+            raise ConfigError(f"params must be a positive whole number, got {params!r}")
+        numel, name, module = int(params), "a bare parameter count", None
+    else:
+        module, name = _meta_model(model)
+        # A model zerotune already sharded: its parameters are shards, its units know sizes.
+        engine = module if isinstance(module, ZeroEngine) else None
+        engine = engine or getattr(module, "_zerotune_engine", None)
+        if engine is not None:
+            module = engine.module
+            numel = sum(u.numel for u in engine.units)
+        else:
+            numel = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+        shape = model_shape(module)
+
+    activations = None
+    act = None
+    if shape is not None:
+        seq = seq_len or min(shape.max_positions or 2048, 2048)
+        kwargs = dict(device=device)
+        plain = activation_bytes(shape, seq, micro_batch, base.torch_dtype, **kwargs)
+        ckpt = activation_bytes(
+            shape, seq, micro_batch, base.torch_dtype, checkpointing=True, **kwargs
+        )
+        act = ckpt if activation_checkpointing else plain
+        activations = {
+            "seq_len": seq,
+            "micro_batch": micro_batch,
+            "checkpointing": activation_checkpointing,
+            "without_checkpointing": plain["total"],
+            "with_checkpointing": ckpt["total"],
+            "per_gpu": act["total"],
+        }
+
+    options = []
+    units_count = padding = 0
+    for stage, op, oo in _options():
+        cfg = base.replace(
+            stage=stage,
+            offload_param=op,
+            offload_optimizer=oo,
+            nvme_path="/nvme" if "nvme" in (op, oo) else None,
+        )
+        if module is None:
+            units = _bare_units(numel, cfg, world_size)
+        elif engine is not None:
+            units = _engine_units(engine, cfg, world_size)
+        else:
+            units = plan_units(module, cfg, world_size)
+        units_count = len(units)
+        padding = sum(u.padded - u.numel for u in units)
+        option = Option(stage, op, oo, {r: {} for r in ROWS}, {}, ranks_per_node)
+        try:
+            swap = plan_swap(units, cfg, world_size)
+        except (ConfigError, ValueError) as exc:
+            option.error = str(exc)
+            option.fits = False
+            option.why_not.append(str(exc))
+            options.append(option)
+            continue
+        option.rows, option.detail = _rows(
+            units, cfg, world_size, 0, swap, act, device, known_units=module is not None
+        )
+        _judge(option, limits, headroom)
+        options.append(option)
+
+    return MemoryPlan(
+        model=name,
+        parameters=numel,
+        world_size=world_size,
+        gpus_per_node=ranks_per_node,
+        dtype=base.dtype,
+        grad_dtype=base.grad_dtype,
+        limits=limits,
+        headroom=headroom,
+        activations=activations,
+        options=options,
+        nvme_path=nvme_path,
+        padding_elements=padding,
+        units=units_count,
+    )
+
+
+def _staging_resident(units: list[UnitPlan], swap: SwapPlan, rank: int) -> int:
+    """Host bytes the staging slots really occupy: slots are made with ``aligned_empty``
+    (not pinned), so only the pages a transfer writes become resident: per slot, one chunk
+    of each streamed kind of the largest unit."""
+    live = [u for u in units if u.index in swap.sizes.get("optim", {})]
+    live = [u for u in live if u.has_optimizer_state(rank)]
+    if not live:
+        return 0
+    from .memory.swap import round_up
+
+    chunks = sum(math.ceil(u.shard / swap.chunk) for u in live)
+    kinds = 4 if swap.grads_on_disk else 3
+    per_slot = kinds * round_up(min(swap.chunk, max(u.shard for u in live)) * _F32)
+    return min(3, chunks) * min(per_slot, swap.slot_bytes)
+
+
+def _rows(
+    units: list[UnitPlan],
+    config: ZeroConfig,
+    world: int,
+    rank: int,
+    swap: SwapPlan | None,
+    act: dict[str, int] | None,
+    device: str,
+    known_units: bool = True,
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """Peak bytes per rank by row and tier, and the detail they come from.
+
+    Model states, the pool and staging are held for the whole run. The other working
+    buffers (gathered units, parameter gradients waiting for their reduction, NVMe read
+    buffers) live while backward runs through the layers, after the loss's own peak: they
+    add to the peak only in so far as they exceed what that peak leaves over
+    (``act["total"] - act["backward"]``). On a CPU (``device="cpu"``) every tier but NVMe
+    is one memory, reported as host.
+    """
+    kinds = engine_bytes(units, config, world, rank, swap=swap)
+    kinds.pop("padding_elements")
+    if known_units:
+        work = _working_buffers(units, config, world, swap, device)
+    else:
+        # Unit sizes unknown (a bare parameter count): prefetch_bytes stands for the units
+        # gathered at once (copies exist at stage 3 across ranks, or read from NVMe).
+        copies = config.stage == 3 and (world > 1 or config.offload_param == "nvme")
+        work = {"gathered": {"device": config.prefetch_bytes}} if copies else {}
+    rows: dict[str, dict[str, int]] = {r: {} for r in ROWS}
+
+    def add(row: str, tier: str, n: int) -> None:
+        if n:
+            tier = "host" if device == "cpu" and tier == "device" else tier
+            rows[row][tier] = rows[row].get(tier, 0) + n
+
+    for kind, row in (
+        ("params", "params"),
+        ("master", "optimizer"),
+        ("optimizer", "optimizer"),
+        ("grads", "grads"),
+        ("full_grads", "grads"),
+    ):
+        for tier, n in kinds.get(kind, {}).items():
+            add(row, tier, n)
+    if swap is not None:
+        for k, row in (("param", "params"), ("optim", "optimizer"), ("grad", "grads")):
+            add(row, "nvme", swap.file_bytes(k))
+        add("staging", "host", _staging_resident(units, swap, rank))
+    if act is not None:
+        add("activations", "device", act["total"])
+    slack = act["total"] - act["backward"] if act is not None else 0
+    for tier, n in work.get("pool", {}).items():
+        add("buffers", tier, n)
+    transient: dict[str, int] = {}
+    for kind in ("gathered", "param_grads", "nvme_reads"):
+        for tier, n in work.get(kind, {}).items():
+            tier = "host" if device == "cpu" and tier == "device" else tier
+            transient[tier] = transient.get(tier, 0) + n
+    act_tier = "host" if device == "cpu" else "device"
+    for tier, n in transient.items():
+        add("buffers", tier, max(0, n - slack) if tier == act_tier else n)
+    return rows, {**kinds, **work}
+
+
+def _judge(option: Option, limits: dict[str, int | None], headroom: float) -> None:
+    usable = {k: None if v is None else int(v * (1 - headroom)) for k, v in limits.items()}
+    need = {"device": option.per_gpu, "host": option.per_host, "nvme": option.nvme_per_host}
+    where = {"device": "per GPU", "host": "per host", "nvme": "NVMe per host"}
+    fits = True
+    for tier, n in need.items():
+        if n == 0:
+            continue
+        if tier == "nvme" and usable["nvme"] is None:
+            continue  # unknown space: the engine checks it at start
+        if usable[tier] is not None and n > usable[tier]:
+            fits = False
+            option.why_not.append(f"{where[tier]}: needs {_gib(n)}, usable {_gib(usable[tier])}")
+    option.fits = fits
+
+
+# -------------------------------------------------------------------------- formatting
+def _gib(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n >= 2**40:
+        return f"{n / 2**40:.2f} TiB"
+    if n < 2**30:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _short(n: int) -> str:
+    return "0" if n == 0 else f"{n / 2**30:.1f}" if n >= 2**30 * 10 else f"{n / 2**30:.2f}"
+
+
+def _format(plan: MemoryPlan) -> str:
+    lim = plan.limits
+    lines = [
+        f"zerotune estimate: {plan.model}: {plan.parameters:,} parameters"
+        + (f" in {plan.units} units" if plan.units > 1 else ""),
+        f"  world size {plan.world_size} ({plan.gpus_per_node} per node), compute {plan.dtype}, "
+        f"gradients {plan.grad_dtype}, padding {plan.padding_elements:,} elements per rank",
+        f"  machine: GPU {_gib(lim['device'])}, host {_gib(lim['host'])}, "
+        f"NVMe {_gib(lim['nvme'])} (- = not checked); {int(plan.headroom * 100)}% kept free",
+    ]
+    act = plan.activations
+    if act is None:
+        lines.append("  activations: not estimated (no model shape: give --model)")
+    else:
+        lines.append(
+            f"  activations per GPU (seq {act['seq_len']} x micro-batch {act['micro_batch']}): "
+            f"{_gib(act['without_checkpointing'])} without checkpointing, "
+            f"{_gib(act['with_checkpointing'])} with"
+            + (" (used below)" if act["checkpointing"] else " (the first used below)")
+        )
+    lines.append("")
+    head = (
+        f"{'stage':>5} {'param':>5} {'optim':>5} | {'params':>6} {'grads':>6} {'optim':>6} "
+        f"{'activ':>6} {'buffer':>6} {'GPU':>7} | {'host/node':>9} | {'NVMe/node':>9} | fits"
+    )
+    lines += ["GiB per GPU (device), per host and NVMe per host", head, "-" * len(head)]
+    rec = plan.recommended
+    for o in plan.options:
+        if o.error:
+            lines.append(f"{o.stage:>5} {o.offload_param:>5} {o.offload_optimizer:>5} | {o.error}")
+            continue
+        dev = [o.rows[r].get("device", 0) for r in ("params", "grads", "optimizer")]
+        dev += [o.rows["activations"].get("device", 0)]
+        dev += [o.rows["buffers"].get("device", 0) + o.rows["staging"].get("device", 0)]
+        mark = ("yes" if o.fits else "no") + (" <- recommended" if o is rec else "")
+        lines.append(
+            f"{o.stage:>5} {o.offload_param:>5} {o.offload_optimizer:>5} | "
+            + " ".join(f"{_short(n):>6}" for n in dev)
+            + f" {_short(o.per_gpu):>7} | {_short(o.per_host):>9} | {_short(o.nvme_per_host):>9} | "
+            + mark
+        )
+    lines.append("")
+    if rec is None:
+        lines.append("nothing fits this machine; more GPUs, host memory or NVMe space would help:")
+        last = plan.options[-1]
+        lines += [f"  {last.name}: {w}" for w in last.why_not]
+    else:
+        model = "MODEL" if plan.model == "a bare parameter count" else plan.model
+        lines.append(f"recommended: {rec.name}")
+        lines.append(f"  zerotune finetune --model {model} {rec.flags(plan.nvme_path)}")
+        if not rec.expressible:
+            keys = ", ".join(f"{k}: {v}" for k, v in rec.config(plan.nvme_path).items())
+            lines.append(f"  with zerotune.yaml holding {{{keys}}}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- checking at run time
+def _engine_units(engine, config: ZeroConfig | None = None, world: int | None = None):
+    """The unit plans of an existing engine (its parameters are shards by now, so the sizes
+    come from the units' slots), under ``config`` and ``world`` (default: the engine's)."""
+    index = {u: i for i, u in enumerate(engine.units)}
+    return [
+        size_unit(
+            u.index,
+            u.name,
+            [(s.name, s.numel, s.trainable) for s in u.slots],
+            config or engine.config,
+            world or engine.world,
+            tuple(index[d] for d in u.deps),
+        )
+        for u in engine.units
+    ]
+
+
+def check_estimate(
+    engine,
+    measured_bytes: dict[str, int],
+    *,
+    seq_len: int | None = None,
+    micro_batch: int = 1,
+    activation_checkpointing: bool = False,
+    tolerance: float = 0.15,
+) -> list[str]:
+    """Compare measured peaks per tier (``device``, ``host``, ``nvme``; bytes this rank
+    added since before the engine was built) with the estimate for ``engine``'s own
+    configuration; log both and return a warning per tier that differs by more than
+    ``tolerance``. The trainer calls it after the first step. Activations are counted when
+    ``seq_len`` is given. On a CPU-only engine device and host are one tier (host)."""
+    cfg, world, rank = engine.config, engine.world, engine.rank
+    units = _engine_units(engine)
+    swap = plan_swap(units, cfg, world)
+    shape = model_shape(engine.module)
+    act = None
+    if seq_len and shape is not None:
+        act = activation_bytes(
+            shape,
+            seq_len,
+            micro_batch,
+            cfg.torch_dtype,
+            checkpointing=activation_checkpointing,
+            device=engine.device.type,
+        )
+    device = "cpu" if engine.device.type == "cpu" else "cuda"
+    rows, _ = _rows(units, cfg, world, rank, swap, act, device)
+    est = {t: sum(r.get(t, 0) for r in rows.values()) for t in TIERS}
+    if device == "cpu" and "device" in measured_bytes:
+        measured_bytes = dict(measured_bytes)
+        measured_bytes["host"] = measured_bytes.get("host", 0) + measured_bytes.pop("device")
+    warnings = []
+    for tier, measured in measured_bytes.items():
+        if tier not in est:
+            raise ValueError(f"unknown memory tier {tier!r}; use device, host or nvme")
+        expected = est[tier]
+        log.info(
+            "zerotune: peak %s memory: estimated %s, measured %s",
+            tier,
+            _gib(expected),
+            _gib(measured),
+        )
+        if expected == 0 and measured == 0:
+            continue
+        off = abs(measured - expected) / max(expected, 1)
+        if off > tolerance:
+            warnings.append(
+                f"peak {tier} memory {_gib(measured)} differs from the estimate {_gib(expected)} "
+                f"by {off:.0%} (more than {tolerance:.0%}); plans made with zerotune estimate "
+                "may not hold for this run"
+            )
+    for w in warnings:
+        log.warning("zerotune: %s", w)
+    return warnings

@@ -1,0 +1,285 @@
+"""The unit plan: which parameters each unit owns, its sizes, and what each rank holds.
+
+[Note: unit plan]
+These are the size rules of the engine written as pure functions of the model's structure
+and the config, so that ``zerotune estimate`` and the engine cannot disagree:
+
+* ownership: units are ``[root] + select_unit_modules(model)``; non-root units claim their
+  parameters first, in module order (a tied weight belongs to the first module that holds
+  it); the root unit takes what is left. A unit that holds a parameter another unit owns
+  depends on that unit (it gathers it with its own).
+* sizes: ``padded = ceil(numel / world) * world`` elements, ``shard = padded / world`` per rank.
+* persistence: every unit at stages 1-2; at stage 3 a unit whose gathered bytes
+  (``padded * itemsize``) are at most ``persistence_threshold``.
+* swap files (NVMe): per unit, a param extent (compute-dtype shard) for non-persistent units
+  with ``offload_param="nvme"``; an optim extent of three 4 KiB-rounded fp32 regions (master,
+  exp_avg, exp_avg_sq) for trainable units with ``offload_optimizer="nvme"``; fp32 gradient
+  extents when the gradient shards exceed ``grad_host_bytes``. Staging slots hold one chunk
+  of each streamed kind (see [Note: optimizer state stores] in optim/state_store.py).
+* resident bytes per rank (``resident_bytes``): what ``Unit.memory_bytes`` and the
+  optimizer's store report, and on which tier (device, host, nvme) ``ZeroEngine._place``
+  puts it.
+
+Everything here works on meta-device models: only shapes and ``requires_grad`` are read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..config import ZeroConfig
+from .policy import select_unit_modules
+
+__all__ = [
+    "ROOT",
+    "SlotPlan",
+    "SwapPlan",
+    "UnitPlan",
+    "assign_params",
+    "plan_swap",
+    "plan_units",
+    "resident_bytes",
+    "size_unit",
+    "unit_deps",
+]
+
+ROOT = "<root>"
+_F32 = 4
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """One parameter inside its unit's flat buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """A unit's sizes at one world size (elements unless named ``*_bytes``)."""
+
+    index: int
+    name: str
+    numel: int
+    padded: int  # numel rounded up to a multiple of the world size
+    shard: int  # elements per rank
+    persistent: bool  # stays gathered for the whole run
+    trainable: bool  # any parameter requires grad
+    itemsize: int  # bytes per element of the compute dtype
+    slots: tuple[SlotPlan, ...] = ()
+    deps: tuple[int, ...] = ()  # indices of units whose parameters this unit uses
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.padded * self.itemsize
+
+    def has_optimizer_state(self, rank: int) -> bool:
+        """Whether rank ``rank``'s shard holds any trainable element (the optimizer keeps
+        moments only for those; a shard of pure padding has none)."""
+        lo, hi = rank * self.shard, (rank + 1) * self.shard
+        return any(s.trainable and s.offset < hi and s.offset + s.numel > lo for s in self.slots)
+
+
+@dataclass
+class SwapPlan:
+    """One rank's swap files: ``sizes[kind][unit index]`` = bytes before 4 KiB rounding."""
+
+    sizes: dict[str, dict[int, int]] = field(default_factory=dict)
+    grads_on_disk: bool = False
+    chunk: int = 0  # elements per optimizer chunk
+    slot_bytes: int = 0  # bytes per staging slot
+
+    def file_bytes(self, kind: str) -> int:
+        """Bytes of ``kind``'s swap file (extents rounded up to 4 KiB)."""
+        from ..memory.swap import _layout
+
+        sizes = self.sizes.get(kind)
+        return _layout(sizes)[1] if sizes else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.file_bytes(k) for k in self.sizes)
+
+
+def assign_params(
+    model: nn.Module, unit_modules=None
+) -> tuple[list[tuple[str, nn.Module]], list[list[tuple[str, nn.Parameter]]], dict[int, int]]:
+    """``(specs, per_unit, owned)``: the units' (name, module), root first; each unit's
+    (qualified name, parameter) list in flat-buffer order; ``id(param) -> unit index``."""
+    specs = [(ROOT, model)] + select_unit_modules(model, unit_modules)
+    owned: dict[int, int] = {}
+    per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in specs]
+    # Non-root units first, in module order, so a tied weight belongs to the first module
+    # that holds it (the input embedding, not the head).
+    for i, (name, module) in list(enumerate(specs))[1:]:
+        for pname, p in module.named_parameters():
+            if id(p) not in owned:
+                owned[id(p)] = i
+                per_unit[i].append((f"{name}.{pname}", p))
+    for pname, p in model.named_parameters():
+        if id(p) not in owned:
+            owned[id(p)] = 0
+            per_unit[0].append((pname, p))
+    return specs, per_unit, owned
+
+
+def unit_deps(specs: list[tuple[str, nn.Module]], owned: dict[int, int]) -> list[list[int]]:
+    """For each unit, the units owning parameters that its modules hold (tied weights),
+    walking each unit's modules down to nested units."""
+    unit_module_ids = {id(m) for _, m in specs[1:]}
+    out: list[list[int]] = []
+    for i, (_, module) in enumerate(specs):
+        deps: list[int] = []
+        stack = [module]
+        while stack:
+            m = stack.pop()
+            for p in m._parameters.values():
+                if p is not None and owned[id(p)] != i and owned[id(p)] not in deps:
+                    deps.append(owned[id(p)])
+            stack.extend(c for c in m.children() if id(c) not in unit_module_ids)
+        out.append(deps)
+    return out
+
+
+def size_unit(
+    index: int,
+    name: str,
+    params: list[tuple[str, int, bool]],
+    config: ZeroConfig,
+    world: int,
+    deps: tuple[int, ...] = (),
+) -> UnitPlan:
+    """The plan of one unit from its ``(name, numel, trainable)`` parameters in order."""
+    slots, offset = [], 0
+    for pname, numel, trainable in params:
+        slots.append(SlotPlan(pname, offset, numel, trainable))
+        offset += numel
+    itemsize = _itemsize(config.torch_dtype)
+    padded = math.ceil(offset / world) * world
+    persistent = config.stage < 3 or padded * itemsize <= config.persistence_threshold
+    return UnitPlan(
+        index=index,
+        name=name,
+        numel=offset,
+        padded=padded,
+        shard=padded // world,
+        persistent=persistent,
+        trainable=any(s.trainable for s in slots),
+        itemsize=itemsize,
+        slots=tuple(slots),
+        deps=tuple(deps),
+    )
+
+
+def plan_units(model: nn.Module, config: ZeroConfig, world: int) -> list[UnitPlan]:
+    """The units ``ZeroEngine`` builds for ``model`` at ``world`` ranks (a meta model works)."""
+    specs, per_unit, owned = assign_params(model, config.unit_modules)
+    deps = unit_deps(specs, owned)
+    return [
+        size_unit(
+            i,
+            name,
+            [(pname, p.numel(), p.requires_grad) for pname, p in per_unit[i]],
+            config,
+            world,
+            tuple(deps[i]),
+        )
+        for i, (name, _) in enumerate(specs)
+    ]
+
+
+def plan_swap(units: list[UnitPlan], config: ZeroConfig, world: int) -> SwapPlan | None:
+    """One rank's swap files and staging slots, or None without NVMe offload. Raises
+    ``ConfigError``/``ValueError`` when ``staging_bytes`` cannot hold the pipeline."""
+    if "nvme" not in (config.offload_param, config.offload_optimizer):
+        return None
+    from ..config import ConfigError
+    from ..memory.swap import round_up
+    from ..optim.state_store import chunk_elements
+
+    itemsize = _itemsize(config.torch_dtype)
+    plan = SwapPlan(sizes={"param": {}, "grad": {}, "optim": {}})
+    for u in units:
+        if config.offload_param == "nvme" and not u.persistent and u.numel:
+            plan.sizes["param"][u.index] = u.shard * itemsize
+        if config.offload_optimizer == "nvme" and u.trainable:
+            plan.sizes["optim"][u.index] = 3 * round_up(u.shard * _F32)
+    if config.offload_optimizer == "nvme":
+        grad_bytes = sum(u.shard * _F32 for u in units if u.trainable)
+        plan.grads_on_disk = grad_bytes > config.grad_host_bytes
+        if plan.grads_on_disk:
+            plan.sizes["grad"] = {u.index: u.shard * _F32 for u in units if u.trainable}
+    plan.sizes = {k: v for k, v in plan.sizes.items() if v}
+    plan.chunk = chunk_elements(config.staging_bytes, plan.grads_on_disk)
+    plan.slot_bytes = round_up((4 if plan.grads_on_disk else 3) * plan.chunk * _F32)
+    if 3 * plan.slot_bytes > config.staging_bytes:
+        raise ConfigError(
+            f"staging_bytes={config.staging_bytes:,} is too small: the NVMe pipeline keeps "
+            f"three buffers of {plan.slot_bytes:,} bytes in flight; raise staging_bytes"
+        )
+    return plan
+
+
+def resident_bytes(
+    unit: UnitPlan,
+    config: ZeroConfig,
+    rank: int = 0,
+    swap: SwapPlan | None = None,
+    with_optimizer: bool = True,
+) -> dict[str, dict[str, int]]:
+    """``{kind: {tier: bytes}}`` that rank ``rank`` holds in memory for ``unit`` between steps,
+    kinds as in ``ZeroEngine.memory_report`` (params, master, grads, optimizer, full_grads)
+    and tiers ``device`` (the compute device) or ``host``. Swap-file bytes are in ``swap``.
+
+    Placement follows ``ZeroEngine._place``: stage-3 shards go to the host with
+    ``offload_param="cpu"``; a separate fp32 master (bf16/fp16 compute) goes to the host with
+    ``offload_optimizer="cpu"`` (with fp32 compute the master *is* the parameter shard and
+    stays where the shard is); Adam moments sit next to the master; gradient shards are
+    allocated on the compute device in every mode (``Unit._grad_buffer``).
+    """
+    lowp = config.torch_dtype != torch.float32
+    param_on_disk = swap is not None and unit.index in swap.sizes.get("param", {})
+    optim_on_disk = swap is not None and unit.index in swap.sizes.get("optim", {})
+    grads_on_disk = swap is not None and unit.index in swap.sizes.get("grad", {})
+    param_tier = "host" if config.offload_param == "cpu" and not unit.persistent else "device"
+    if lowp:
+        master_tier = "host" if config.offload_optimizer == "cpu" else "device"
+    else:
+        master_tier = param_tier  # the same tensor as the parameter shard
+
+    out: dict[str, dict[str, int]] = {}
+
+    def add(kind: str, tier: str, nbytes: int) -> None:
+        if nbytes:
+            out.setdefault(kind, {}).setdefault(tier, 0)
+            out[kind][tier] += nbytes
+
+    if not param_on_disk:
+        add("params", param_tier, (unit.padded if unit.persistent else unit.shard) * unit.itemsize)
+    # A separate master: bf16/fp16 compute, or fp32 whose parameter shard went to NVMe
+    # (the tensor stays as the master); none once the optimizer state lives on NVMe.
+    if not optim_on_disk and (lowp or param_on_disk):
+        add("master", master_tier, unit.shard * _F32)
+    if unit.trainable and not grads_on_disk:
+        add("grads", "device", unit.shard * _itemsize(config.torch_grad_dtype))
+    if config.stage == 1:
+        # Whole gradients wait in param.grad (compute dtype) from backward to the step.
+        add(
+            "full_grads",
+            "device",
+            sum(s.numel for s in unit.slots if s.trainable) * unit.itemsize,
+        )
+    if with_optimizer and not optim_on_disk and unit.has_optimizer_state(rank):
+        add("optimizer", master_tier, 2 * unit.shard * _F32)  # exp_avg, exp_avg_sq
+    return out
