@@ -180,11 +180,18 @@ def test_save_model_writes_hf_folder(tmp_path):
         only.train(resume_from_checkpoint=str(ckpt))
 
 
-def test_bf16_trains(tmp_path):
-    trainer = zero_run(str(tmp_path / "bf16"), bf16=True, max_steps=4)
-    assert trainer.engine.config.dtype == "bf16" and trainer.args.mixed_precision == "no"
-    losses = logged(trainer)
-    assert len(losses) == 4 and all(l == l for l in losses)  # noqa: E741 - finite, not nan
+@pytest.mark.parametrize("dtype, rtol", [("fp16", 1e-3), ("bf16", 3e-2)])
+def test_low_precision_tracks_fp32(reference, tmp_path, dtype, rtol):
+    """--fp16 / --bf16 set the engine's dtype (no autocast); fp16 scales the loss through the
+    engine's scaler, so the logged gradient norm is the unscaled one."""
+    trainer = zero_run(str(tmp_path / dtype), **{dtype: True})
+    assert trainer.engine.config.dtype == dtype and trainer.args.mixed_precision == "no"
+    if dtype == "fp16":
+        assert trainer.engine.scaler.scale == 2.0**16 and not trainer.optimizer.step_was_skipped
+    torch.testing.assert_close(logged(trainer), reference["loss"], rtol=rtol, atol=0)
+    torch.testing.assert_close(
+        logged(trainer, "grad_norm"), reference["grad_norm"], rtol=10 * rtol, atol=0
+    )
 
 
 @pytest.mark.parametrize(
