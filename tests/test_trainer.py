@@ -90,8 +90,9 @@ def test_config_and_pretrained_folder_models(reference, tmp_path):
 
 
 def test_world2_torchrun_matches_ddp(tmp_path):
-    """The plain Trainer under DDP and ZeroTrainer (stage 3; stage 2 with NVMe optimizer
-    state), each on 2 ranks under torchrun: the same logged losses and gradient norms."""
+    """The plain Trainer under DDP and ZeroTrainer (stages 1 and 3; stage 2 with NVMe
+    optimizer state), each on 2 ranks under torchrun: the same logged losses and gradient
+    norms."""
     out = tmp_path / "world2.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

@@ -84,6 +84,7 @@ def zero_run(output_dir: str, *, model_source=None, train: bool = True, **overri
 
 
 CASES_WORLD2 = {
+    "stage1": dict(zero_stage=1),
     "stage3": dict(zero_stage=3),
     "stage2_nvme_optimizer": dict(zero_stage=2, offload_optimizer="nvme"),
 }
