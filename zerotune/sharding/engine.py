@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator
 
 import torch
@@ -24,7 +23,7 @@ from ..memory.pool import BufferPool
 from ..optim.scaling import DynamicLossScaler
 from .external import ExternalParams, ShardedParameterError
 from .hooks import install_hooks
-from .policy import select_unit_modules
+from .plan import UnitPlan, assign_params, plan_swap, size_unit, unit_deps
 from .prefetch import Prefetcher
 from .unit import Unit, UnitState
 
@@ -33,7 +32,6 @@ __all__ = ["ShardedParameterError", "ZeroEngine", "shard"]
 log = logging.getLogger(__name__)
 log.addFilter(zdist.RankFilter())
 
-ROOT = "<root>"
 
 
 def shard(
@@ -124,34 +122,24 @@ class ZeroEngine(nn.Module):
 
     # ---------------------------------------------------------------------- construction
     def _build_units(self, model: nn.Module) -> list[Unit]:
-        specs = [(ROOT, model)] + select_unit_modules(model, self.config.unit_modules)
+        # The sizes come from plan.py, which `zerotune estimate` uses too: one set of rules.
+        specs, per_unit, owned = assign_params(model, self.config.unit_modules)
+        deps = unit_deps(specs, owned)
+        plans = [
+            size_unit(
+                i,
+                name,
+                [(pname, p.numel(), p.requires_grad) for pname, p in per_unit[i]],
+                self.config,
+                self.world,
+                tuple(deps[i]),
+            )
+            for i, (name, _) in enumerate(specs)
+        ]
+        self._open_swap(plans)
         unit_module_ids = {id(m) for _, m in specs[1:]}
-        owned: dict[int, int] = {}  # id(param) -> unit index
-        per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in specs]
-        # Non-root units first, in module order, so a tied weight belongs to the first
-        # module that holds it (the input embedding, not the head).
-        for i, (name, module) in list(enumerate(specs))[1:]:
-            for pname, p in module.named_parameters():
-                if id(p) not in owned:
-                    owned[id(p)] = i
-                    per_unit[i].append((f"{name}.{pname}", p))
-        for pname, p in model.named_parameters():
-            if id(p) not in owned:
-                owned[id(p)] = 0
-                per_unit[0].append((pname, p))
-
-        dtype = self.config.torch_dtype
-        grad_dtype = self.config.torch_grad_dtype
-        plan = []  # (numel, persistent, trainable) per unit, for the swap space layout
-        for params in per_unit:
-            numel = sum(p.numel() for _, p in params)
-            gathered = math.ceil(numel / self.world) * self.world * torch.finfo(dtype).bits // 8
-            persistent = self.config.stage < 3 or gathered <= self.config.persistence_threshold
-            plan.append((numel, persistent, any(p.requires_grad for _, p in params)))
-        self._open_swap(plan)
         units: list[Unit] = []
         for i, (name, module) in enumerate(specs):
-            persistent = plan[i][1]
             fill = None
             if self._prepare_unit is not None:
                 fill = self._prepare_unit(name, _unit_modules(module, unit_module_ids), per_unit[i])
@@ -160,10 +148,10 @@ class ZeroEngine(nn.Module):
                 name,
                 module,
                 per_unit[i],
-                dtype=dtype,
-                grad_dtype=grad_dtype,
+                dtype=self.config.torch_dtype,
+                grad_dtype=self.config.torch_grad_dtype,
                 device=self.device,
-                persistent=persistent,
+                persistent=plans[i].persistent,
                 pool=self.pool,
                 group=self.group,
                 fill=fill,
@@ -175,61 +163,33 @@ class ZeroEngine(nn.Module):
             unit.deps = []
             self._place(unit)  # to its tiers now: the next unit's construction needs the room
             units.append(unit)
-
         # Dependencies: parameters that a unit's modules hold but another unit owns (tied
-        # weights). Walk each unit's modules, stopping at nested units.
-        for i, (_, module) in enumerate(specs):
-            deps: list[Unit] = []
-            stack = [module]
-            while stack:
-                m = stack.pop()
-                for p in m._parameters.values():
-                    if p is not None and owned[id(p)] != i and units[owned[id(p)]] not in deps:
-                        deps.append(units[owned[id(p)]])
-                stack.extend(c for c in m.children() if id(c) not in unit_module_ids)
-            units[i].deps = deps
-            for dep in deps:
-                log.info(
-                    "zerotune: unit %s uses parameters of unit %s (shared)", units[i].name, dep.name
-                )
+        # weights), found at wrap time; see external.py for those found while running.
+        for unit, unit_deps_ in zip(units, deps):
+            unit.deps = [units[j] for j in unit_deps_]
+            for dep in unit.deps:
+                log.info("zerotune: unit %s uses parameters of unit %s", unit.name, dep.name)
         return units
 
-    def _open_swap(self, plan: list[tuple[int, bool, bool]]) -> None:
-        """Create this rank's swap files, sized from the plan (see memory/swap.py)."""
-        cfg = self.config
-        if "nvme" not in (cfg.offload_param, cfg.offload_optimizer):
+    def _open_swap(self, plans: list[UnitPlan]) -> None:
+        """Create this rank's swap files and staging pool, as plan_swap lays them out."""
+        swap_plan = plan_swap(plans, self.config, self.world)
+        if swap_plan is None:
             return
-        from ..memory.swap import StagingPool, SwapSpace, round_up
+        from ..memory.swap import StagingPool, SwapSpace
 
-        itemsize = torch.finfo(cfg.torch_dtype).bits // 8
-        sizes: dict[str, dict[int, int]] = {"param": {}, "grad": {}, "optim": {}}
-        for i, (numel, persistent, trainable) in enumerate(plan):
-            shard = math.ceil(numel / self.world)
-            if cfg.offload_param == "nvme" and not persistent and numel:
-                sizes["param"][i] = shard * itemsize
-            if cfg.offload_optimizer == "nvme" and trainable:
-                sizes["optim"][i] = 3 * round_up(shard * 4)
-        if cfg.offload_optimizer == "nvme":
-            grad_bytes = sum(math.ceil(n / self.world) * 4 for n, _, t in plan if t)
-            self._grads_on_disk = grad_bytes > cfg.grad_host_bytes
-            if self._grads_on_disk:
-                sizes["grad"] = {
-                    i: math.ceil(n / self.world) * 4 for i, (n, _, t) in enumerate(plan) if t
-                }
+        self._grads_on_disk = swap_plan.grads_on_disk
+        self._chunk = swap_plan.chunk
         # Parameter and gradient files are read into pool buffers: buffered I/O is enough.
         # The optimizer file streams through aligned staging buffers with O_DIRECT.
         self.swap = SwapSpace(
-            cfg.nvme_path,
-            sizes,
-            cfg,
+            self.config.nvme_path,
+            swap_plan.sizes,
+            self.config,
             self.group,
             direct={"param": False, "grad": False, "optim": True},
         )
-        from ..optim.state_store import chunk_elements
-
-        chunk = chunk_elements(cfg.staging_bytes, self._grads_on_disk)
-        self._chunk = chunk
-        self.staging = StagingPool(cfg.staging_bytes, (4 if self._grads_on_disk else 3) * chunk * 4)
+        self.staging = StagingPool(self.config.staging_bytes, swap_plan.slot_bytes)
 
     def _place(self, unit: Unit) -> None:
         """Move a freshly built unit's shards to their tiers."""
@@ -240,8 +200,9 @@ class ZeroEngine(nn.Module):
             unit.shard = _to_host(unit.shard)
             unit.master = unit.shard if shared else unit.master
         if cfg.offload_optimizer == "cpu":
-            if unit.master is not unit.shard and unit.master.device != host:
-                unit.master = _to_host(unit.master)
+            if unit.master is not None and unit.master.device != host:
+                # With fp32 the master was the device shard itself: now a host copy.
+                unit.master = _to_host(unit.master.float())
             unit.grad_device = host
         if self.swap is None:
             return

@@ -324,7 +324,7 @@ class Unit:
             raise RuntimeError("the gradient shard of this unit is on NVMe")
         if self.grad_shard is None:
             self.grad_shard = torch.zeros(
-                self.shard_numel, dtype=self.grad_dtype, device=self.device
+                self.shard_numel, dtype=self.grad_dtype, device=self.grad_device
             )
         return self.grad_shard
 
