@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 log.addFilter(zdist.RankFilter())
 
 
-
 def shard(
     model: nn.Module, config: ZeroConfig | dict | str | None = None, group=None
 ) -> ZeroEngine:
