@@ -274,7 +274,7 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
     if options["model"] is None:
         defaults.update(DEFAULT_JOB_ARGS)
     parser.set_defaults(**defaults)
-    argv = list(options["hf_args"]) + ["--output_dir", options["output_dir"]]
+    argv = ["--output_dir", options["output_dir"]]
     if options["zero_config"]:
         argv += ["--zero_config", options["zero_config"]]
     for key, value in zero.items():
@@ -282,6 +282,7 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
             value = nvme_path
         if value is not None:
             argv += [f"--{key}", str(value)]
+    argv += list(options["hf_args"])  # last: an explicit --zero_stage / --offload_param wins
     with _fail_on(ValueError):
         args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
@@ -352,6 +353,8 @@ def _resolve_tokenizer(options: dict, source, config):
 
     given = options["tokenizer"]
     folder = source if isinstance(source, Path) else None
+    if folder is None and options["model"] and Path(options["model"]).is_dir():
+        folder = Path(options["model"])  # --init random from a folder: its tokenizer
     if given is None and folder is not None and _has_tokenizer(folder):
         given = str(folder)
     if given is not None:
@@ -416,8 +419,8 @@ def _prepare(options: dict) -> Job:
             temp_nvme = tempfile.mkdtemp(prefix="zerotune-nvme-")
         nvme_path = temp_nvme
     try:
-        args = _parse_training_args(options, zero, nvme_path)
         name, init, source, config = _resolve_model(options)
+        args = _parse_training_args(options, zero, nvme_path)
         tokenizer, tok_kind = _resolve_tokenizer(options, source, config)
         if init == "random":  # the model's special tokens are the tokenizer's
             for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -647,7 +650,11 @@ def _plot_losses(path: Path, losses, evals, title: str) -> Path | None:
     ax.set_ylabel("loss")
     ax.set_title(f"zerotune finetune: {title}")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    if losses or evals:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no loss logged (fewer steps than --logging_steps)",
+                ha="center", va="center", transform=ax.transAxes)  # fmt: skip
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format="png")

@@ -103,6 +103,8 @@ class ZeroTrainingArguments(TrainingArguments):
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        if isinstance(self.zero_config, ZeroConfig):
+            self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
         self._check_contradictions()
         # The engine holds the parameters in bf16/fp16 itself: hide the flags from the parent
         # (which would turn on accelerate's autocast and, for bf16 on CPU, refuse), then
@@ -167,8 +169,6 @@ class ZeroTrainingArguments(TrainingArguments):
         source = self.zero_config
         if source is None:
             return {}
-        if isinstance(source, ZeroConfig):
-            return source.to_dict()
         if isinstance(source, dict):
             return copy.deepcopy(source)
         return read_zero_config_file(source)

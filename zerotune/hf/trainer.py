@@ -69,6 +69,13 @@ def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
     device = args.device  # also sets up torch.distributed under torchrun
     config = args.zero
     if isinstance(model, ZeroEngine):
+        if model.config != config:
+            log.warning(
+                "zerotune: the engine given to ZeroTrainer keeps its own config (%s); the "
+                "zerotune fields of the arguments (%s) are not applied",
+                describe_config(model.config),
+                describe_config(config),
+            )
         return model
     if isinstance(model, nn.Module):
         for module in model.modules():  # the shards go to `device`; buffers follow
@@ -207,7 +214,7 @@ class ZeroTrainer(Trainer):
         output = Path(output_dir if output_dir is not None else self.args.output_dir)
         if _internal_call and not self.args.save_only_model:
             return  # inside a checkpoint: the zerotune checkpoint holds the weights
-        dtype = self.args.save_dtype or self.args.zero.dtype
+        dtype = self.args.save_dtype or self.engine.config.dtype
         tokenizer = self.processing_class
         if not hasattr(tokenizer, "save_pretrained"):
             tokenizer = None
