@@ -17,9 +17,9 @@
 // Every SIMD level evaluates exactly these operations (no contraction: we build with
 // -ffp-contract=off), so AVX-512, AVX2 and scalar give bit-identical results (NaN payloads
 // aside); the ragged tail goes through the vector body on a padded stack copy. The result
-// matches torch.optim.AdamW(fused=True) bit for bit in our tests; the default single-tensor
-// path differs in the last bit now and then because its sqrt goes through MKL, which is
-// not correctly rounded (ours is).
+// agrees with torch.optim.AdamW(fused=True) to the last bit on nearly every element; the
+// default single-tensor path differs in the last bit now and then because its sqrt goes
+// through MKL, which is not correctly rounded (ours is).
 //
 // [Note: streaming stores]
 // param, exp_avg and exp_avg_sq are read before they are written, so their cache lines are

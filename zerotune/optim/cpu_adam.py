@@ -7,7 +7,8 @@ across cores, optional fused write of the updated weights in bf16/fp16), and oth
 ``torch.optim.AdamW(foreach=False)``. Both follow the formula order given in
 [Note: formula order] of csrc/adam/cpu_adam.cpp, so they agree with torch to float tolerance.
 (They are not always bit-identical: torch's CPU ``sqrt`` goes through MKL, which is not
-correctly rounded, while the kernel's is; the kernel matches ``AdamW(fused=True)`` bit for bit.)
+correctly rounded, while the kernel's is; the kernel agrees with ``AdamW(fused=True)`` to the
+last bit on nearly every element.)
 
 ``CPUAdam`` wraps the same update in a ``torch.optim.Optimizer`` for plain CPU fp32 models.
 """
