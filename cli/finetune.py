@@ -3,13 +3,15 @@
 [Note: finetune flow]
 1. Parse: click takes the zerotune options; every other ``--flag`` goes to
    ``HfArgumentParser(ZeroTrainingArguments)``, so any TrainingArguments flag works.
-2. Check everything that can be wrong before writing anything: the arguments, the zerotune
-   config (preset YAML merged with --stage / --offload / --nvme-path), the model, the
-   tokenizer, the dataset and its columns, then the engine itself (NVMe space is checked when
-   its swap files are made). Bad input ends here with one line and exit code 2, and the
-   output folder has not been created.
+2. Check everything that can be wrong before writing anything: the zerotune config (preset
+   YAML merged with --stage / --offload / --nvme-path), the dataset and its columns, the
+   model, the arguments, the tokenizer, then the engine itself (NVMe space is checked when
+   its swap files are made, before any weight is loaded), then tokenization and packing.
+   Bad input ends here with one line and exit code 2, and the output folder has not been
+   created.
 3. ``--nproc-per-node N`` (outside torchrun) re-runs this command in N processes through
-   ``torch.distributed.run`` after step 2 passed; the launcher owns the processes.
+   ``torch.distributed.run`` once step 2 passed in the parent (all but the engine, which only
+   the ranks build); the launcher owns the processes.
 4. Train with ZeroTrainer, write the consolidated HF folder into --output-dir, then (rank 0)
    the loss curve PNG, ``run_summary.json`` and the summary on the terminal.
 """
@@ -82,9 +84,12 @@ class Job:
     tokenizer_kind: str
     dataset: str
     block_size: int
-    train: object
-    eval: object
+    raw: object  # the dataset as read
     columns: object
+    train_on_prompt: bool
+    eval_split: float
+    train: object = None  # blocks, once tokenized
+    eval: object = None
     temp_nvme: str | None = None
     start_step: int = 0  # the global step training started from (resume)
 
@@ -298,6 +303,17 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
     return args
 
 
+def _check_resume(options: dict, args) -> None:
+    from zerotune.checkpoint import CheckpointError
+    from zerotune.hf.trainer import check_resumable, latest_complete_checkpoint
+
+    if args.resume_from_checkpoint:
+        with _fail_on(CheckpointError):
+            check_resumable(Path(args.resume_from_checkpoint))
+    elif latest_complete_checkpoint(args.output_dir) is None:
+        raise BadInput(f"--resume: no complete checkpoint in {args.output_dir}")
+
+
 def _resolve_model(options: dict):
     """(name, init, source, config): source is a folder for pretrained, the config itself
     for random init."""
@@ -421,6 +437,8 @@ def _prepare(options: dict) -> Job:
     try:
         name, init, source, config = _resolve_model(options)
         args = _parse_training_args(options, zero, nvme_path)
+        if options["resume"] or args.resume_from_checkpoint:
+            _check_resume(options, args)
         tokenizer, tok_kind = _resolve_tokenizer(options, source, config)
         if init == "random":  # the model's special tokens are the tokenizer's
             for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -430,20 +448,6 @@ def _prepare(options: dict) -> Job:
         block = options["block_size"] or min(context, 1024)
         if block > context:
             raise BadInput(f"--block-size {block} exceeds the model's context length {context}")
-        from zerotune.hf.data import prepare_datasets
-
-        with args.main_process_first(desc="dataset preparation"), _fail_on(DataError):
-            train, evaluation, columns = prepare_datasets(
-                raw,
-                tokenizer,
-                block,
-                eval_split=options["eval_split"],
-                text_column=columns.text,
-                prompt_column=columns.prompt,
-                response_column=columns.response,
-                train_on_prompt=options["train_on_prompt"],
-                seed=args.seed,
-            )
     except BaseException:
         if temp_nvme is not None and _TEMP_NVME_ENV not in os.environ:
             shutil.rmtree(temp_nvme, ignore_errors=True)
@@ -457,11 +461,31 @@ def _prepare(options: dict) -> Job:
         tokenizer_kind=tok_kind,
         dataset=dataset,
         block_size=block,
-        train=train,
-        eval=evaluation,
+        raw=raw,
         columns=columns,
+        train_on_prompt=options["train_on_prompt"],
+        eval_split=options["eval_split"],
         temp_nvme=temp_nvme,
     )
+
+
+def _tokenize(job: Job) -> None:
+    """Tokenize and pack the dataset into ``job.train`` / ``job.eval`` (rank 0 first, the
+    others then read the datasets cache)."""
+    from zerotune.hf.data import DataError, prepare_datasets
+
+    with job.args.main_process_first(desc="dataset preparation"), _fail_on(DataError):
+        job.train, job.eval, job.columns = prepare_datasets(
+            job.raw,
+            job.tokenizer,
+            job.block_size,
+            eval_split=job.eval_split,
+            text_column=job.columns.text,
+            prompt_column=job.columns.prompt,
+            response_column=job.columns.response,
+            train_on_prompt=job.train_on_prompt,
+            seed=job.args.seed,
+        )
 
 
 _TEMP_NVME_ENV = "ZEROTUNE_FINETUNE_TEMP_NVME"
@@ -474,6 +498,12 @@ def _launch(nproc: int, options: dict) -> None:
     from torch.distributed.run import main as torchrun
 
     job = _prepare(options)  # bad input stops here, before any process starts
+    try:
+        _tokenize(job)
+    except BaseException:
+        if job.temp_nvme is not None:
+            shutil.rmtree(job.temp_nvme, ignore_errors=True)
+        raise
     env_before = os.environ.get(_TEMP_NVME_ENV)
     if job.temp_nvme is not None:
         os.environ[_TEMP_NVME_ENV] = job.temp_nvme
@@ -525,7 +555,8 @@ def _run(options: dict) -> None:
     try:
         args = job.args
         with _fail_on(ConfigError, ModelLoadError):
-            engine = build_engine(job.model_source, args)
+            engine = build_engine(job.model_source, args)  # NVMe space is checked here
+        _tokenize(job)
         from transformers import default_data_collator
 
         with _fail_on(ValueError):

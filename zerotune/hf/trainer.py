@@ -52,7 +52,13 @@ from ..optim import ZeroAdamW
 from ..sharding import ZeroEngine
 from .args import ZeroTrainingArguments
 
-__all__ = ["ZeroTrainer", "build_engine", "describe_config", "latest_complete_checkpoint"]
+__all__ = [
+    "ZeroTrainer",
+    "build_engine",
+    "check_resumable",
+    "describe_config",
+    "latest_complete_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 log.addFilter(zdist.RankFilter())
@@ -278,13 +284,13 @@ class ZeroTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # Only checked here: the weights are loaded with the optimizer state, once the
         # optimizer exists (_load_optimizer_and_scheduler).
-        _check_resumable(Path(resume_from_checkpoint))
+        check_resumable(Path(resume_from_checkpoint))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
         folder = Path(checkpoint)
-        _check_resumable(folder)
+        check_resumable(folder)
         load_checkpoint(
             self.engine, folder / ZERO_DIR, optimizer=self.optimizer, scheduler=self.lr_scheduler
         )
@@ -299,7 +305,7 @@ class ZeroTrainer(Trainer):
     def _load_best_model(self) -> None:
         best = Path(self.state.best_model_checkpoint)
         log.info("zerotune: loading the best model from %s", best)
-        _check_resumable(best)
+        check_resumable(best)
         load_checkpoint(self.engine, best / ZERO_DIR, load_optimizer=False, load_rng=False)
 
     # ------------------------------------------------------------------------ reporting
@@ -341,15 +347,22 @@ def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def _check_resumable(folder: Path) -> None:
+def check_resumable(folder: Path) -> None:
+    """Raise CheckpointError unless ``folder`` is a ZeroTrainer checkpoint that was completed."""
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
     if (folder / ZERO_DIR).is_dir():
+        if not (folder / ZERO_DIR / MARKER).is_file():
+            raise CheckpointError(
+                f"{folder} is incomplete (no {ZERO_DIR}/{MARKER}: its save was interrupted)"
+            )
+        if not (folder / "trainer_state.json").is_file():
+            raise CheckpointError(f"{folder} has no trainer_state.json (its save was interrupted)")
         return
     if any(_WEIGHT_FILES.match(p.name) for p in folder.iterdir()):
         raise CheckpointError(
-            f"{folder} holds a model but no optimizer state (saved with save_only_model); "
-            "start a new run from it (model=that folder) instead of resuming"
+            f"{folder} holds a model but no optimizer state (a saved model, or a "
+            "save_only_model checkpoint): train from it as the model instead of resuming"
         )
     raise CheckpointError(f"{folder} is not a ZeroTrainer checkpoint (no {ZERO_DIR}/ folder)")
 
