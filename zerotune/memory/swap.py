@@ -121,11 +121,10 @@ class SwapSpace:
         free = shutil.disk_usage(self.root).free
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if need * local > free:
-            parts = ", ".join(f"{k} {total / 2**30:.2f} GiB" for k, (_, total) in layout.items())
+            parts = ", ".join(f"{k} {_size(total)}" for k, (_, total) in layout.items())
             raise ConfigError(
-                f"nvme_path {self.root} has {free / 2**30:.2f} GiB free; this run needs "
-                f"{need * local / 2**30:.2f} GiB of swap files "
-                f"({local} rank(s) here, each: {parts})"
+                f"nvme_path {self.root} has {_size(free)} free; this run needs "
+                f"{_size(need * local)} of swap files ({local} rank(s) here, each: {parts})"
             )
         self.run_dir = self.root / run_id
         self.dir = self.run_dir / f"rank{rank}"
@@ -168,6 +167,14 @@ class SwapSpace:
                 self.run_dir.rmdir()  # the last rank out removes the run folder
             except OSError:
                 pass
+
+
+def _size(n: int) -> str:
+    """Bytes as a person reads them (GiB, MiB or KiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1024:.1f} KiB"
 
 
 def _layout(sizes: dict[int, int]) -> tuple[dict[int, tuple[int, int]], int]:
