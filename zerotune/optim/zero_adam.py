@@ -19,14 +19,13 @@ on NVMe are read once for the norm and once for the step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from .. import dist as zdist
-from .cpu_adam import adam_update
+from .cpu_adam import adam_update, fallback_adam_update
 
 __all__ = ["StepInfo", "ZeroAdamW"]
 
@@ -244,13 +243,10 @@ class ZeroAdamW(torch.optim.Optimizer):
                 adamw=group["adamw_mode"],
                 bias_correction=group["bias_correction"],
             )
-            if master.device.type == "cpu":
-                out = target[a:b] if fused else None
-                adam_update(master[r], grad[r], m[r], v[r], out_lowp=out, **kwargs)
-            else:
-                _adam_torch(master[r], grad[r], m[r], v[r], **kwargs)
-                if fused:
-                    target[a:b].copy_(master[r])
+            out = target[a:b] if fused else None
+            # The C++ kernel on the CPU; the same math in torch ops on any other device.
+            update = adam_update if master.device.type == "cpu" else fallback_adam_update
+            update(master[r], grad[r], m[r], v[r], out_lowp=out, **kwargs)
         if target is not None and not fused:
             target[c0:c1].copy_(master)
         if c1 == unit.shard_numel:
@@ -261,19 +257,3 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         return self.store.nbytes()
-
-
-def _adam_torch(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction):
-    """Adam on any device with torch ops, in the order torch.optim.AdamW uses."""
-    g = g.float()
-    if weight_decay:
-        if adamw:
-            p.mul_(1 - lr * weight_decay)
-        else:
-            g = g.add(p, alpha=weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bc1 = 1 - beta1**step if bias_correction else 1.0
-    bc2 = 1 - beta2**step if bias_correction else 1.0
-    denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-    p.addcdiv_(m, denom, value=-lr / bc1)

@@ -446,9 +446,7 @@ class ZeroEngine(nn.Module):
         for unit in self.units:
             unit.wait_writes()
         for unit in self.units:
-            if unit.has_pending_grads():
-                unit.reduce_grads(sync=True)
-            elif unit.unreduced is not None:
+            if unit.has_pending_grads() or unit.unreduced is not None:
                 unit.reduce_grads(sync=True)
 
     def after_step(self) -> None:
