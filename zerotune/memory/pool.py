@@ -100,12 +100,3 @@ class BufferPool:
     def release(self, buf: torch.Tensor) -> None:
         self.in_use_bytes -= buf.numel() * buf.element_size()
         self._free[(buf.numel(), buf.dtype)].append(buf)
-
-    def trim(self) -> int:
-        """Free every buffer not lent out; returns the bytes freed."""
-        freed = 0
-        for bufs in self._free.values():
-            freed += sum(b.numel() * b.element_size() for b in bufs)
-            bufs.clear()
-        self.allocated_bytes -= freed
-        return freed
