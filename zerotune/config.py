@@ -105,6 +105,14 @@ class ZeroConfig:
     staging_bytes: the pool of host buffers NVMe reads and writes go through (allocated once,
         part of the memory report); must hold three units' optimizer state.
     aio_threads / aio_block_bytes / aio_queue_depth: the asynchronous I/O engine.
+    optim_state_bits: 32 keeps Adam's two moments in fp32; 8 keeps them blockwise-quantized
+        in 8 bits (bitsandbytes' dynamic code, one fp32 absmax per 256 elements) on whatever
+        tier holds the optimizer state. The fp32 master copy is unchanged.
+    offload_activations: where activation checkpoints (the saved inputs of checkpointed
+        blocks) wait between forward and backward: none (where they were made), cpu (host
+        memory), nvme (a swap file under nvme_path). Needs activation checkpointing on.
+    tile_linear_bytes: linear layers whose weight is larger than this many bytes are split
+        into tiles of at most this size, each its own sharding unit (0 = off).
     """
 
     stage: int = 3
@@ -126,6 +134,9 @@ class ZeroConfig:
     loss_scale_window: int = 1000
     loss_scale_min: float = 1.0
     auto_external_params: bool = True
+    optim_state_bits: int = 32
+    offload_activations: str = "none"
+    tile_linear_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -144,9 +155,10 @@ class ZeroConfig:
             "grad_host_bytes",
             "staging_bytes",
             "aio_block_bytes",
+            "tile_linear_bytes",
         ):
             setattr(self, name, parse_bytes(getattr(self, name), name=name))
-        for name in ("offload_param", "offload_optimizer"):
+        for name in ("offload_param", "offload_optimizer", "offload_activations"):
             value = getattr(self, name)
             if value not in _OFFLOAD:
                 raise ConfigError(
@@ -158,23 +170,28 @@ class ZeroConfig:
                 f"offload_param={self.offload_param!r} needs stage 3 (stages 1-2 keep every "
                 "parameter gathered on the device)"
             )
-        if "nvme" in (self.offload_param, self.offload_optimizer) and not self.nvme_path:
+        if self.optim_state_bits not in (8, 32):
+            raise ConfigError(f"optim_state_bits must be 32 or 8, got {self.optim_state_bits!r}")
+        if "nvme" in self.offload_tiers and not self.nvme_path:
             raise ConfigError("offload to nvme needs nvme_path (a folder on a fast local disk)")
         if self.aio_threads < 1 or self.aio_queue_depth < 1:
             raise ConfigError("aio_threads and aio_queue_depth must be at least 1")
         if self.aio_block_bytes < 4096 or self.aio_block_bytes % 4096:
             raise ConfigError("aio_block_bytes must be a multiple of 4096")
-        if self.nvme_path is not None and "nvme" not in (
-            self.offload_param,
-            self.offload_optimizer,
-        ):
+        if self.nvme_path is not None and "nvme" not in self.offload_tiers:
             raise ConfigError(
-                "nvme_path is set but neither offload_param nor offload_optimizer is 'nvme'"
+                "nvme_path is set but none of offload_param, offload_optimizer, "
+                "offload_activations is 'nvme'"
             )
         if self.loss_scale_init <= 0 or self.loss_scale_min <= 0:
             raise ConfigError("loss scales must be positive")
         if self.loss_scale_window < 1:
             raise ConfigError("loss_scale_window must be at least 1")
+
+    @property
+    def offload_tiers(self) -> tuple[str, str, str]:
+        """(offload_param, offload_optimizer, offload_activations)."""
+        return (self.offload_param, self.offload_optimizer, self.offload_activations)
 
     @property
     def torch_dtype(self) -> torch.dtype:
