@@ -10,6 +10,17 @@ one JSON line with ``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain)
     python benchmarks/train_step.py                      # gpt2 (124M), seq 128, batch 1, fp32
     python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp
     python benchmarks/train_step.py --model gpt2-xl --offload nvme --steps 3 --no-baseline
+    python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
+        --optim adamw_8bit                      # + nvme_bytes_ratio (8-bit / fp32 states)
+    python benchmarks/train_step.py --offload-activations nvme --nvme-path /tmp \
+        --batch 8 --seq 512                     # checkpoints offloaded vs kept, both checkpointed
+
+With ``--optim adamw_8bit`` zerotune runs twice in the same invocation, with fp32 Adam states
+and with 8-bit ones (``optim_state_bits: 8``); the summary describes the 8-bit run and adds
+``nvme_bytes_ratio`` (disk bytes read + written per step, 8-bit / fp32) and the other
+ratios against the fp32-state run. With ``--offload-activations`` zerotune runs with
+activation checkpointing on, once keeping the checkpoints and once offloading them; the
+summary describes the offloaded run and adds its ratios against the kept one.
 """
 
 from __future__ import annotations
@@ -43,8 +54,19 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--nvme-path", default=None, help="folder for swap files (--offload nvme)")
     ap.add_argument("--staging", default="256MiB", help="NVMe staging buffers")
+    ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_8bit"])
+    ap.add_argument(
+        "--offload-activations",
+        default="none",
+        choices=["none", "cpu", "nvme"],
+        help="checkpoint every block and move its saved inputs to this tier",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
-    ap.add_argument("--variant", choices=["plain", "zerotune"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--variant",
+        choices=["plain", "zerotune", "zerotune-fp32-states", "zerotune-kept-checkpoints"],
+        help=argparse.SUPPRESS,
+    )
     return ap.parse_args()
 
 
@@ -60,6 +82,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     torch.set_num_threads(os.cpu_count())
     config = model_config(args.model)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    checkpointed = args.offload_activations != "none"
     if args.variant == "plain":
         model = AutoModelForCausalLM.from_config(config)
         model.to(dtype)
@@ -71,11 +94,18 @@ def run_variant(args: argparse.Namespace) -> dict:
         zcfg = {"stage": args.stage, "dtype": args.dtype}
         if args.offload != "none":
             zcfg.update(offload_param=args.offload, offload_optimizer=args.offload)
-        if args.offload == "nvme":
+        if args.optim == "adamw_8bit" and args.variant != "zerotune-fp32-states":
+            zcfg["optim_state_bits"] = 8
+        if checkpointed and args.variant != "zerotune-kept-checkpoints":
+            zcfg["offload_activations"] = args.offload_activations
+        if "nvme" in (args.offload, zcfg.get("offload_activations")):
             zcfg.update(nvme_path=args.nvme_path, staging_bytes=args.staging)
         # zero-init: the model is never whole in this process (it could not be, offloaded)
         runner = zerotune.zero_init(config, zcfg)
         model = runner.module
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+            model.train()
         opt = zerotune.ZeroAdamW(runner, lr=1e-5)
     io = psutil.Process().io_counters
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
@@ -103,7 +133,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     result["losses"] = losses
     result["read_bytes_per_step"] = statistics.median(read)
     result["written_bytes_per_step"] = statistics.median(written)
-    if args.variant == "zerotune":
+    if args.variant != "plain":
         result["memory_report"] = runner.memory_report()
         runner.close()
     return result
@@ -114,12 +144,18 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args)))
         return
-    if args.offload == "nvme" and not args.nvme_path:
-        sys.exit("--offload nvme needs --nvme-path (a folder on a fast local disk)")
-    variants = ([] if args.no_baseline else ["plain"]) + ["zerotune"]
+    if "nvme" in (args.offload, args.offload_activations) and not args.nvme_path:
+        sys.exit("--offload nvme / --offload-activations nvme need --nvme-path (a local folder)")
+    variants = [] if args.no_baseline else ["plain"]
+    if args.optim == "adamw_8bit":
+        variants.append("zerotune-fp32-states")
+    if args.offload_activations != "none":
+        variants.append("zerotune-kept-checkpoints")
+    variants.append("zerotune")
     results = {}
     for name in variants:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", name]
+        print(f"running {name} ...", file=sys.stderr, flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             sys.exit(f"{name} run failed:\n{out.stderr[-3000:]}")
@@ -127,15 +163,21 @@ def main() -> None:
 
     print(
         f"model {args.model}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
-        f"stage {args.stage}, median of {args.steps} steps after {args.warmup} warm-up, "
-        f"{os.cpu_count()} threads"
+        f"stage {args.stage}, optim {args.optim}, offload {args.offload}, activations "
+        f"{args.offload_activations}, median of {args.steps} steps after {args.warmup} "
+        f"warm-up, {os.cpu_count()} threads"
     )
     header = ("forward s", 11), ("backward s", 12), ("optim s", 10), ("total s", 10)
-    print(f"{'variant':<10}" + "".join(f"{h:>{w}}" for h, w in header) + f"{'peak RSS GiB':>14}")
+    print(
+        f"{'variant':<26}"
+        + "".join(f"{h:>{w}}" for h, w in header)
+        + f"{'peak RSS GiB':>14}{'disk GB/step':>14}"
+    )
     for name, r in results.items():
+        disk = (r["read_bytes_per_step"] + r["written_bytes_per_step"]) / 1e9
         print(
-            f"{name:<10}{r['forward']:>11.3f}{r['backward']:>12.3f}{r['optimizer']:>10.3f}"
-            f"{r['total']:>10.3f}{r['peak_rss_gib']:>14.2f}"
+            f"{name:<26}{r['forward']:>11.3f}{r['backward']:>12.3f}{r['optimizer']:>10.3f}"
+            f"{r['total']:>10.3f}{r['peak_rss_gib']:>14.2f}{disk:>14.2f}"
         )
     zt = results["zerotune"]
     gb = 1e9
@@ -157,6 +199,23 @@ def main() -> None:
         "written_gb_per_step": round(zt["written_bytes_per_step"] / gb, 3),
         "io_gbps": round(moved / gb / zt["total"], 3),
     }
+    for other, key in (
+        ("zerotune-fp32-states", "nvme_bytes_ratio"),
+        ("zerotune-kept-checkpoints", "moved_bytes_ratio"),
+    ):
+        if other in results:
+            o = results[other]
+            o_moved = o["read_bytes_per_step"] + o["written_bytes_per_step"]
+            summary[key] = round(moved / o_moved, 4) if o_moved else None
+            summary[f"step_time_ratio_vs_{other}"] = round(zt["total"] / o["total"], 4)
+            summary[f"peak_rss_ratio_vs_{other}"] = round(zt["peak_rss_gib"] / o["peak_rss_gib"], 4)
+            summary[f"{other}_step_time_s"] = round(o["total"], 4)
+            summary[f"{other}_peak_rss_gib"] = round(o["peak_rss_gib"], 3)
+            summary[f"{other}_disk_gb_per_step"] = round(o_moved / gb, 3)
+            summary[f"{other}_losses"] = [round(x, 4) for x in o["losses"]]
+    summary["losses"] = [round(x, 4) for x in zt["losses"]]
+    if "activation_checkpoints" in str(zt.get("memory_report", {})):
+        summary["memory_report"] = zt["memory_report"]
     if "plain" in results:
         plain = results["plain"]
         summary["step_time_ratio"] = round(zt["total"] / plain["total"], 4)

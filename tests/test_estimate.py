@@ -341,7 +341,7 @@ def test_check_estimate_warns_beyond_15_percent(tmp_path, caplog):
         nvme = engine.memory_report()["nvme"]
         plan = estimate(engine, config=cfg, dtype="fp32", device="cpu", seq_len=16, gpu_memory=None)
         host = plan.option(3, "nvme", "nvme").per_rank("host")
-        args = dict(seq_len=16)
+        args = dict(seq_len=16, min_bytes=0)
         with caplog.at_level("INFO", logger="zerotune.estimate"):
             assert check_estimate(engine, {"host": host, "nvme": nvme}, **args) == []
         assert "estimated" in caplog.text and "measured" in caplog.text
@@ -349,6 +349,10 @@ def test_check_estimate_warns_beyond_15_percent(tmp_path, caplog):
         warnings = check_estimate(engine, {"device": int(host * 1.3), "nvme": nvme}, **args)
         assert len(warnings) == 1 and "host" in warnings[0] and "30%" in warnings[0]
         assert len(check_estimate(engine, {"nvme": nvme // 2}, **args)) == 1
+        # Differences of a few MiB are not warned about by default (allocator noise).
+        assert (
+            check_estimate(engine, {"host": int(host * 1.3), "nvme": nvme // 2}, seq_len=16) == []
+        )
         with pytest.raises(ValueError, match="tier"):
             check_estimate(engine, {"gpu": 1})
     finally:

@@ -235,3 +235,35 @@ def test_trainer_refuses_what_it_cannot_do(tmp_path):
     args = ZeroTrainingArguments(output_dir=str(tmp_path), **COMMON)
     with pytest.raises(ValueError, match="builds its ZeroAdamW"):
         ZeroTrainer(model=model(), args=args, optimizers=(torch.optim.SGD([torch.zeros(1)]), None))
+
+
+def test_first_step_is_checked_against_the_estimate(tmp_path, caplog, monkeypatch):
+    import zerotune.hf.trainer as trainer_mod
+
+    calls = []
+    real = trainer_mod.check_estimate
+
+    def spy(engine, measured, **kwargs):
+        calls.append((dict(measured), kwargs))
+        return real(engine, measured, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "check_estimate", spy)
+    with caplog.at_level("INFO", logger="zerotune.estimate"):
+        trainer = zero_run(
+            str(tmp_path / "run"),
+            zero_stage=3,
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path),
+        )
+    # Once, after the first of six steps, with this run's micro-batch shape (4 rows of 16).
+    assert len(calls) == 1
+    measured, kwargs = calls[0]
+    assert kwargs["seq_len"] == 16 and kwargs["micro_batch"] == 4
+    assert measured["nvme"] == trainer.engine.memory_report()["nvme"] > 0
+    assert 0 < measured["host"] < 512 * 2**20
+    assert trainer.memory_measured == measured
+    assert "peak nvme memory: estimated" in caplog.text
+    # Swap files are planned exactly: never a warning about NVMe.
+    assert not [w for w in trainer.estimate_warnings if "nvme" in w]
+    trainer.close()

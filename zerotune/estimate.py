@@ -69,6 +69,7 @@ from .sharding.engine import ZeroEngine
 from .sharding.plan import (
     SwapPlan,
     UnitPlan,
+    gather_cache_bytes,
     plan_swap,
     plan_units,
     resident_bytes,
@@ -285,17 +286,21 @@ def _working_buffers(
         others = sum(u.gathered_bytes for u in sharded) - pinned - current
         ahead = min(config.prefetch_bytes, max(others, 0)) if config.stage == 3 else 0
         gathered = pinned + current + ahead
-        if device == "cpu" and param_disk:
-            # A unit read ahead from NVMe has its gather buffer allocated but not written
-            # until it is used: only its read buffer (below) is resident.
-            gathered -= ahead
         if config.max_live_bytes > 0:
             gathered = min(gathered, max(config.max_live_bytes, pinned + current))
         out["gathered"] = {"device": gathered}
-        if param_disk:
-            # Reads land in a host buffer of the shard's size, freed once the unit is used.
+        if param_disk and (world > 1 or device != "cpu"):
+            # Reads land in a host buffer of the shard's size, freed once the unit is used
+            # (at world size 1 on a CPU they land in the gather buffer itself).
             largest = max(u.shard * u.itemsize for u in sharded)
             out["nvme_reads"] = {"host": largest + ahead // world}
+        if device == "cpu":
+            # Emptied gather buffers kept for reuse (memory/pool.py GatherCache).
+            keep = gather_cache_bytes(
+                [u.gathered_bytes for u in sharded],
+                config.prefetch_bytes if config.stage == 3 else 0,
+            )
+            out["gather_cache"] = {"host": keep}
 
     # The pool: buffers are keyed by (elements, dtype) and kept for the run.
     keys: dict[tuple[int, int], int] = {}
@@ -741,7 +746,7 @@ def _rows(
     for tier, n in work.get("pool", {}).items():
         add("buffers", tier, n)
     transient: dict[str, int] = {}
-    for kind in ("gathered", "param_grads", "nvme_reads"):
+    for kind in ("gathered", "param_grads", "nvme_reads", "gather_cache"):
         for tier, n in work.get(kind, {}).items():
             tier = "host" if device == "cpu" and tier == "device" else tier
             transient[tier] = transient.get(tier, 0) + n
@@ -864,12 +869,15 @@ def check_estimate(
     micro_batch: int = 1,
     activation_checkpointing: bool = False,
     tolerance: float = 0.15,
+    min_bytes: int = 64 * 2**20,
 ) -> list[str]:
     """Compare measured peaks per tier (``device``, ``host``, ``nvme``; bytes this rank
     added since before the engine was built) with the estimate for ``engine``'s own
     configuration; log both and return a warning per tier that differs by more than
-    ``tolerance``. The trainer calls it after the first step. Activations are counted when
-    ``seq_len`` is given. On a CPU-only engine device and host are one tier (host)."""
+    ``tolerance`` and by more than ``min_bytes`` (a few MiB of allocator and library
+    noise on a tiny model is not a planning error). The trainer calls it after the first
+    step. Activations are counted when ``seq_len`` is given. On a CPU-only engine device
+    and host are one tier (host)."""
     cfg, world, rank = engine.config, engine.world, engine.rank
     units = _engine_units(engine)
     swap = plan_swap(units, cfg, world)
@@ -904,7 +912,7 @@ def check_estimate(
         if expected == 0 and measured == 0:
             continue
         off = abs(measured - expected) / max(expected, 1)
-        if off > tolerance:
+        if off > tolerance and abs(measured - expected) > min_bytes:
             warnings.append(
                 f"peak {tier} memory {_gib(measured)} differs from the estimate {_gib(expected)} "
                 f"by {off:.0%} (more than {tolerance:.0%}); plans made with zerotune estimate "

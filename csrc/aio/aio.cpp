@@ -272,6 +272,31 @@ class Engine {
   std::vector<std::thread> workers_;
 };
 
+// [Note: lending storage]
+// Gathered parameters live in one flat tensor per unit whose storage is emptied after use
+// and refilled before the next one (autograd keeps views of that storage from forward to
+// backward, so the unit must keep the same StorageImpl; see sharding/unit.py). Refilling it
+// with resize_ asks malloc for fresh memory every time, and on the CPU fresh memory is
+// page-faulted and zeroed by the kernel on first touch: 2-3 GB of faults per step for a
+// 355M-parameter model. lend_storage points the unit's StorageImpl at a buffer the caller
+// owns and reuses (already faulted, 4 KiB aligned so NVMe reads can land in it directly). The
+// new DataPtr's context holds a reference to the buffer's storage, so the memory outlives
+// any view that still uses it; resize_(0) on the unit's storage drops that reference.
+void lend_storage(const at::Tensor& dst, const at::Tensor& src, int64_t nbytes) {
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu(), "lend_storage: CPU tensors only");
+  TORCH_CHECK(src.is_contiguous() && nbytes >= 0 &&
+                  src.numel() * static_cast<int64_t>(src.element_size()) >= nbytes,
+              "lend_storage: src must be contiguous and hold at least nbytes");
+  c10::StorageImpl* impl = dst.storage().unsafeGetStorageImpl();
+  TORCH_CHECK(impl != src.storage().unsafeGetStorageImpl(),
+              "lend_storage: a storage cannot lend to itself");
+  auto* keep = new c10::Storage(src.storage());
+  impl->set_data_ptr_noswap(c10::DataPtr(
+      src.data_ptr(), keep, [](void* ctx) { delete static_cast<c10::Storage*>(ctx); },
+      dst.device()));
+  impl->set_nbytes(static_cast<size_t>(nbytes));
+}
+
 }  // namespace zerotune_aio
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -290,4 +315,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("workers", &za::Engine::workers)
       .def_property_readonly("direct", &za::Engine::direct);
   m.def("align", [] { return za::kAlign; });
+  m.def("lend_storage", &za::lend_storage, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+        "Point dst's storage at src's memory (first nbytes), keeping src's storage alive");
 }

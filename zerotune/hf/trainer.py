@@ -42,11 +42,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from transformers import PretrainedConfig, Trainer
+from transformers import PretrainedConfig, Trainer, TrainerCallback
 
 from .. import dist as zdist
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_hf
 from ..checkpoint.manifest import MARKER
+from ..estimate import check_estimate
 from ..init import from_pretrained, zero_init
 from ..optim import ZeroAdamW
 from ..sharding import ZeroEngine
@@ -153,8 +154,16 @@ class ZeroTrainer(Trainer):
             )
         if model is None:
             raise ValueError("ZeroTrainer needs a model: a config, a folder, a module or an engine")
+        # Peaks are measured from here: check_estimate compares what the engine and the
+        # training add with `zerotune estimate` after the first step.
+        _reset_peak_rss()
+        self._rss_base = _current_rss()
+        self._accel_base = _accelerator_allocated(args.device)
         self.engine = build_engine(model, args)
         self._resume_rng: dict | None = None
+        self.estimate_warnings: list[str] | None = None  # set after the first step
+        self.memory_measured: dict[str, int] | None = None  # what they compared
+        self._batch_shape: tuple[int, ...] | None = None
         # Counted from the engine: at stage 3 the model's own count sees empty parameters.
         self.num_parameters = sum(s.numel for u in self.engine.units for s in u.slots)
         super().__init__(model=self.engine.module, args=args, **kwargs)
@@ -164,6 +173,7 @@ class ZeroTrainer(Trainer):
                 f"sharded over {self.engine.world}; launch with torchrun and let the arguments "
                 "set up torch.distributed before building the engine"
             )
+        self.add_callback(_CheckEstimateOnce(self))
 
     # --------------------------------------------------------------- the Trainer's hooks
     def create_accelerator_and_postprocess(self) -> None:
@@ -206,6 +216,37 @@ class ZeroTrainer(Trainer):
         if grad_norm is None:
             grad_norm = self.optimizer.clip_grad_norm_(float("inf"))  # the norm, no clipping
         return float(grad_norm)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        ids = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
+        if isinstance(ids, torch.Tensor) and self._batch_shape is None:
+            self._batch_shape = tuple(ids.shape)  # for check_estimate's activation term
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def check_memory_estimate(self) -> list[str]:
+        """Compare this rank's measured peaks (host: peak RSS added since the engine was
+        built; accelerator: peak allocated added; nvme: swap files) with `zerotune
+        estimate` for this engine and these arguments; logs both, warns beyond 15% and
+        returns the warnings. Called once after the first optimizer step."""
+        measured = {
+            "host": max(_peak_rss() - self._rss_base, 0),
+            "nvme": self.engine.memory_report().get("nvme", 0),
+        }
+        accel = _accelerator_allocated(self.engine.device, peak=True)
+        if accel is not None:
+            measured["device"] = max(accel - (self._accel_base or 0), 0)
+        seq_len, micro_batch = None, self.args.per_device_train_batch_size
+        if self._batch_shape is not None and len(self._batch_shape) == 2:
+            micro_batch, seq_len = self._batch_shape
+        self.memory_measured = measured
+        self.estimate_warnings = check_estimate(
+            self.engine,
+            measured,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            activation_checkpointing=bool(self.args.gradient_checkpointing),
+        )
+        return self.estimate_warnings
 
     def floating_point_ops(self, inputs) -> int:
         # The model's own count reads parameter sizes, which are 0 for released parameters.
@@ -328,6 +369,19 @@ class ZeroTrainer(Trainer):
         self.engine.close()
 
 
+class _CheckEstimateOnce(TrainerCallback):
+    """Runs ``ZeroTrainer.check_memory_estimate`` after the first optimizer step of a run."""
+
+    def __init__(self, trainer: ZeroTrainer) -> None:
+        self.trainer = trainer
+        self.done = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.done:
+            self.done = True
+            self.trainer.check_memory_estimate()
+
+
 # ------------------------------------------------------------------------------ helpers
 def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The newest ``checkpoint-N`` under ``output_dir`` whose trainer state and zerotune
@@ -399,6 +453,33 @@ def _restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _current_rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _reset_peak_rss() -> None:
+    """Start VmHWM again from the current RSS (Linux: clear_refs 5); elsewhere the peak
+    keeps what came before, so measured peaks may read high."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _accelerator_allocated(device, peak: bool = False) -> int | None:
+    """Bytes the CUDA allocator holds for tensors on ``device`` (its peak with ``peak``;
+    None on other devices). The peak counter is reset when ``peak`` is False."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if peak:
+        return torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def _peak_rss() -> int:

@@ -4,9 +4,12 @@ Reduce and staging buffers are taken from here and given back, so after the firs
 engine allocates nothing new for them: memory neither fragments nor grows with the number of
 steps. Buffers are keyed by (numel, dtype); units of the same shape share them.
 
-Gathered parameters are not pooled: autograd keeps views of them from forward to backward,
-so each unit keeps its own flat tensor and only frees and re-allocates its storage (see
-[Note: flat layout] in sharding/unit.py). Their bytes are counted in ``gathered``.
+Gathered parameters cannot share one buffer: autograd keeps views of them from forward to
+backward, so each unit keeps its own flat tensor and only empties and refills its storage (see
+[Note: flat layout] in sharding/unit.py). Their bytes are counted in ``gathered``. On the CPU
+the memory that refills a storage comes from ``GatherCache``: reused buffers lent to the
+unit's storage ([Note: lending storage] in csrc/aio/aio.cpp), instead of fresh memory that
+the kernel page-faults and zeroes on every gather.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections import defaultdict, deque
 
 import torch
 
-__all__ = ["BufferPool", "ByteCounter", "WriteQueue"]
+__all__ = ["BufferPool", "ByteCounter", "GatherCache", "WriteQueue"]
 
 
 class WriteQueue:
@@ -65,12 +68,68 @@ class ByteCounter:
         self.now -= n
 
 
+class GatherCache:
+    """Host buffers for gathered parameters, lent to the units' storages and reused.
+
+    A buffer given back is kept for the next gather of the same size while the kept bytes
+    stay within ``keep_bytes`` (set by the engine from the unit sizes and the prefetch
+    budget); beyond that it is freed. Buffers are 4 KiB aligned, so NVMe reads can land in
+    a lent storage directly.
+    """
+
+    def __init__(self, lend) -> None:
+        self._lend = lend  # the aio op's lend_storage(dst, src, nbytes)
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.keep_bytes = 0
+        self.kept_bytes = 0
+        self.peak_kept_bytes = 0
+        self.allocations = 0  # buffers made (not reused) since the cache was created
+
+    @classmethod
+    def create(cls, device: torch.device) -> GatherCache | None:
+        """A cache for CPU parameters when the C++ aio op is built, else None (storages are
+        then refilled with ``resize_``)."""
+        if device.type != "cpu":
+            return None  # accelerator allocators cache freed blocks themselves
+        from .aio import _load_op
+
+        op = _load_op()
+        return cls(op.lend_storage) if op is not None else None
+
+    def lend(self, flat: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Point ``flat``'s (empty) storage at a buffer of ``nbytes``; returns the buffer,
+        to be given back once the storage is emptied again."""
+        free = self._free.get(nbytes)
+        if free:
+            buf = free.pop()
+            self.kept_bytes -= nbytes
+        else:
+            from .aio import aligned_empty
+
+            buf = aligned_empty(nbytes, torch.uint8)
+            self.allocations += 1
+        self._lend(flat, buf, nbytes)
+        return buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        n = buf.numel()
+        if self.kept_bytes + n <= self.keep_bytes:
+            self._free[n].append(buf)
+            self.kept_bytes += n
+            self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+
+    def clear(self) -> None:
+        self._free.clear()
+        self.kept_bytes = 0
+
+
 class BufferPool:
     def __init__(self, device: torch.device | str = "cpu", pin: bool = False):
         self.device = torch.device(device)
         self.pin = pin and self.device.type == "cpu" and torch.cuda.is_available()
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         self.gathered = ByteCounter()  # gathered parameter storage held by the units
+        self.gather_cache = GatherCache.create(self.device)
         self.writes = WriteQueue()  # NVMe writes of gradient and parameter shards in flight
         self.allocations = 0  # buffers created since the pool was made
         self.allocated_bytes = 0  # bytes owned by the pool (free or lent out)

@@ -23,7 +23,14 @@ from ..memory.pool import BufferPool
 from ..optim.scaling import DynamicLossScaler
 from .external import ExternalParams, ShardedParameterError
 from .hooks import install_hooks
-from .plan import UnitPlan, assign_params, plan_swap, size_unit, unit_deps
+from .plan import (
+    UnitPlan,
+    assign_params,
+    gather_cache_bytes,
+    plan_swap,
+    size_unit,
+    unit_deps,
+)
 from .prefetch import Prefetcher
 from .unit import Unit, UnitState
 
@@ -104,6 +111,17 @@ class ZeroEngine(nn.Module):
         self._grads_on_disk = False
         self._lowp_buffers: dict[int, torch.Tensor] = {}
         self.units = self._build_units(model)
+        if self.pool.gather_cache is not None:
+            self.pool.gather_cache.keep_bytes = gather_cache_bytes(
+                [
+                    u.gathered_bytes
+                    for u in self.units
+                    if not u.persistent
+                    and u.numel > 0
+                    and (u.world > 1 or u.param_extent is not None)
+                ],
+                self.prefetcher.budget,
+            )
         self._sync = True
         self._final_callback_queued = False
         self._handles = install_hooks(self)
@@ -505,7 +523,7 @@ class ZeroEngine(nn.Module):
         gathered units), master (fp32 master copies when the compute dtype is not fp32),
         grads (gradient shards), optimizer (Adam moments, once an optimizer exists), pool
         (reduce buffers), gathered_now / gathered_peak (gathered parameters of sharded units),
-        padding_elements."""
+        gather_cache (most bytes of emptied gather buffers kept for reuse), padding_elements."""
         report = {"params": 0, "master": 0, "grads": 0, "optimizer": 0, "padding_elements": 0}
         for unit in self.units:
             for k, v in unit.memory_bytes().items():
@@ -523,6 +541,8 @@ class ZeroEngine(nn.Module):
         report["nvme"] = self.swap.total_bytes if self.swap is not None else 0
         report["gathered_now"] = self.pool.gathered.now
         report["gathered_peak"] = self.pool.gathered.peak
+        cache = self.pool.gather_cache
+        report["gather_cache"] = cache.peak_kept_bytes if cache is not None else 0
         return report
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

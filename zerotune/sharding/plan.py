@@ -283,3 +283,18 @@ def resident_bytes(
     if with_optimizer and not optim_on_disk and unit.has_optimizer_state(rank):
         add("optimizer", master_tier, 2 * unit.shard * _F32)  # exp_avg, exp_avg_sq
     return out
+
+
+def gather_cache_bytes(gathered_sizes: list[int], prefetch_bytes: int) -> int:
+    """How many bytes of emptied gather buffers the engine keeps for reuse (host memory;
+    memory/pool.py GatherCache), given the gathered sizes of the units whose storage is
+    filled on each gather: the prefetch budget, or two of the largest size shared by at
+    least two units (the blocks of a transformer: one being released while the next is
+    gathered), whichever is larger, and never more than all those units together. A size
+    only one unit has (an embedding) is not kept for its own sake: its buffer would stay
+    resident through the whole step for one reuse."""
+    counts: dict[int, int] = {}
+    for n in gathered_sizes:
+        counts[n] = counts.get(n, 0) + 1
+    recurring = max((n for n, c in counts.items() if c >= 2), default=0)
+    return min(max(prefetch_bytes, 2 * recurring), sum(gathered_sizes))

@@ -138,6 +138,7 @@ class Unit:
         self.param_extent = None  # the compute-dtype shard lives here instead of ``shard``
         self.grad_extent = None  # the gradient shard lives here instead of ``grad_shard``
         self._read = None  # (handle, staging tensor or None) of a parameter read in flight
+        self._lent = None  # the GatherCache buffer behind flat's storage while gathered
         self._pending_writes: list = []  # this unit's entries of pool.writes
         if persistent:
             self._point_params(self.full)
@@ -173,13 +174,18 @@ class Unit:
 
     def _gather_from_nvme(self, async_op: bool) -> None:
         # Read this rank's slice from the swap file: straight into the flat buffer at world
-        # size 1, else into a staging buffer that the all-gather then sends.
+        # size 1 when its storage is a lent (aligned) buffer, else into a read buffer that
+        # the all-gather (a copy at world size 1) then sends.
         self.wait_writes()
         self._alloc_storage()
-        # A fresh aligned buffer, freed (back to the system) right after the gather: a
-        # pooled one would keep prefetch-depth copies of the shards resident for good.
-        tmp = aligned_empty(self.shard_numel, self.dtype)
-        handle = self.param_extent.file.read(tmp, self.param_extent.offset)
+        if self.world == 1 and self._lent is not None:
+            tmp = None
+            handle = self.param_extent.file.read(self.flat, self.param_extent.offset)
+        else:
+            # A fresh aligned buffer, freed right after the gather: a pooled one would keep
+            # prefetch-depth copies of the shards resident for good.
+            tmp = aligned_empty(self.shard_numel, self.dtype)
+            handle = self.param_extent.file.read(tmp, self.param_extent.offset)
         self._read = (handle, tmp)
         self.state = UnitState.GATHERING
         if not async_op:
@@ -199,8 +205,9 @@ class Unit:
                 self._free_storage()
                 self.state = UnitState.SHARDED
                 raise
-            zdist.all_gather_into(self.flat, tmp, group=self.group)  # a copy at world size 1
-            del tmp
+            if tmp is not None:
+                zdist.all_gather_into(self.flat, tmp, group=self.group)  # a copy at world 1
+                del tmp
         else:
             self._work.wait()
             self._work = None
@@ -258,13 +265,20 @@ class Unit:
         self.pool.release(send)
 
     def _alloc_storage(self) -> None:
-        self.flat.untyped_storage().resize_(self.gathered_bytes)
+        cache = self.pool.gather_cache
+        if cache is not None:
+            self._lent = cache.lend(self.flat, self.gathered_bytes)
+        else:
+            self.flat.untyped_storage().resize_(self.gathered_bytes)
         self.pool.gathered.add(self.gathered_bytes)
 
     def _free_storage(self) -> None:
         if self.flat.untyped_storage().nbytes():
             self.flat.untyped_storage().resize_(0)
             self.pool.gathered.sub(self.gathered_bytes)
+        if self._lent is not None:
+            self.pool.gather_cache.give_back(self._lent)
+            self._lent = None
 
     def _point_params(self, flat: torch.Tensor) -> None:
         for s in self.slots:
