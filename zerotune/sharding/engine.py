@@ -126,6 +126,11 @@ class ZeroEngine(nn.Module):
         self._final_callback_queued = False
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
+        self.activations = None  # see [Note: activation checkpoint offload] in activations.py
+        if config.offload_activations != "none":
+            from .activations import CheckpointOffload
+
+            self.activations = CheckpointOffload(self)
         object.__setattr__(model, "_zerotune_engine", self)
         n = sum(u.numel for u in self.units)
         log.info(
@@ -279,6 +284,8 @@ class ZeroEngine(nn.Module):
         """Finish pending I/O and remove this rank's swap files (also done at exit)."""
         for u in self.units:
             u.wait_writes()
+        if self.activations is not None:
+            self.activations.close()
         if self.swap is not None:
             self.swap.close()
 
@@ -291,6 +298,18 @@ class ZeroEngine(nn.Module):
         if self.scaler is not None:
             loss = loss * self.scaler.scale
         loss.backward()
+
+    def checkpoint(self, function, *args, use_reentrant: bool = False, **kwargs):
+        """``torch.utils.checkpoint.checkpoint(function, *args, ...)`` whose saved inputs follow
+        ``offload_activations`` (Hugging Face layers need not call this: their own
+        checkpointing is picked up)."""
+        from torch.utils.checkpoint import checkpoint
+
+        if self.activations is None:
+            return checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+        return self.activations.checkpoint(
+            checkpoint, function, *args, use_reentrant=use_reentrant, **kwargs
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -360,6 +379,8 @@ class ZeroEngine(nn.Module):
             h.remove()
         self._handles.clear()
         self.external.remove()
+        if self.activations is not None:
+            self.activations.remove()
 
     # ------------------------------------------------------------------ unit life cycle
     # See [Note: unit life cycle] in hooks.py.
@@ -543,6 +564,8 @@ class ZeroEngine(nn.Module):
         report["gathered_peak"] = self.pool.gathered.peak
         cache = self.pool.gather_cache
         report["gather_cache"] = cache.peak_kept_bytes if cache is not None else 0
+        if self.activations is not None:
+            report.update(self.activations.memory_report())
         return report
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
