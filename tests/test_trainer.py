@@ -207,6 +207,12 @@ def test_low_precision_tracks_fp32(reference, tmp_path, dtype, rtol):
         (dict(optim="sgd"), "--optim sgd is not supported"),
         (dict(zero_config={"stag": 3}), "did you mean 'stage'"),
         (dict(bf16=True, zero_config={"dtype": "fp16"}), "--bf16 contradicts"),
+        (dict(optim="paged_adamw_8bit"), "--optim paged_adamw_8bit is not supported"),
+        (
+            dict(optim="adamw_8bit", zero_config={"optim_state_bits": 32}),
+            "--optim adamw_8bit contradicts optim_state_bits=32",
+        ),
+        (dict(offload_activations="nvme"), "needs nvme_path"),
     ],
 )
 def test_arguments_reject_contradictions(kwargs, message):
@@ -219,11 +225,13 @@ def test_arguments_through_hf_argument_parser(tmp_path):
 
     (args,) = HfArgumentParser(ZeroTrainingArguments).parse_args_into_dataclasses(
         ["--output-dir", str(tmp_path), "--zero-config", "zero3-offload-cpu", "--zero_stage", "3",
-         "--prefetch-bytes", "1MiB", "--persistence_threshold", "4096", "--max_steps", "3"]
+         "--prefetch-bytes", "1MiB", "--persistence_threshold", "4096", "--max_steps", "3",
+         "--optim", "adamw_8bit", "--offload_activations", "cpu", "--tile_linear_bytes", "2MiB"]
     )  # fmt: skip
     z = args.zero
     assert (z.stage, z.offload_param, z.offload_optimizer) == (3, "cpu", "cpu")
     assert (z.prefetch_bytes, z.persistence_threshold, args.max_steps) == (2**20, 4096, 3)
+    assert (z.optim_state_bits, z.offload_activations, z.tile_linear_bytes) == (8, "cpu", 2**21)
     assert args.place_model_on_device is False and args.use_cpu  # no accelerator here
 
 

@@ -23,6 +23,8 @@ __all__ = ["ZeroTrainingArguments"]
 
 # Optimizer names that ZeroAdamW implements (the Trainer's default is one of them).
 _ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
+# ZeroAdamW with 8-bit moments (optim_state_bits: 8, bitsandbytes' blockwise quantization).
+_ADAMW_8BIT_NAMES = ("adamw_8bit", "adamw_bnb_8bit")
 # Fields that map one to one onto ZeroConfig keys.
 _CONFIG_FIELDS = {
     "zero_stage": "stage",
@@ -34,6 +36,8 @@ _CONFIG_FIELDS = {
     "persistence_threshold": "persistence_threshold",
     "staging_bytes": "staging_bytes",
     "grad_host_bytes": "grad_host_bytes",
+    "offload_activations": "offload_activations",
+    "tile_linear_bytes": "tile_linear_bytes",
 }
 
 
@@ -96,6 +100,16 @@ class ZeroTrainingArguments(TrainingArguments):
         metadata={"help": "With nvme optimizer offload: gradient shards stay in host memory "
                   "up to this many bytes."},
     )  # fmt: skip
+    offload_activations: str | None = field(
+        default=None,
+        metadata={"help": "With --gradient_checkpointing: where the saved inputs of "
+                  "checkpointed blocks wait for backward.", "choices": ["none", "cpu", "nvme"]},
+    )  # fmt: skip
+    tile_linear_bytes: int | str | None = field(
+        default=None,
+        metadata={"help": "Split linear layers whose weight is larger than this into tiles "
+                  "of at most this size, each its own sharding unit (0 = off)."},
+    )  # fmt: skip
     save_dtype: str | None = field(
         default=None,
         metadata={"help": "dtype of the weights save_model writes (default: the training dtype).",
@@ -143,10 +157,11 @@ class ZeroTrainingArguments(TrainingArguments):
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 cannot both be set; choose one training dtype.")
         optim = getattr(self.optim, "value", self.optim)
-        if optim not in _ADAMW_NAMES:
+        if optim not in _ADAMW_NAMES + _ADAMW_8BIT_NAMES:
             raise ConfigError(
                 f"--optim {optim} is not supported by ZeroTrainer, which trains with ZeroAdamW "
-                f"(AdamW over the shards); use --optim adamw_torch or leave it unset."
+                f"(AdamW over the shards); use --optim adamw_torch, adamw_8bit (8-bit Adam "
+                f"states) or leave it unset."
             )
         base = self._raw_config()
         offload = (
@@ -187,6 +202,14 @@ class ZeroTrainingArguments(TrainingArguments):
                     "keep one of them."
                 )
             data["dtype"] = flag_dtype
+        optim = getattr(self.optim, "value", self.optim)
+        if optim in _ADAMW_8BIT_NAMES:
+            if data.get("optim_state_bits", 8) != 8:
+                raise ConfigError(
+                    f"--optim {optim} contradicts optim_state_bits={data['optim_state_bits']} in "
+                    "the zerotune config; keep one of them."
+                )
+            data["optim_state_bits"] = 8
         try:
             return ZeroConfig.from_dict(data)
         except ConfigError as exc:
