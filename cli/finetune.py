@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -53,6 +54,12 @@ class BadInput(click.ClickException):
     exit_code = BAD_INPUT
 
     def show(self, file=None) -> None:
+        report_dir = os.environ.get(_ERRORS_ENV)
+        if report_dir:
+            # A rank under --nproc-per-node: the parent prints each distinct message once.
+            rank = os.environ.get("RANK", "0")
+            Path(report_dir, f"rank{rank}.txt").write_text(self.message)
+            return
         click.echo(f"zerotune finetune: error: {self.message}", err=True)
 
 
@@ -489,6 +496,7 @@ def _tokenize(job: Job) -> None:
 
 
 _TEMP_NVME_ENV = "ZEROTUNE_FINETUNE_TEMP_NVME"
+_ERRORS_ENV = "ZEROTUNE_FINETUNE_ERRORS"  # where ranks leave their bad-input message
 
 
 # ------------------------------------------------------------------------------ launch
@@ -504,9 +512,11 @@ def _launch(nproc: int, options: dict) -> None:
         if job.temp_nvme is not None:
             shutil.rmtree(job.temp_nvme, ignore_errors=True)
         raise
-    env_before = os.environ.get(_TEMP_NVME_ENV)
+    saved_env = {k: os.environ.get(k) for k in (_TEMP_NVME_ENV, _ERRORS_ENV)}
     if job.temp_nvme is not None:
         os.environ[_TEMP_NVME_ENV] = job.temp_nvme
+    errors = tempfile.mkdtemp(prefix="zerotune-errors-")
+    os.environ[_ERRORS_ENV] = errors
     argv = [
         "--standalone",
         f"--nproc-per-node={nproc}",
@@ -518,17 +528,39 @@ def _launch(nproc: int, options: dict) -> None:
         *_child_argv(options),
     ]
     click.echo(f"zerotune finetune: launching {nproc} processes (torch.distributed.run)", err=True)
+    # torchrun logs a failed rank as an error line of its own; for bad input (exit code 2)
+    # the rank's one-line message below says everything.
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    quiet = _DropBadInputExit()
+    agent_log.addFilter(quiet)
     try:
         torchrun(argv)
     except ChildFailedError as exc:
         codes = [f.exitcode for f in exc.failures.values()]
         code = BAD_INPUT if BAD_INPUT in codes else next((c for c in codes if c), 1)
+        messages = sorted({p.read_text() for p in Path(errors).glob("rank*.txt")})
+        for message in messages:  # bad input: the same line from every rank, shown once
+            click.echo(f"zerotune finetune: error: {message}", err=True)
         sys.exit(code)
     finally:
-        if env_before is None:
-            os.environ.pop(_TEMP_NVME_ENV, None)
+        agent_log.removeFilter(quiet)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(errors, ignore_errors=True)
         if job.temp_nvme is not None:
             shutil.rmtree(job.temp_nvme, ignore_errors=True)
+
+
+class _DropBadInputExit(logging.Filter):
+    """Hides torchrun's lines about a rank that exited with the bad-input code and about
+    stopping the other ranks after it (a crash still shows the rank's own traceback)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return f"exitcode: {BAD_INPUT})" not in text and "closing signal" not in text
 
 
 def _child_argv(options: dict) -> list[str]:

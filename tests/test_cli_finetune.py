@@ -143,6 +143,29 @@ def test_two_processes(env, tmp_path):
     AutoModelForCausalLM.from_pretrained(out)
 
 
+def test_ranks_without_nvme_room_print_one_line(env, tmp_path):
+    """Under --nproc-per-node the ranks build the engine (and check the NVMe space); their
+    identical messages come out once, with no torchrun report around them."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)]).returncode:
+        pytest.fail("this test needs to mount a small tmpfs (run as root)")
+    try:
+        out = tmp_path / "out"
+        proc = finetune(env, "--output-dir", out, "--nvme-path", small, "--nproc-per-node", "2",
+                        "--max_steps", "2", check=False)  # fmt: skip
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = [x for x in proc.stderr.splitlines() if "error" in x.lower() or "signal" in x]
+        assert len(lines) == 1, proc.stderr[-3000:]
+        assert lines[0].startswith("zerotune finetune: error: nvme_path ")
+        assert "KiB free; this run needs 2.00 MiB of swap files (2 rank(s) here" in lines[0]
+        assert "Traceback" not in proc.stderr and not out.exists()
+        assert list(small.iterdir()) == []
+        assert not list(Path(env["TMPDIR"]).glob("zerotune-errors-*"))
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
 def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "no closing brace"\n')

@@ -256,7 +256,11 @@ def test_first_step_is_checked_against_the_estimate(tmp_path, caplog, monkeypatc
         return real(engine, measured, **kwargs)
 
     monkeypatch.setattr(trainer_mod, "check_estimate", spy)
-    with caplog.at_level("INFO", logger="zerotune.estimate"):
+    import transformers
+
+    transformers.utils.logging.enable_propagation()
+    monkeypatch.setattr(transformers.utils.logging, "get_verbosity", lambda: 20)  # INFO
+    with caplog.at_level("INFO"):
         trainer = zero_run(
             str(tmp_path / "run"),
             zero_stage=3,
@@ -274,4 +278,8 @@ def test_first_step_is_checked_against_the_estimate(tmp_path, caplog, monkeypatc
     assert "peak nvme memory: estimated" in caplog.text
     # Swap files are planned exactly: never a warning about NVMe.
     assert not [w for w in trainer.estimate_warnings if "nvme" in w]
+    # The Trainer's start-up log counts the parameters of the sharded model, not 0.
+    n = sum(p.numel() for p in model().parameters())
+    assert f"Number of trainable parameters = {n:,}" in caplog.text
+    transformers.utils.logging.disable_propagation()
     trainer.close()

@@ -320,7 +320,27 @@ class ZeroTrainer(Trainer):
                 raise CheckpointError(
                     f"no complete checkpoint to resume from in {self.args.output_dir}"
                 )
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        # The Trainer's start-up log counts parameters through the model, whose released
+        # stage-3 parameters are empty: count through the engine while it trains.
+        import transformers.trainer as hf_trainer
+
+        real_count = hf_trainer.get_model_param_count
+
+        def count(model, trainable_only=False):
+            if model is self.model or model is self.engine:
+                return sum(
+                    s.numel
+                    for u in self.engine.units
+                    for s in u.slots
+                    if s.trainable or not trainable_only
+                )
+            return real_count(model, trainable_only)
+
+        hf_trainer.get_model_param_count = count
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            hf_trainer.get_model_param_count = real_count
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # Only checked here: the weights are loaded with the optimizer state, once the
