@@ -59,6 +59,7 @@ import shutil
 import threading
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +67,7 @@ from torch import nn
 
 from .. import dist as zdist
 from ..config import ConfigError
+from ..memory.pool import ByteCounter
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -87,20 +89,6 @@ def _round_up(n: int) -> int:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-class _Counter:
-    """Bytes now and at most."""
-
-    __slots__ = ("now", "peak")
-
-    def __init__(self) -> None:
-        self.now = 0
-        self.peak = 0
-
-    def add(self, n: int) -> None:
-        self.now += n
-        self.peak = max(self.peak, self.now)
 
 
 class _Saved:
@@ -142,48 +130,53 @@ class _Saved:
         self.offload._free(self)
 
 
+@dataclass
+class _Segment:
+    """One swap file of the activation swap space."""
+
+    file: Any  # memory.aio.SwapFile
+    free: list[tuple[int, int]]  # (offset, length), sorted by offset
+    used: int = 0  # bytes in extents handed out
+
+
 class _SwapExtents:
     """4 KiB-aligned extents in one or more swap-file segments of this rank's folder."""
 
     def __init__(self, folder, config):
         self.folder = folder
         self.config = config
-        self.segments: list[list] = []  # [SwapFile, free list of (offset, length), used bytes]
+        self.segments: list[_Segment] = []
         self._names = itertools.count()
 
     @property
     def file_bytes(self) -> int:
-        return sum(seg[0].size for seg in self.segments)
+        return sum(seg.file.size for seg in self.segments)
 
     @property
     def used_bytes(self) -> int:
-        return sum(seg[2] for seg in self.segments)
+        return sum(seg.used for seg in self.segments)
 
     def alloc(self, nbytes: int) -> tuple[Any, int]:
+        """(swap file, offset) of a new extent of ``nbytes`` (first fit; grows when full)."""
         length = _round_up(max(nbytes, 1))
-        for seg in self.segments:
-            free = seg[1]
-            for i, (offset, size) in enumerate(free):
-                if size >= length:
-                    if size == length:
-                        free.pop(i)
-                    else:
-                        free[i] = (offset + length, size - length)
-                    seg[2] += length
-                    return seg[0], offset
-        seg = self._grow(max(length, self.file_bytes, 1 << 20))
-        free = seg[1]
-        offset, size = free.pop(0)
-        if size > length:
-            free.insert(0, (offset + length, size - length))
-        seg[2] += length
-        return seg[0], offset
+        fitting = [s for s in self.segments if any(size >= length for _, size in s.free)]
+        # A full space gets a segment at least as large as all before: the total stays
+        # within twice the most ever live.
+        seg = fitting[0] if fitting else self._grow(max(length, self.file_bytes, 1 << 20))
+        i = next(i for i, (_, size) in enumerate(seg.free) if size >= length)
+        offset, size = seg.free[i]
+        if size == length:
+            seg.free.pop(i)
+        else:
+            seg.free[i] = (offset + length, size - length)
+        seg.used += length
+        return seg.file, offset
 
     def free(self, file, offset: int, nbytes: int) -> None:
         length = _round_up(max(nbytes, 1))
         for seg in self.segments:
-            if seg[0] is file:
-                free = seg[1]
+            if seg.file is file:
+                free = seg.free
                 i = bisect.bisect(free, (offset, 0))
                 free.insert(i, (offset, length))
                 # Merge with the following and the preceding free extents.
@@ -191,7 +184,7 @@ class _SwapExtents:
                     free[i] = (offset, length + free.pop(i + 1)[1])
                 if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
                     free[i - 1] = (free[i - 1][0], free[i - 1][1] + free.pop(i)[1])
-                seg[2] -= length
+                seg.used -= length
                 return
 
     def merge(self) -> None:
@@ -202,7 +195,7 @@ class _SwapExtents:
         self.close()
         self._grow(total)
 
-    def _grow(self, nbytes: int) -> list:
+    def _grow(self, nbytes: int) -> _Segment:
         from ..memory.aio import SwapFile
 
         nbytes = _round_up(nbytes)
@@ -225,15 +218,15 @@ class _SwapExtents:
             queue_depth=cfg.aio_queue_depth,
             direct=True,
         )
-        seg = [f, [(0, f.size)], 0]
+        seg = _Segment(f, [(0, f.size)])
         self.segments.append(seg)
         log.debug("zerotune: activation swap segment %s, %d bytes", path, f.size)
         return seg
 
     def close(self) -> None:
         for seg in self.segments:
-            seg[0].close()
-            seg[0].path.unlink(missing_ok=True)
+            seg.file.close()
+            seg.file.path.unlink(missing_ok=True)
         self.segments = []
 
 
@@ -254,9 +247,9 @@ class CheckpointOffload:
         self._staging: dict[int, list[torch.Tensor]] = {}  # free CPU staging buffers by size
         self._calls = 0  # checkpointed calls in the current forward
         self._wrapped: dict[int, tuple[nn.Module, Any]] = {}  # id(module) -> (module, original)
-        self.device_bytes = _Counter()  # checkpoint bytes held on the compute device
-        self.offloaded_bytes = _Counter()  # checkpoint bytes held off it (host or file)
-        self.restored_bytes = _Counter()  # bytes brought back for backward, not yet freed
+        self.device_bytes = ByteCounter()  # checkpoint bytes held on the compute device
+        self.offloaded_bytes = ByteCounter()  # checkpoint bytes held off it (host or file)
+        self.restored_bytes = ByteCounter()  # bytes brought back for backward, not yet freed
         self.saved = 0  # tensors saved (after dedup), for reports
         self.moves = self.mode == "nvme" or (self.mode == "cpu" and self.accelerated)
         if not self.moves:
@@ -435,7 +428,7 @@ class CheckpointOffload:
         with self._lock:
             if record.on_device:
                 record.on_device = False
-                self.device_bytes.now -= record.nbytes
+                self.device_bytes.sub(record.nbytes)
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
         size = _round_up(nbytes)
@@ -495,10 +488,11 @@ class CheckpointOffload:
                 record.read[0].wait()
                 record.read = None
             dev = torch.empty(record.shape, dtype=record.dtype, device=self.device)
-            if record.event is not None:
-                self._stream.wait_event(record.event)
+            # dev's memory may still be read by earlier work of the current stream.
+            self._stream.wait_stream(self._dm.current_stream(self.device))
             with self._dm.stream(self._stream):
                 dev.copy_(host.view(record.dtype).view(record.shape), non_blocking=True)
+                dev.record_stream(self._stream)  # freed unread: kept until the copy is done
                 record.event = self._stream.record_event()
             record.restored = dev
         else:
@@ -539,14 +533,14 @@ class CheckpointOffload:
             if record.read is not None:
                 record.read[0].wait()
             if record.on_device:
-                self.device_bytes.now -= record.nbytes
+                self.device_bytes.sub(record.nbytes)
             if record.host is not None or record.extent is not None:
-                self.offloaded_bytes.now -= record.nbytes
+                self.offloaded_bytes.sub(record.nbytes)
             if record.extent is not None and self.extents is not None:
                 file, offset = record.extent
                 self.extents.free(file, offset, record.nbytes)
             if record.restored is not None:
-                self.restored_bytes.now -= record.nbytes
+                self.restored_bytes.sub(record.nbytes)
             for key, (_, _, ref) in list(self._by_tensor.items()):
                 if ref() is None or ref() is record:
                     del self._by_tensor[key]
