@@ -57,7 +57,6 @@ free for them.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,7 +232,7 @@ def engine_bytes(
         if "optim" in swap.sizes and with_optimizer:
             # The step pipeline keeps up to three chunks in flight (read, update, write).
             chunks = sum(
-                math.ceil(u.shard / swap.chunk)
+                len(swap.layout.chunks(u.numel, u.shard))
                 for u in units
                 if u.index in swap.sizes["optim"] and u.has_optimizer_state(rank)
             )
@@ -365,6 +364,7 @@ class Option:
     fits: bool | None = None
     why_not: list[str] = field(default_factory=list)
     error: str | None = None  # the config itself is refused (e.g. staging too small)
+    optim_state_bits: int = 32  # Adam moments in fp32 or 8-bit
 
     @property
     def name(self) -> str:
@@ -409,6 +409,8 @@ class Option:
         }
         if "nvme" in (self.offload_param, self.offload_optimizer):
             out["nvme_path"] = nvme_path or "/path/on/nvme"
+        if self.optim_state_bits != 32:
+            out["optim_state_bits"] = self.optim_state_bits
         return out
 
     def flags(self, nvme_path: str | None = None) -> str:
@@ -458,6 +460,7 @@ class MemoryPlan:
     nvme_path: str | None = None
     padding_elements: int = 0
     units: int = 0
+    optim_state_bits: int = 32
 
     @property
     def recommended(self) -> Option | None:
@@ -484,6 +487,7 @@ class MemoryPlan:
             "gpus_per_node": self.gpus_per_node,
             "dtype": self.dtype,
             "grad_dtype": self.grad_dtype,
+            "optim_state_bits": self.optim_state_bits,
             "padding_elements_per_rank": self.padding_elements,
             "limits": self.limits,
             "headroom": self.headroom,
@@ -554,6 +558,7 @@ def estimate(
     device: str = "cuda",
     headroom: float = 0.1,
     nvme_path: str | None = None,
+    optim_state_bits: int | None = None,
 ) -> MemoryPlan:
     """The memory plan of ``model`` (an ``nn.Module``, meta-device or real; a transformers
     config; a preset name or config.json path), or of a bare parameter count ``params``.
@@ -563,6 +568,8 @@ def estimate(
     stage and offload keys are set per option). ``device="cpu"`` estimates a CPU run
     (activation rules of CPU kernels; device and host are one memory). ``headroom`` is the
     share of every tier left free for what is not counted (see [Note: activation memory]).
+    ``optim_state_bits`` (32 or 8; default: the config's) keeps Adam moments in fp32 or
+    8-bit (see optim/quant8.py).
     """
     if (model is None) == (params is None):
         raise ConfigError("give a model or a parameter count (params), not both")
@@ -582,9 +589,11 @@ def estimate(
     }
     ranks_per_node = min(gpus_per_node, world_size)
     base = config if isinstance(config, ZeroConfig) else ZeroConfig.from_dict(dict(config or {}))
+    bits = base.optim_state_bits if optim_state_bits is None else optim_state_bits
     base = base.replace(
         dtype=dtype,
         grad_dtype=grad_dtype,
+        optim_state_bits=bits,
         stage=3,
         offload_param="none",
         offload_optimizer="none",
@@ -645,6 +654,7 @@ def estimate(
         units_count = len(units)
         padding = sum(u.padded - u.numel for u in units)
         option = Option(stage, op, oo, {r: {} for r in ROWS}, {}, ranks_per_node)
+        option.optim_state_bits = base.optim_state_bits
         try:
             swap = plan_swap(units, cfg, world_size)
         except (ConfigError, ValueError) as exc:
@@ -673,23 +683,25 @@ def estimate(
         nvme_path=nvme_path,
         padding_elements=padding,
         units=units_count,
+        optim_state_bits=base.optim_state_bits,
     )
 
 
 def _staging_resident(units: list[UnitPlan], swap: SwapPlan, rank: int) -> int:
     """Host bytes the staging slots really occupy: slots are made with ``aligned_empty``
     (not pinned), so only the pages a transfer writes become resident: per slot, one chunk
-    of each streamed kind of the largest unit."""
+    of each streamed kind of the largest unit. With 8-bit moments, plus the fp32 moments
+    of the chunk being updated (made and freed per chunk)."""
     live = [u for u in units if u.index in swap.sizes.get("optim", {})]
     live = [u for u in live if u.has_optimizer_state(rank)]
     if not live:
         return 0
-    from .memory.swap import round_up
-
-    chunks = sum(math.ceil(u.shard / swap.chunk) for u in live)
-    kinds = 4 if swap.grads_on_disk else 3
-    per_slot = kinds * round_up(min(swap.chunk, max(u.shard for u in live)) * _F32)
-    return min(3, chunks) * min(per_slot, swap.slot_bytes)
+    layout = swap.layout
+    chunks = sum(len(layout.chunks(u.numel, u.shard)) for u in live)
+    per_slot = max(layout.touched_bytes(u.numel, u.shard) for u in live)
+    q8 = [u.shard for u in live if layout.quantized(u.numel)]
+    dequantized = 2 * _F32 * min(layout.q8_chunk, max(q8)) if q8 else 0
+    return min(3, chunks) * min(per_slot, swap.slot_bytes) + dequantized
 
 
 def _rows(
@@ -793,7 +805,8 @@ def _format(plan: MemoryPlan) -> str:
         f"zerotune estimate: {plan.model}: {plan.parameters:,} parameters"
         + (f" in {plan.units} units" if plan.units > 1 else ""),
         f"  world size {plan.world_size} ({plan.gpus_per_node} per node), compute {plan.dtype}, "
-        f"gradients {plan.grad_dtype}, padding {plan.padding_elements:,} elements per rank",
+        f"gradients {plan.grad_dtype}, Adam moments {plan.optim_state_bits}-bit, "
+        f"padding {plan.padding_elements:,} elements per rank",
         f"  machine: GPU {_gib(lim['device'])}, host {_gib(lim['host'])}, "
         f"NVMe {_gib(lim['nvme'])} (- = not checked); {int(plan.headroom * 100)}% kept free",
     ]

@@ -6,9 +6,10 @@ rank's failure (a full disk) makes every rank raise instead of hanging in the ne
 1. rank 0 prepares ``root/<name>/`` (an older folder of the same name loses its completion
    marker first, then its files);
 2. every rank writes ``rank-R-of-W.safetensors``: for each unit its fp32 master slice and the
-   two Adam moments (see ``engine.unit_state``), its torch RNG state as a tensor and the Python
-   and numpy RNG states as JSON metadata; a temporary name, fsync, rename. The collective
-   gathers each file's size and sha256 to rank 0;
+   two Adam moments (see ``engine.unit_state``; 8-bit moments as codes and absmax values,
+   see [Note: 8-bit moments in checkpoints] in quantized.py), its torch RNG state as a
+   tensor and the Python and numpy RNG states as JSON metadata; a temporary name, fsync,
+   rename. The collective gathers each file's size and sha256 to rank 0;
 3. rank 0 writes persistent buffers, config.json (+ generation config, tokenizer files), the
    manifest (see [Note: checkpoint layout] in manifest.py), then ``COMPLETE``, then the root's
    ``latest`` pointer, and finally drops checkpoints beyond ``keep_last``.
@@ -71,6 +72,7 @@ from .manifest import (
     read_manifest,
     resolve_checkpoint,
 )
+from .quantized import exact_moments, read_dequantized, saved_quantized
 
 __all__ = ["CheckpointInfo", "load_checkpoint", "save_checkpoint"]
 
@@ -350,10 +352,15 @@ def _write_rank_file(engine, folder: Path, optimizer) -> tuple[str, int]:
         with_moments = {unit.index for _, unit, _, _ in _segments(optimizer)}
     specs: list[TensorSpec] = []
     units = [u for u in engine.units if u.shard_numel > 0]
+    layouts = {}  # per unit: (key, dtype, elements), fp32 or 8-bit moments (see quantized.py)
     for unit in units:
-        keys = ["master", *_MOMENTS] if unit.index in with_moments else ["master"]
-        for key in keys:
-            specs.append(TensorSpec(f"u{unit.index}.{key}", torch.float32, (unit.shard_numel,)))
+        layouts[unit.index] = (
+            optimizer.store.state_specs(unit)
+            if unit.index in with_moments
+            else [("master", torch.float32, unit.shard_numel)]
+        )
+        for key, dtype, n in layouts[unit.index]:
+            specs.append(TensorSpec(f"u{unit.index}.{key}", dtype, (n,)))
     rng_tensors, rng_json = _rng_state()
     for key, t in rng_tensors.items():
         specs.append(TensorSpec(key, t.dtype, tuple(t.shape)))
@@ -367,7 +374,7 @@ def _write_rank_file(engine, folder: Path, optimizer) -> tuple[str, int]:
     try:
         for unit in units:
             state = engine.unit_state(unit)
-            for key in ["master", *_MOMENTS] if unit.index in with_moments else ["master"]:
+            for key, _, _ in layouts[unit.index]:
                 writer.append(state[key])
             del state
         for t in rng_tensors.values():
@@ -612,14 +619,31 @@ def load_checkpoint(
     with_moments = set()
     if restore_opt:
         with_moments = {unit.index for _, unit, _, _ in _segments(optimizer)}
+        saved_bits = manifest["config"].get("optim_state_bits", 32)
+        if saved_bits != engine.config.optim_state_bits:
+            log.info(
+                "zerotune: %s holds %d-bit Adam moments; converting them for this %d-bit run",
+                folder,
+                saved_bits,
+                engine.config.optim_state_bits,
+            )
     files = _RankFiles(folder, manifest["world_size"])
     try:
         for unit in engine.units:
             keys = ["master", *_MOMENTS] if unit.index in with_moments else ["master"]
+            exact = {}  # 8-bit moments loaded as saved (see [Note: 8-bit moments in checkpoints])
+            if unit.index in with_moments:
+                exact = exact_moments(
+                    engine, optimizer.store, unit, manifest, records[unit.index], files
+                )
             # Staged on the host (where the files land); load_unit_state copies to the tier.
-            staged = {k: torch.zeros(unit.shard_numel, dtype=torch.float32) for k in keys}
+            staged = {
+                k: torch.zeros(unit.shard_numel, dtype=torch.float32)
+                for k in keys
+                if not (exact and k in _MOMENTS)
+            }
             _read_slice(unit, records[unit.index], files, staged)
-            engine.load_unit_state(unit, staged)
+            engine.load_unit_state(unit, {**staged, **exact})
         if load_rng and manifest["world_size"] == engine.world:
             reader = files[engine.rank]
             _set_rng_state(reader, read_metadata(reader.path))
@@ -667,6 +691,9 @@ def _read_slice(unit, records: list[dict], files: _RankFiles, staged: dict) -> N
             dest = slice(s.offset + x - lo, s.offset + y - lo)
             for key, out in staged.items():
                 name = f"u{rec['unit']}.{key}"
+                if key != "master" and saved_quantized(reader, name):
+                    read_dequantized(reader, name, at + x - ps, at + y - ps, out[dest])
+                    continue
                 if key != "master" and name not in reader:
                     continue  # that rank held no optimized parameter of the unit: zeros
                 reader.read(name, at + x - ps, at + y - ps, out[dest])

@@ -8,55 +8,219 @@ keeps each unit's fp32 master, exp_avg and exp_avg_sq in the rank's optim swap f
 4 KiB-aligned regions per unit, and streams the step through a pipeline: while chunk k is
 updated by the C++ Adam, chunk k+1 is read and chunk k-1 written back. Chunks are bounded so
 that three chunk sets fit in ``staging_bytes``, whatever the size of the largest unit.
+
+With 8-bit moments (see [Note: 8-bit optimizer states] in quant8.py) a quantized unit's
+moments are codes and absmax values; the stores dequantize a chunk into fp32 tensors before
+the update and quantize it back after, so the optimizer sees fp32 moments either way.
+``ResidentStore`` then works in chunks of ``_Q8_CHUNK`` elements (8 MiB of fp32 at most).
+On NVMe a quantized unit's extent is a sequence of chunk records, one per chunk of
+``OptimLayout.q8_chunk`` elements, each 4 KiB-aligned and moved in one read and one write:
+``[master fp32 | exp_avg absmax | exp_avg_sq absmax | exp_avg codes | exp_avg_sq codes]``,
+about 6 bytes per element instead of 12. The fp32 moments of the chunk being updated (8
+bytes per element, made and freed per chunk) count against ``staging_bytes`` with the three
+slots (``OptimLayout.scratch_bytes``).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from ..memory.swap import ALIGN, round_up
+from .quant8 import MOMENTS, Q8Moments, blocks, quantized, require_bitsandbytes
 
-__all__ = ["NvmeStore", "ResidentStore", "chunk_elements", "write_initial_state"]
+__all__ = [
+    "NvmeStore",
+    "OptimLayout",
+    "ResidentStore",
+    "chunk_elements",
+    "record_bytes",
+    "write_initial_state",
+]
 
 _F32 = 4
+_Q8_CHUNK = 1 << 20  # elements per chunk of a quantized unit held in memory
+_MIN_CHUNK = ALIGN // _F32  # chunks are multiples of this: fp32 offsets stay 4 KiB-aligned
 
 
 def chunk_elements(staging_bytes: int, grad_on_disk: bool) -> int:
+    """Elements per chunk of fp32 optimizer state that three chunk sets in flight allow."""
     per_element = 3 * _F32 + (_F32 if grad_on_disk else 0)
     n = staging_bytes // (3 * per_element)  # three chunk sets in flight
-    n -= n % (ALIGN // _F32)
+    n -= n % _MIN_CHUNK
     if n <= 0:
         raise ValueError(f"staging_bytes={staging_bytes:,} is too small to stream optimizer state")
     return n
 
 
+def record_bytes(n: int) -> int:
+    """Bytes of one NVMe chunk record of ``n`` elements of a quantized unit (before 4 KiB
+    rounding): fp32 master, two absmax arrays, two code arrays."""
+    return _F32 * n + 2 * _F32 * blocks(n) + 2 * n
+
+
+@dataclass(frozen=True)
+class OptimLayout:
+    """How one rank streams optimizer state through staging slots (NVMe): chunk sizes,
+    slot and scratch bytes, and the optim swap extent of each unit."""
+
+    bits: int
+    grads_on_disk: bool
+    chunk: int  # elements per chunk of a unit with fp32 moments
+    q8_chunk: int  # elements per chunk of a quantized unit (0 at 32 bits)
+    slot_bytes: int  # bytes per staging slot
+    scratch_bytes: int  # fp32 moments of the chunk in the update, within staging_bytes
+
+    @classmethod
+    def plan(cls, staging_bytes: int, grads_on_disk: bool, bits: int = 32) -> OptimLayout:
+        """The layout for ``staging_bytes``: three slots in flight (plus, at 8 bits, the
+        scratch of one chunk) fit. Raises ValueError when not even the smallest chunk fits."""
+        kinds = 4 if grads_on_disk else 3
+        if bits == 32:
+            chunk = chunk_elements(staging_bytes, grads_on_disk)
+            return cls(bits, grads_on_disk, chunk, 0, round_up(kinds * chunk * _F32), 0)
+
+        def slot(c: int) -> int:
+            grad = round_up(c * _F32) if grads_on_disk else 0
+            # A slot also holds a whole chunk of a unit with fp32 moments (>= one page each).
+            return max(round_up(record_bytes(c)) + grad, kinds * ALIGN)
+
+        def need(c: int) -> int:
+            return 3 * slot(c) + 2 * c * _F32
+
+        per_element = 3 * (6 + (_F32 if grads_on_disk else 0)) + 2 * _F32
+        c = staging_bytes // per_element
+        c -= c % _MIN_CHUNK
+        while c > 0 and need(c) > staging_bytes:
+            c -= _MIN_CHUNK
+        if c <= 0:
+            raise ValueError(
+                f"staging_bytes={staging_bytes:,} is too small to stream 8-bit optimizer state"
+            )
+        s = slot(c)
+        chunk = s // (kinds * _F32)
+        chunk -= chunk % _MIN_CHUNK
+        return cls(bits, grads_on_disk, chunk, c, s, 2 * c * _F32)
+
+    def quantized(self, unit_numel: int) -> bool:
+        return quantized(unit_numel, self.bits)
+
+    def chunks(self, unit_numel: int, shard: int) -> list[tuple[int, int]]:
+        """(start, stop) of the chunks of a shard of ``shard`` elements."""
+        step = self.q8_chunk if self.quantized(unit_numel) else self.chunk
+        return [(c0, min(c0 + step, shard)) for c0 in range(0, shard, step)]
+
+    def extent_bytes(self, unit_numel: int, shard: int) -> int:
+        """Bytes of the unit's optim extent: three fp32 regions, or the chunk records."""
+        if not self.quantized(unit_numel):
+            return 3 * round_up(shard * _F32)
+        return sum(round_up(record_bytes(c1 - c0)) for c0, c1 in self.chunks(unit_numel, shard))
+
+    def touched_bytes(self, unit_numel: int, shard: int) -> int:
+        """Bytes of a staging slot that the unit's largest chunk fills."""
+        c0, c1 = self.chunks(unit_numel, shard)[0]
+        grad = (c1 - c0) * _F32 if self.grads_on_disk else 0
+        if self.quantized(unit_numel):
+            return round_up(record_bytes(c1 - c0)) + grad
+        return 3 * round_up((c1 - c0) * _F32) + grad
+
+
+def state_specs(unit, is_q8: bool) -> list[tuple[str, torch.dtype, int]]:
+    """(key, dtype, elements) of what ``read_unit`` returns for ``unit``, in order."""
+    n = unit.shard_numel
+    if not is_q8:
+        return [("master", torch.float32, n)] + [(k, torch.float32, n) for k in MOMENTS]
+    out = [("master", torch.float32, n)]
+    for k in MOMENTS:
+        out += [(f"{k}.q8", torch.uint8, n), (f"{k}.absmax", torch.float32, blocks(n))]
+    return out
+
+
+def state_numels(unit, is_q8: bool) -> dict[str, int]:
+    """Keys ``write_unit`` accepts for ``unit`` and their element counts: fp32 moments
+    always (a quantized unit quantizes them), the quantized ones for a quantized unit."""
+    out = {k: n for k, _, n in state_specs(unit, False)}
+    if is_q8:
+        out.update({k: n for k, _, n in state_specs(unit, True)})
+    return out
+
+
+def _check_moment_keys(state: dict) -> None:
+    for k in MOMENTS:
+        if k in state and f"{k}.q8" in state:
+            raise ValueError(f"give either {k} (fp32) or {k}.q8 with its absmax, not both")
+        if (f"{k}.q8" in state) != (f"{k}.absmax" in state):
+            raise ValueError(f"{k}.q8 and {k}.absmax go together")
+
+
 class ResidentStore:
-    def __init__(self, units):
-        self.moments = {
-            u.index: (torch.zeros_like(u.master), torch.zeros_like(u.master)) for u in units
-        }
+    def __init__(self, units, bits: int = 32):
+        self.moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.q8: dict[int, Q8Moments] = {}
+        for u in units:
+            if quantized(u.numel, bits):
+                self.q8[u.index] = Q8Moments.zeros(u.shard_numel, u.master.device)
+            else:
+                self.moments[u.index] = (torch.zeros_like(u.master), torch.zeros_like(u.master))
+        if self.q8:
+            require_bitsandbytes()
 
     def chunks(self, unit):
-        return [(0, unit.shard_numel)]
+        n = unit.shard_numel
+        if unit.index not in self.q8:
+            return [(0, n)]
+        return [(c0, min(c0 + _Q8_CHUNK, n)) for c0 in range(0, n, _Q8_CHUNK)]
 
     def run(self, items, update) -> None:
         for unit, c0, c1 in items:
-            m, v = self.moments[unit.index]
-            update(unit, c0, c1, unit.master[c0:c1], m[c0:c1], v[c0:c1], unit.grad_shard[c0:c1])
+            master, grad = unit.master[c0:c1], unit.grad_shard[c0:c1]
+            q8 = self.q8.get(unit.index)
+            if q8 is None:
+                m, v = self.moments[unit.index]
+                update(unit, c0, c1, master, m[c0:c1], v[c0:c1], grad)
+                continue
+            part = q8.slice(c0, c1)
+            work = part.dequantize()
+            update(unit, c0, c1, master, work["exp_avg"], work["exp_avg_sq"], grad)
+            part.quantize(work)
+
+    def state_specs(self, unit) -> list[tuple[str, torch.dtype, int]]:
+        return state_specs(unit, unit.index in self.q8)
+
+    def state_numels(self, unit) -> dict[str, int]:
+        return state_numels(unit, unit.index in self.q8)
 
     def read_unit(self, unit) -> dict[str, torch.Tensor]:
+        q8 = self.q8.get(unit.index)
+        if q8 is not None:
+            return {"master": unit.master, **q8.as_state()}
         m, v = self.moments[unit.index]
         return {"master": unit.master, "exp_avg": m, "exp_avg_sq": v}
 
     def write_unit(self, unit, state: dict[str, torch.Tensor]) -> None:
-        live = self.read_unit(unit)
+        _check_moment_keys(state)
+        q8 = self.q8.get(unit.index)
+        if "master" in state:
+            unit.master.copy_(state["master"].reshape(-1))
+        if q8 is None:
+            m, v = self.moments[unit.index]
+            for key, live in (("exp_avg", m), ("exp_avg_sq", v)):
+                if key in state:
+                    live.copy_(state[key].reshape(-1))
+            return
+        live = q8.as_state()
         for key, value in state.items():
-            live[key].copy_(value.reshape(-1))
+            if key in live:
+                live[key].copy_(value.reshape(-1))
+        device = unit.master.device
+        given = {k: state[k].reshape(-1).to(device, torch.float32) for k in MOMENTS if k in state}
+        q8.quantize(given)
 
     def nbytes(self) -> int:
-        return sum(m.numel() * m.element_size() * 2 for m, _ in self.moments.values())
+        f32 = sum(m.numel() * m.element_size() * 2 for m, _ in self.moments.values())
+        return f32 + sum(q.nbytes() for q in self.q8.values())
 
 
 def _optim_offsets(swap, unit, c0: int) -> list[int]:
@@ -66,13 +230,44 @@ def _optim_offsets(swap, unit, c0: int) -> list[int]:
     return [base + k * region + c0 * _F32 for k in range(3)]
 
 
-def write_initial_state(unit, swap, staging) -> None:
+def _record_offset(swap, layout: OptimLayout, unit, c0: int) -> int:
+    """File offset of the chunk record starting at element ``c0`` of a quantized unit."""
+    stride = round_up(record_bytes(layout.q8_chunk))
+    return swap.extent("optim", unit.index).offset + (c0 // layout.q8_chunk) * stride
+
+
+def _record_views(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, Q8Moments]:
+    """The fp32 master and quantized moments inside a staging buffer holding a record of
+    ``n`` elements (see [Note: optimizer state stores])."""
+    b = blocks(n)
+    master = buf[: _F32 * n].view(torch.float32)
+    at = _F32 * n
+    absmax, q = {}, {}
+    for k in MOMENTS:
+        absmax[k] = buf[at : at + _F32 * b].view(torch.float32)
+        at += _F32 * b
+    for k in MOMENTS:
+        q[k] = buf[at : at + n]
+        at += n
+    return master, Q8Moments(q, absmax)
+
+
+def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
     """At construction: the unit's fp32 master and zero moments go to the optim swap file;
     the unit keeps no fp32 master in memory from then on."""
     f = swap.files["optim"]
-    step = chunk_elements(staging.limit, False)
-    for c0 in range(0, unit.shard_numel, step):
-        c1 = min(c0 + step, unit.shard_numel)
+    q8 = layout.quantized(unit.numel)
+    for c0, c1 in layout.chunks(unit.numel, unit.shard_numel):
+        if q8:
+            nbytes = round_up(record_bytes(c1 - c0))
+            held = staging.acquire(nbytes)
+            buf = held[:nbytes]
+            buf.zero_()
+            master, _ = _record_views(buf, c1 - c0)
+            master.copy_(unit.master[c0:c1])
+            f.write(buf, _record_offset(swap, layout, unit, c0)).wait()
+            staging.release(held)
+            continue
         nbytes = round_up((c1 - c0) * _F32)
         held = staging.acquire(nbytes)
         buf = held[:nbytes]
@@ -89,36 +284,54 @@ def write_initial_state(unit, swap, staging) -> None:
 
 
 class NvmeStore:
-    def __init__(self, swap, staging, chunk: int):
-        self.swap, self.staging, self.chunk = swap, staging, chunk
+    def __init__(self, swap, staging, layout: OptimLayout):
+        self.swap, self.staging, self.layout = swap, staging, layout
         self.bytes_read = 0
         self.bytes_written = 0
+        if layout.bits == 8:
+            require_bitsandbytes()
+
+    def _q8(self, unit) -> bool:
+        return self.layout.quantized(unit.numel)
 
     def _offsets(self, unit, c0: int) -> list[int]:
         return _optim_offsets(self.swap, unit, c0)
 
     def chunks(self, unit):
-        n = unit.shard_numel
-        return [(c0, min(c0 + self.chunk, n)) for c0 in range(0, n, self.chunk)]
+        return self.layout.chunks(unit.numel, unit.shard_numel)
 
     def _file(self):
         return self.swap.files["optim"]
 
+    def _pieces(self, unit, c0: int, c1: int, buf: torch.Tensor) -> list:
+        """(part of ``buf``, file offset) for each region of the chunk's optimizer state;
+        the state takes the first bytes of ``buf``."""
+        if self._q8(unit):
+            nbytes = round_up(record_bytes(c1 - c0))
+            return [(buf[:nbytes], _record_offset(self.swap, self.layout, unit, c0))]
+        nbytes = round_up((c1 - c0) * _F32)
+        offs = self._offsets(unit, c0)
+        return [(buf[k * nbytes : (k + 1) * nbytes], offs[k]) for k in range(3)]
+
     # ----------------------------------------------------------------------- the step
     def _start(self, item):
         unit, c0, c1 = item
-        nbytes = round_up((c1 - c0) * _F32)
         grad_disk = unit.grad_extent is not None
-        buf = self.staging.acquire(nbytes * (4 if grad_disk else 3))  # may be larger
-        handles = [
-            self._file().read(buf[k * nbytes : (k + 1) * nbytes], off)
-            for k, off in enumerate(self._offsets(unit, c0))
-        ]
+        n = c1 - c0
+        if self._q8(unit):
+            state_bytes = round_up(record_bytes(n))
+        else:
+            state_bytes = 3 * round_up(n * _F32)
+        buf = self.staging.acquire(state_bytes + (n * _F32 if grad_disk else 0))
+        pieces = self._pieces(unit, c0, c1, buf)
+        handles = [self._file().read(part, off) for part, off in pieces]
+        self.bytes_read += state_bytes
         if grad_disk:
             g = unit.grad_extent
-            dst = buf[3 * nbytes : 3 * nbytes + (c1 - c0) * _F32]
+            dst = buf[state_bytes : state_bytes + n * _F32]
             handles.append(g.file.read(dst, g.offset + c0 * _F32))
-        return item, buf, nbytes, handles
+            self.bytes_read += n * _F32
+        return item, buf, state_bytes, pieces, handles
 
     def run(self, items, update) -> None:
         writes: deque = deque()
@@ -128,19 +341,26 @@ class NvmeStore:
                 upcoming,
                 (self._start(items[k + 1]) if k + 1 < len(items) else None),
             )
-            (unit, c0, c1), buf, nbytes, handles = current
+            (unit, c0, c1), buf, state_bytes, pieces, handles = current
             for h in handles:
                 h.wait()
             n = c1 - c0
-            self.bytes_read += 3 * nbytes + (n * _F32 if len(handles) == 4 else 0)
-            f32 = buf.view(torch.float32)
-            stride = nbytes // _F32
-            master, m, v = (f32[k * stride : k * stride + n] for k in range(3))
-            grad = f32[3 * stride : 3 * stride + n] if len(handles) == 4 else unit.grad_shard[c0:c1]
-            update(unit, c0, c1, master, m, v, grad)
-            offs = self._offsets(unit, c0)
-            hs = [self._file().write(buf[j * nbytes : (j + 1) * nbytes], offs[j]) for j in range(3)]
-            self.bytes_written += 3 * nbytes
+            if unit.grad_extent is not None:
+                grad = buf[state_bytes : state_bytes + n * _F32].view(torch.float32)
+            else:
+                grad = unit.grad_shard[c0:c1]
+            if self._q8(unit):
+                master, q8 = _record_views(buf, n)
+                work = q8.dequantize()
+                update(unit, c0, c1, master, work["exp_avg"], work["exp_avg_sq"], grad)
+                q8.quantize(work)
+            else:
+                f32 = buf.view(torch.float32)
+                stride = state_bytes // 3 // _F32
+                master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
+                update(unit, c0, c1, master, m, v, grad)
+            hs = [self._file().write(part, off) for part, off in pieces]
+            self.bytes_written += state_bytes
             writes.append((hs, buf))
             while len(writes) > 1:
                 self._finish(writes.popleft())
@@ -154,9 +374,27 @@ class NvmeStore:
         self.staging.release(buf)
 
     # ------------------------------------------------------------------ whole-unit I/O
+    def state_specs(self, unit) -> list[tuple[str, torch.dtype, int]]:
+        return state_specs(unit, self._q8(unit))
+
+    def state_numels(self, unit) -> dict[str, int]:
+        return state_numels(unit, self._q8(unit))
+
     def read_unit(self, unit) -> dict[str, torch.Tensor]:
         n = unit.shard_numel
-        out = {k: torch.empty(n, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
+        if self._q8(unit):
+            master = torch.empty(n, dtype=torch.float32)
+            q8 = Q8Moments.zeros(n, "cpu")
+            for c0, c1 in self.chunks(unit):
+                held = self.staging.acquire(round_up(record_bytes(c1 - c0)))
+                for part, off in self._pieces(unit, c0, c1, held):
+                    self._file().read(part, off).wait()
+                m, q = _record_views(held, c1 - c0)
+                master[c0:c1].copy_(m)
+                q8.slice(c0, c1).copy_(q)
+                self.staging.release(held)
+            return {"master": master, **q8.as_state()}
+        out = {k: torch.empty(n, dtype=torch.float32) for k in ("master", *MOMENTS)}
         for c0, c1 in self.chunks(unit):
             nbytes = round_up((c1 - c0) * _F32)
             held = self.staging.acquire(nbytes)
@@ -168,7 +406,11 @@ class NvmeStore:
         return out
 
     def write_unit(self, unit, state: dict[str, torch.Tensor]) -> None:
-        keys = ("master", "exp_avg", "exp_avg_sq")
+        _check_moment_keys(state)
+        if self._q8(unit):
+            self._write_records(unit, state)
+            return
+        keys = ("master", *MOMENTS)
         for c0, c1 in self.chunks(unit):
             nbytes = round_up((c1 - c0) * _F32)
             held = self.staging.acquire(nbytes)
@@ -180,6 +422,24 @@ class NvmeStore:
                 f32.zero_()
                 f32[: c1 - c0].copy_(state[key].reshape(-1)[c0:c1])
                 self._file().write(buf, off).wait()
+            self.staging.release(held)
+
+    def _write_records(self, unit, state: dict[str, torch.Tensor]) -> None:
+        """Read, patch and write back each chunk record of a quantized unit: fp32 moments
+        are quantized per chunk (chunks start on block boundaries, so this equals
+        quantizing the whole shard)."""
+        flat = {k: v.reshape(-1) for k, v in state.items()}
+        for c0, c1 in self.chunks(unit):
+            held = self.staging.acquire(round_up(record_bytes(c1 - c0)))
+            ((part, off),) = self._pieces(unit, c0, c1, held)
+            self._file().read(part, off).wait()
+            master, q8 = _record_views(held, c1 - c0)
+            if "master" in flat:
+                master.copy_(flat["master"][c0:c1])
+            given = Q8Moments.from_state(flat, partial=True).slice(c0, c1)
+            q8.copy_(given)
+            q8.quantize({k: flat[k][c0:c1].float() for k in MOMENTS if k in flat})
+            self._file().write(part, off).wait()
             self.staging.release(held)
 
     def nbytes(self) -> int:

@@ -201,7 +201,7 @@ class ZeroEngine(nn.Module):
         from ..memory.swap import StagingPool, SwapSpace
 
         self._grads_on_disk = swap_plan.grads_on_disk
-        self._chunk = swap_plan.chunk
+        self._optim_layout = swap_plan.layout
         # Parameter and gradient files are read into pool buffers: buffered I/O is enough.
         # The optimizer file streams through aligned staging buffers with O_DIRECT.
         self.swap = SwapSpace(
@@ -235,15 +235,15 @@ class ZeroEngine(nn.Module):
         if ("optim", unit.index) in self.swap.extents:
             from ..optim.state_store import write_initial_state
 
-            write_initial_state(unit, self.swap, self.staging)
+            write_initial_state(unit, self.swap, self.staging, self._optim_layout)
 
     def make_optimizer_store(self, units: list[Unit]):
         """Where the optimizer keeps master weights and moments (see optim/state_store.py)."""
         from ..optim.state_store import NvmeStore, ResidentStore
 
         if self.config.offload_optimizer == "nvme":
-            return NvmeStore(self.swap, self.staging, self._chunk)
-        return ResidentStore(units)
+            return NvmeStore(self.swap, self.staging, self._optim_layout)
+        return ResidentStore(units, self.config.optim_state_bits)
 
     def grad_chunks(self, unit: Unit):
         """(start, stop, gradient values) over this rank's gradient shard of ``unit``."""
@@ -500,8 +500,9 @@ class ZeroEngine(nn.Module):
     def unit_state(self, unit: Unit) -> dict[str, torch.Tensor]:
         """This rank's flat slices of ``unit`` (``shard_numel`` elements each, padding at the
         tail zero): ``master`` (fp32 weights), and once an optimizer exists ``exp_avg``,
-        ``exp_avg_sq``. The tensors are the live ones: checkpoints read them, and
-        ``load_unit_state`` writes them."""
+        ``exp_avg_sq`` (with 8-bit moments: ``exp_avg.q8``, ``exp_avg.absmax``,
+        ``exp_avg_sq.q8``, ``exp_avg_sq.absmax``; see optim/quant8.py). The tensors are the
+        live ones: checkpoints read them, and ``load_unit_state`` writes them."""
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None and unit.index in optimizer._unit_segments:
             return optimizer.store.read_unit(unit)
@@ -514,14 +515,16 @@ class ZeroEngine(nn.Module):
         must call it for every unit: gathered units all-gather."""
         optimizer = getattr(self, "optimizer", None)
         with_optimizer = optimizer is not None and unit.index in optimizer._unit_segments
-        allowed = ("master", "exp_avg", "exp_avg_sq") if with_optimizer else ("master",)
+        # fp32 moments are accepted for 8-bit units too (they are quantized).
+        allowed = (
+            optimizer.store.state_numels(unit) if with_optimizer else {"master": unit.shard_numel}
+        )
         for key, value in state.items():
             if key not in allowed:
                 raise KeyError(f"unit {unit.name} has no state {key!r}")
-            if value.numel() != unit.shard_numel:
+            if value.numel() != allowed[key]:
                 raise ValueError(
-                    f"unit {unit.name}: {key} has {value.numel()} elements, "
-                    f"expected {unit.shard_numel}"
+                    f"unit {unit.name}: {key} has {value.numel()} elements, expected {allowed[key]}"
                 )
         if with_optimizer:
             optimizer.store.write_unit(unit, state)

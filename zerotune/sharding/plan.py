@@ -13,9 +13,13 @@ and the config, so that ``zerotune estimate`` and the engine cannot disagree:
   (``padded * itemsize``) are at most ``persistence_threshold``.
 * swap files (NVMe): per unit, a param extent (compute-dtype shard) for non-persistent units
   with ``offload_param="nvme"``; an optim extent of three 4 KiB-rounded fp32 regions (master,
-  exp_avg, exp_avg_sq) for trainable units with ``offload_optimizer="nvme"``; fp32 gradient
-  extents when the gradient shards exceed ``grad_host_bytes``. Staging slots hold one chunk
-  of each streamed kind (see [Note: optimizer state stores] in optim/state_store.py).
+  exp_avg, exp_avg_sq) for trainable units with ``offload_optimizer="nvme"`` (with 8-bit
+  moments, chunk records of about 6 bytes per element: ``OptimLayout`` in
+  optim/state_store.py); fp32 gradient extents when the gradient shards exceed
+  ``grad_host_bytes``. Staging slots hold one chunk of each streamed kind (see [Note:
+  optimizer state stores] in optim/state_store.py).
+* optimizer state per unit: two fp32 moments, or with ``optim_state_bits=8`` for units of
+  at least 4096 elements two uint8 moments and their absmax values (``quant8.state_bytes``).
 * resident bytes per rank (``resident_bytes``): what ``Unit.memory_bytes`` and the
   optimizer's store report, and on which tier (device, host, nvme) ``ZeroEngine._place``
   puts it.
@@ -32,6 +36,8 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig
+from ..optim.quant8 import quantized, state_bytes
+from ..optim.state_store import OptimLayout
 from .policy import select_unit_modules
 
 __all__ = [
@@ -97,8 +103,9 @@ class SwapPlan:
 
     sizes: dict[str, dict[int, int]] = field(default_factory=dict)
     grads_on_disk: bool = False
-    chunk: int = 0  # elements per optimizer chunk
+    chunk: int = 0  # elements per optimizer chunk (units with fp32 moments)
     slot_bytes: int = 0  # bytes per staging slot
+    layout: OptimLayout | None = None  # chunks, slots and scratch of the optimizer stream
 
     def file_bytes(self, kind: str) -> int:
         """Bytes of ``kind``'s swap file (extents rounded up to 4 KiB)."""
@@ -205,25 +212,27 @@ def plan_swap(units: list[UnitPlan], config: ZeroConfig, world: int) -> SwapPlan
     if "nvme" not in (config.offload_param, config.offload_optimizer):
         return None
     from ..config import ConfigError
-    from ..memory.swap import round_up
-    from ..optim.state_store import chunk_elements
 
     itemsize = _itemsize(config.torch_dtype)
     plan = SwapPlan(sizes={"param": {}, "grad": {}, "optim": {}})
+    grads_on_disk = False
+    if config.offload_optimizer == "nvme":
+        grad_bytes = sum(u.shard * _F32 for u in units if u.trainable)
+        grads_on_disk = grad_bytes > config.grad_host_bytes
+    layout = OptimLayout.plan(config.staging_bytes, grads_on_disk, config.optim_state_bits)
     for u in units:
         if config.offload_param == "nvme" and not u.persistent and u.numel:
             plan.sizes["param"][u.index] = u.shard * itemsize
         if config.offload_optimizer == "nvme" and u.trainable:
-            plan.sizes["optim"][u.index] = 3 * round_up(u.shard * _F32)
-    if config.offload_optimizer == "nvme":
-        grad_bytes = sum(u.shard * _F32 for u in units if u.trainable)
-        plan.grads_on_disk = grad_bytes > config.grad_host_bytes
-        if plan.grads_on_disk:
-            plan.sizes["grad"] = {u.index: u.shard * _F32 for u in units if u.trainable}
+            plan.sizes["optim"][u.index] = layout.extent_bytes(u.numel, u.shard)
+    plan.grads_on_disk = grads_on_disk
+    if grads_on_disk:
+        plan.sizes["grad"] = {u.index: u.shard * _F32 for u in units if u.trainable}
     plan.sizes = {k: v for k, v in plan.sizes.items() if v}
-    plan.chunk = chunk_elements(config.staging_bytes, plan.grads_on_disk)
-    plan.slot_bytes = round_up((4 if plan.grads_on_disk else 3) * plan.chunk * _F32)
-    if 3 * plan.slot_bytes > config.staging_bytes:
+    plan.layout = layout
+    plan.chunk = layout.chunk
+    plan.slot_bytes = layout.slot_bytes
+    if 3 * plan.slot_bytes + layout.scratch_bytes > config.staging_bytes:
         raise ConfigError(
             f"staging_bytes={config.staging_bytes:,} is too small: the NVMe pipeline keeps "
             f"three buffers of {plan.slot_bytes:,} bytes in flight; raise staging_bytes"
@@ -281,7 +290,10 @@ def resident_bytes(
             sum(s.numel for s in unit.slots if s.trainable) * unit.itemsize,
         )
     if with_optimizer and not optim_on_disk and unit.has_optimizer_state(rank):
-        add("optimizer", master_tier, 2 * unit.shard * _F32)  # exp_avg, exp_avg_sq
+        if quantized(unit.numel, config.optim_state_bits):
+            add("optimizer", master_tier, state_bytes(unit.shard))  # 8-bit, with absmax
+        else:
+            add("optimizer", master_tier, 2 * unit.shard * _F32)  # exp_avg, exp_avg_sq
     return out
 
 

@@ -1,0 +1,165 @@
+"""8-bit Adam moments: blockwise quantization with bitsandbytes' dynamic codes.
+
+[Note: 8-bit optimizer states]
+With ``optim_state_bits=8`` the optimizer keeps both Adam moments of a unit quantized, on
+whatever tier holds its optimizer state (device, host, NVMe); the fp32 master stays fp32.
+The scheme is bitsandbytes' ``AdamW8bit``: blocks of 256 elements, one fp32 absmax per block
+and moment, ``exp_avg`` in the signed dynamic code and ``exp_avg_sq`` in the unsigned one
+(``bitsandbytes.functional.create_dynamic_map``), quantized and dequantized with
+``quantize_blockwise`` / ``dequantize_blockwise``. Blocks count from the start of this
+rank's shard of the unit, so a block may span two parameters of the unit (bitsandbytes
+quantizes each tensor on its own).
+
+Which units: those of at least ``MIN_8BIT_NUMEL`` (4096, bitsandbytes' ``min_8bit_size``)
+elements, counted over the whole unit so the choice does not depend on the world size.
+Smaller units (a final norm, a small embedding) keep fp32 moments: they cost little, and
+small tensors are where bitsandbytes found 8-bit state hurts. Inside a quantized unit its
+norm weights and biases are quantized with the rest (bitsandbytes decides per tensor).
+
+The update, per chunk of a shard (chunks start on block boundaries): both moments are
+dequantized into fp32 tensors of the chunk's size (8 bytes per element, freed after the
+chunk; bitsandbytes has no CPU kernel that writes into a given tensor), the ordinary Adam kernel
+(cpu_adam.adam_update, or its torch fallback off the CPU) updates master and moments, and
+the moments are quantized back. bitsandbytes' own CPU ``optimizer_update_8bit_blockwise``
+does the same three steps with its own torch-op Adam; using zerotune's kernel keeps one Adam
+(Adam with L2, no bias correction and the fused bf16/fp16 write work unchanged). Fresh state
+is all-zero codes with zero absmax, which dequantizes to zero (as bitsandbytes starts).
+
+Bytes per element of a quantized shard: 1 + 1 for the moments and 8/256 for the absmax
+values; with the fp32 master that is 6.03 instead of 12 (see ``state_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "BLOCK",
+    "MIN_8BIT_NUMEL",
+    "Q8Moments",
+    "blocks",
+    "quantized",
+    "require_bitsandbytes",
+    "state_bytes",
+]
+
+BLOCK = 256
+MIN_8BIT_NUMEL = 4096
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_SIGNED = {"exp_avg": True, "exp_avg_sq": False}
+_codes: dict[tuple[str, bool], torch.Tensor] = {}
+
+
+def quantized(unit_numel: int, bits: int) -> bool:
+    """Whether a unit of ``unit_numel`` elements keeps 8-bit moments under ``bits``."""
+    return bits == 8 and unit_numel >= MIN_8BIT_NUMEL
+
+
+def blocks(n: int) -> int:
+    return math.ceil(n / BLOCK)
+
+
+def state_bytes(n: int) -> int:
+    """Bytes of both quantized moments of ``n`` elements: codes and absmax values."""
+    return 2 * n + 2 * 4 * blocks(n)
+
+
+def require_bitsandbytes():
+    """``bitsandbytes.functional``, or a ConfigError saying how to get it."""
+    try:
+        import bitsandbytes.functional as bnbf
+    except ImportError as exc:
+        from ..config import ConfigError
+
+        raise ConfigError(
+            f"optim_state_bits=8 needs bitsandbytes ({exc}); install it with "
+            "`pip install bitsandbytes` or use optim_state_bits=32"
+        ) from None
+    return bnbf
+
+
+def code(name: str, device: torch.device) -> torch.Tensor:
+    """The dynamic code of moment ``name`` on ``device`` (signed for exp_avg)."""
+    key = (str(device), _SIGNED[name])
+    if key not in _codes:
+        bnbf = require_bitsandbytes()
+        _codes[key] = bnbf.create_dynamic_map(signed=_SIGNED[name]).to(device)
+    return _codes[key]
+
+
+class Q8Moments:
+    """Both moments of ``n`` elements, quantized: ``q[name]`` (uint8, ``n``) and
+    ``absmax[name]`` (fp32, one per block of 256). Slices share memory with the whole."""
+
+    def __init__(self, q: dict[str, torch.Tensor], absmax: dict[str, torch.Tensor]):
+        self.q, self.absmax = q, absmax
+
+    @classmethod
+    def zeros(cls, n: int, device) -> Q8Moments:
+        return cls(
+            {k: torch.zeros(n, dtype=torch.uint8, device=device) for k in MOMENTS},
+            {k: torch.zeros(blocks(n), dtype=torch.float32, device=device) for k in MOMENTS},
+        )
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], partial: bool = False) -> Q8Moments:
+        """From the keys ``exp_avg.q8``, ``exp_avg.absmax``, ... (see ``as_state``); with
+        ``partial``, only the moments ``state`` holds."""
+        names = [k for k in MOMENTS if not partial or f"{k}.q8" in state]
+        return cls(
+            {k: state[f"{k}.q8"].reshape(-1) for k in names},
+            {k: state[f"{k}.absmax"].reshape(-1) for k in names},
+        )
+
+    def as_state(self) -> dict[str, torch.Tensor]:
+        """The tensors by checkpoint key: ``exp_avg.q8``, ``exp_avg.absmax``, ``exp_avg_sq.q8``,
+        ``exp_avg_sq.absmax``."""
+        out = {}
+        for k in self.q:
+            out[f"{k}.q8"] = self.q[k]
+            out[f"{k}.absmax"] = self.absmax[k]
+        return out
+
+    @property
+    def numel(self) -> int:
+        return next(iter(self.q.values())).numel()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.as_state().values())
+
+    def slice(self, c0: int, c1: int) -> Q8Moments:
+        """Elements ``[c0, c1)``; ``c0`` must start a block."""
+        if c0 % BLOCK:
+            raise ValueError(f"a quantized chunk must start on a block boundary, got {c0}")
+        b0, b1 = c0 // BLOCK, blocks(c1)
+        return Q8Moments(
+            {k: v[c0:c1] for k, v in self.q.items()},
+            {k: v[b0:b1] for k, v in self.absmax.items()},
+        )
+
+    def copy_(self, other: Q8Moments) -> None:
+        """Copy the moments ``other`` holds (all, or some)."""
+        for k in other.q:
+            self.q[k].copy_(other.q[k])
+            self.absmax[k].copy_(other.absmax[k])
+
+    def dequantize(self) -> dict[str, torch.Tensor]:
+        """Both moments (or those held) as new fp32 tensors of ``numel`` elements."""
+        bnbf = require_bitsandbytes()
+        return {
+            k: bnbf.dequantize_blockwise(
+                q, absmax=self.absmax[k], code=code(k, q.device), blocksize=BLOCK
+            )
+            for k, q in self.q.items()
+        }
+
+    def quantize(self, values: dict[str, torch.Tensor]) -> None:
+        """Quantize the fp32 tensors ``values[name]`` (all moments, or some) into these codes
+        and absmax values."""
+        bnbf = require_bitsandbytes()
+        for k, x in values.items():
+            bnbf.quantize_blockwise(
+                x, code=code(k, x.device), absmax=self.absmax[k], out=self.q[k], blocksize=BLOCK
+            )
