@@ -214,8 +214,9 @@ def main() -> None:
             summary[f"{other}_disk_gb_per_step"] = round(o_moved / gb, 3)
             summary[f"{other}_losses"] = [round(x, 4) for x in o["losses"]]
     summary["losses"] = [round(x, 4) for x in zt["losses"]]
-    if "activation_checkpoints" in str(zt.get("memory_report", {})):
-        summary["memory_report"] = zt["memory_report"]
+    for key in ("checkpoints_device_peak", "checkpoints_offloaded_peak"):
+        if key in zt.get("memory_report", {}):
+            summary[key] = zt["memory_report"][key]
     if "plain" in results:
         plain = results["plain"]
         summary["step_time_ratio"] = round(zt["total"] / plain["total"], 4)
