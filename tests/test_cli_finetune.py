@@ -143,6 +143,22 @@ def test_two_processes(env, tmp_path):
     AutoModelForCausalLM.from_pretrained(out)
 
 
+def test_memory_options_through_the_command(env, tmp_path):
+    """8-bit Adam states and offloaded activation checkpoints are TrainingArguments /
+    ZeroTrainingArguments flags: the command passes them on and the summary shows them."""
+    out = tmp_path / "out"
+    proc = finetune(env, "--output-dir", out, "--optim", "adamw_8bit", "--gradient_checkpointing",
+                    "--offload_activations", "nvme", "--max_steps", "8", "--logging_steps", "4",
+                    "--save_strategy", "no")  # fmt: skip
+    s = summary(out)
+    assert s["zero"]["optim_state_bits"] == 8 and s["zero"]["offload_activations"] == "nvme"
+    memory = s["memory_rank0"]
+    assert memory["engine_checkpoints_device"] == 0
+    assert memory["engine_checkpoints_offloaded_peak"] > 0
+    assert s["losses"][-1][1] < s["losses"][0][1]
+    assert "activation checkpoints on nvme, 8-bit Adam states" in proc.stderr + proc.stdout
+
+
 def test_ranks_without_nvme_room_print_one_line(env, tmp_path):
     """Under --nproc-per-node the ranks build the engine (and check the NVMe space); their
     identical messages come out once, with no torchrun report around them."""

@@ -516,8 +516,14 @@ def _peak_rss() -> int:
 
 
 def describe_config(config) -> str:
-    """One line naming a ZeroConfig's stage, dtype and offload tiers."""
+    """One line naming a ZeroConfig's stage, dtype, offload tiers and memory options."""
     parts = [f"ZeRO-{config.stage}", config.dtype]
     if config.offload_param != "none" or config.offload_optimizer != "none":
         parts.append(f"offload param={config.offload_param} optimizer={config.offload_optimizer}")
+    if config.offload_activations != "none":
+        parts.append(f"activation checkpoints on {config.offload_activations}")
+    if config.optim_state_bits == 8:
+        parts.append("8-bit Adam states")
+    if config.tile_linear_bytes:
+        parts.append(f"linears tiled above {config.tile_linear_bytes:,} bytes")
     return ", ".join(parts)
