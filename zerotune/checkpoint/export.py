@@ -19,6 +19,12 @@ a failed or interrupted export leaves no half-written output.
 takes part in gathering the fp32 master weights unit by unit, rank 0 writes. Both paths
 export the fp32 master weights, so ``save_hf(engine)`` and ``export_hf(save_checkpoint(engine))``
 write identical files.
+
+A tiled weight (see [Note: tiling] in sharding/tiling.py) is saved as tiles but written whole,
+under its untiled name and shape, where its first tile is: ``export_hf`` assembles it in bands
+of whole rows (at most ``CHUNK_ELEMENTS``, at least one row) from the tiles' ranges;
+``save_hf`` keeps the fp32 tiles of one weight on rank 0's host until its last tile (they
+are consecutive units) is gathered, so its memory is one untiled weight rather than one unit.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 
 from .. import dist as zdist
 from ..config import ConfigError, parse_bytes
+from ..sharding.tiling import TiledWeight, iter_row_bands, tiled_weights
 from .files import TensorFileReader, TensorFileWriter, TensorSpec, atomic_write_bytes, fsync_dir
 from .io import _agree, _RankFiles, model_files, open_checkpoint, persistent_buffers
 from .manifest import BUFFERS
@@ -192,6 +199,22 @@ def _buffer_dtype(buf_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     return dtype if buf_dtype.is_floating_point else buf_dtype
 
 
+def _untiled_entries(params: list[dict], tiled: list[dict]) -> list[tuple]:
+    """``(name, shape, TiledWeight or None)`` to write, in the manifest's order: a tiled
+    weight once, whole, where its first tile is; every other parameter as saved."""
+    weights = [TiledWeight.from_json(t) for t in tiled]
+    first = {tw.tiles[0].name: tw for tw in weights}
+    members = {t.name for tw in weights for t in tw.tiles}
+    out = []
+    for p in params:
+        if p["name"] in first:
+            tw = first[p["name"]]
+            out.append((tw.name, tuple(tw.shape), tw))
+        elif p["name"] not in members:
+            out.append((p["name"], tuple(p["shape"]), None))
+    return out
+
+
 def export_hf(
     checkpoint: str | Path,
     output_dir: str | Path,
@@ -229,24 +252,38 @@ def export_hf(
         buffers = [(n, reader.entries[n]) for n in manifest["buffers"] if n in reader.entries]
         reader.close()
     params = manifest["params"]
-    specs = [TensorSpec(p["name"], torch_dtype, tuple(p["shape"])) for p in params]
+    by_name = {p["name"]: p for p in params}
+    # Tiled weights (sharding/tiling.py) are written whole, under their own names.
+    entries = _untiled_entries(params, manifest.get("tiled") or [])
+    specs = [TensorSpec(name, torch_dtype, shape) for name, shape, _ in entries]
     specs += [TensorSpec(n, _buffer_dtype(e.dtype, torch_dtype), e.shape) for n, e in buffers]
 
     piece = min(max((p["numel"] for p in params), default=0), CHUNK_ELEMENTS)
     files = _RankFiles(folder, manifest["world_size"])
+
+    def read(name: str, c0: int, c1: int, buf: torch.Tensor) -> None:
+        p = by_name[name]  # elements [c0, c1) of the flattened parameter
+        for rank, ps, pe, at in p["ranges"]:
+            x, y = max(c0, ps), min(c1, pe)
+            if x < y:
+                key = f"u{p['unit']}.master"
+                files[rank].read(key, at + x - ps, at + y - ps, buf[x - c0 : y - c0])
+
     writer = HFFolderWriter(output, specs, limit, overwrite=overwrite)
     try:
         staging = torch.empty(piece, dtype=torch.float32)
         converted = None if torch_dtype == torch.float32 else torch.empty(piece, dtype=torch_dtype)
-        for p in params:
-            for c0 in range(0, p["numel"], CHUNK_ELEMENTS):
-                c1 = min(p["numel"], c0 + CHUNK_ELEMENTS)
+        for name, _, tiled in entries:
+            if tiled is not None:
+                for band in iter_row_bands(tiled, read, CHUNK_ELEMENTS):
+                    writer.append(band.to(torch_dtype))
+                    if progress is not None:
+                        progress(band.numel() * _itemsize(torch_dtype), writer.total_bytes)
+                continue
+            for c0 in range(0, by_name[name]["numel"], CHUNK_ELEMENTS):
+                c1 = min(by_name[name]["numel"], c0 + CHUNK_ELEMENTS)
                 buf = staging[: c1 - c0]
-                for rank, ps, pe, at in p["ranges"]:
-                    x, y = max(c0, ps), min(c1, pe)
-                    if x < y:
-                        key = f"u{p['unit']}.master"
-                        files[rank].read(key, at + x - ps, at + y - ps, buf[x - c0 : y - c0])
+                read(name, c0, c1, buf)
                 out = buf if converted is None else converted[: c1 - c0].copy_(buf)
                 writer.append(out)
                 if progress is not None:
@@ -292,6 +329,13 @@ def _gather_master(engine, unit) -> torch.Tensor | None:
     return full
 
 
+def _read_pending(pending: dict[str, torch.Tensor]):
+    def read(name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        out.copy_(pending[name][start:stop])
+
+    return read
+
+
 def save_hf(
     engine,
     output_dir: str | Path,
@@ -309,7 +353,14 @@ def save_hf(
     limit = _shard_limit(max_shard_size)
     output = Path(output_dir)
     buffers = persistent_buffers(engine.module)
-    specs = [TensorSpec(s.name, torch_dtype, tuple(s.shape)) for u in engine.units for s in u.slots]
+    # A tiled weight (sharding/tiling.py) is written whole: its tiles wait on rank 0's host
+    # until the last one is gathered (they are consecutive units).
+    tiled = tiled_weights(engine.module)
+    tile_of = {t.name: tw for tw in tiled for t in tw.tiles}
+    saved = [{"name": s.name, "shape": s.shape} for u in engine.units for s in u.slots]
+    entries = _untiled_entries(saved, [tw.to_json() for tw in tiled])
+    specs = [TensorSpec(name, torch_dtype, shape) for name, shape, _ in entries]
+    pending: dict[str, torch.Tensor] = {}
     for n, b in buffers:
         specs.append(TensorSpec(n, _buffer_dtype(b.dtype, torch_dtype), tuple(b.shape)))
     writer, error = None, None
@@ -327,6 +378,17 @@ def save_hf(
             continue
         try:
             for s in unit.slots:
+                tw = tile_of.get(s.name)
+                if tw is not None:
+                    pending[s.name] = flat[s.offset : s.offset + s.numel].to("cpu", copy=True)
+                    if all(t.name in pending for t in tw.tiles):
+                        for band in iter_row_bands(tw, _read_pending(pending), CHUNK_ELEMENTS):
+                            writer.append(band.to(torch_dtype))
+                            if progress is not None:
+                                progress(band.numel() * _itemsize(torch_dtype), writer.total_bytes)
+                        for t in tw.tiles:
+                            del pending[t.name]
+                    continue
                 for c0 in range(0, s.numel, CHUNK_ELEMENTS):
                     c1 = min(s.numel, c0 + CHUNK_ELEMENTS)
                     piece = flat[s.offset + c0 : s.offset + c1].to("cpu", torch_dtype)

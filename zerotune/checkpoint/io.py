@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from .. import dist as zdist
+from ..sharding.tiling import tiled_weights
 from .files import (
     TensorFileReader,
     TensorFileWriter,
@@ -472,6 +473,7 @@ def _build_manifest(engine, step, steps, files, optimizer, scheduler_state, extr
         "units": units,
         "params": params,
         "buffers": [n for n, _ in persistent_buffers(engine.module)],
+        "tiled": [tw.to_json() for tw in tiled_weights(engine.module)],
         "optimizer": opt,
         "scheduler": scheduler_state,
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
@@ -512,6 +514,20 @@ def _verify_distributed(engine, folder: Path, manifest: dict) -> None:
     for i, fname in enumerate(names):
         if bad[i]:
             raise _checksum_error(folder / fname)
+
+
+def _check_tiling(engine, manifest: dict, folder: Path) -> None:
+    """Tiles are saved as parameters of their own: the tiling must be the same."""
+    saved = manifest.get("tiled") or []
+    mine = [tw.to_json() for tw in tiled_weights(engine.module)]
+    if saved != mine:
+        was = manifest.get("config", {}).get("tile_linear_bytes", 0)
+        raise CheckpointError(
+            f"{folder / MANIFEST}: the checkpoint's tiled linear layers differ from this "
+            f"model's ({len(saved)} saved with tile_linear_bytes={was}, {len(mine)} here with "
+            f"tile_linear_bytes={engine.config.tile_linear_bytes}): resume with the same "
+            "tile_linear_bytes, or export the checkpoint (zerotune export) and load that folder"
+        )
 
 
 def _match_params(engine, manifest: dict, folder: Path) -> dict[int, list[dict]]:
@@ -595,6 +611,7 @@ def load_checkpoint(
     one of another model. See [Note: loading at another world size].
     """
     folder, manifest = open_checkpoint(path)
+    _check_tiling(engine, manifest, folder)
     records = _match_params(engine, manifest, folder)
     if verify:
         _verify_distributed(engine, folder, manifest)

@@ -7,8 +7,10 @@ runs the model's own initialization on U's modules (HF ``_init_weights``, otherw
 ``reset_parameters``), with the random generator seeded from (seed, U's name), so every rank
 and every world size gets the same values. The unit takes its slice and drops the rest
 before the next unit is materialized: peak memory is the shards plus one whole unit.
-Parameters that U's modules hold but another unit owns (a tied head) are hidden from U's
-initialization, so each tensor is initialized once, by its owner.
+Parameters that U's modules hold but another unit owns (a tied head, the tiles of a tiled
+linear) are hidden from U's initialization, so each tensor is initialized once, by its
+owner. A tile is initialized as the model initializes the layer it came from (see
+``init_tile`` in sharding/tiling.py).
 Buffers created on the meta device are given storage and initialized with their unit (HF
 rotary embeddings recompute ``inv_freq`` in ``_init_weights``).
 """
@@ -26,6 +28,7 @@ from torch import nn
 from ..config import ZeroConfig, load_config
 from ..memory.host import release_free_memory
 from ..sharding.engine import ZeroEngine
+from ..sharding.tiling import LinearTile, TiledLinear, init_tile
 
 __all__ = [
     "default_device",
@@ -110,13 +113,17 @@ class _Materializer:
                         "reset_parameters() to compute them; build it whole and use "
                         "zerotune.shard()"
                     )
-        foreign = [
-            p for m in modules for p in m._parameters.values() if p is not None and id(p) not in own
-        ]
+        # Hidden too: parameters of units nested in this one (tiles), reachable through
+        # init code that walks a module's parameters.
+        foreign = {id(p): p for m in modules for p in m.parameters() if id(p) not in own}
+        foreign = list(foreign.values())
         with torch.random.fork_rng(devices=[]), hidden(foreign, self.device), torch.no_grad():
             torch.manual_seed(_unit_seed(self.seed, unit_name))
             for m in modules:
-                self.init_fn(m)
+                if isinstance(m, (LinearTile, TiledLinear)):
+                    init_tile(self.model, m, self.init_fn, self.is_hf)
+                else:
+                    self.init_fn(m)
         return None
 
 

@@ -6,7 +6,8 @@ offsets of every tensor) and the raw data. ``SafetensorsCheckpoint`` reads the h
 HF folder (one file, or several with ``model.safetensors.index.json``). The model is built on
 the meta device; when the engine builds a unit, ``fill`` reads, for each parameter, just
 the part of it that falls into this rank's slice of the unit's flat buffer, straight into the
-fp32 master slice. The full state dict never exists in any process. A tied weight is one
+fp32 master slice (a tile of a tiled linear reads its block of the untiled weight, row by
+row; see [Note: tiling]). The full state dict never exists in any process. A tied weight is one
 parameter, owned and read once. Names follow what transformers accepts: with or without the
 base model prefix (``transformer.``, ``model.``), and the legacy ``gamma``/``beta`` names of
 norm weights.
@@ -14,6 +15,7 @@ norm weights.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -26,6 +28,7 @@ from torch import nn
 
 from ..config import ZeroConfig, load_config
 from ..sharding.engine import ZeroEngine
+from ..sharding.tiling import TileBlock, TiledWeight, apply_tiling, read_block, tiled_weights
 from .construct import default_device, hidden, materialize_buffers, realize_placeholders
 
 __all__ = [
@@ -188,21 +191,36 @@ def _candidates(name: str, prefix: str) -> list[str]:
     return names + legacy
 
 
-def _checkpoint_keys(model: nn.Module, ckpt: SafetensorsCheckpoint) -> dict[int, str]:
-    """id(parameter) -> the checkpoint key holding it; raises listing every missing one."""
+def _checkpoint_keys(
+    model: nn.Module, ckpt: SafetensorsCheckpoint
+) -> tuple[dict[int, str], dict[int, tuple[TileBlock, int]]]:
+    """id(parameter) -> the checkpoint key holding it, and for tiles (sharding/tiling.py)
+    id(tile) -> (its block, columns of the untiled weight); raises listing every missing one."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
         params[id(p)] = p
-    keys, missing = {}, []
+    # A tile reads its block of the untiled weight, found under that weight's name.
+    tiles: dict[int, tuple[TileBlock, TiledWeight]] = {}
+    by_name = dict(model.named_parameters())
+    for tw in tiled_weights(model):
+        for t in tw.tiles:
+            tiles[id(by_name[t.name])] = (t, tw)
+    keys, blocks, missing = {}, {}, []
     for pid, pnames in names.items():
+        if pid in tiles:
+            pnames = [tiles[pid][1].name]
         found = next((c for n in pnames for c in _candidates(n, prefix) if c in ckpt.entries), None)
         if found is None:
             missing.append(pnames[0])
             continue
         shape = tuple(params[pid].shape)
+        if pid in tiles:
+            block, tw = tiles[pid]
+            shape = tuple(tw.shape)
+            blocks[pid] = (block, shape[1])
         if ckpt.entries[found].shape != shape:
             raise ModelLoadError(
                 f"{ckpt.entries[found].path}: {found!r} has shape {ckpt.entries[found].shape}, "
@@ -213,7 +231,7 @@ def _checkpoint_keys(model: nn.Module, ckpt: SafetensorsCheckpoint) -> dict[int,
         raise ModelLoadError(
             f"the checkpoint lacks {len(missing)} parameter(s) of this model, e.g. {missing[:3]}"
         )
-    return keys
+    return keys, blocks
 
 
 class _StreamingLoader:
@@ -221,7 +239,7 @@ class _StreamingLoader:
 
     def __init__(self, model: nn.Module, ckpt: SafetensorsCheckpoint, device: torch.device):
         self.model, self.ckpt, self.device = model, ckpt, device
-        self.keys = _checkpoint_keys(model, ckpt)
+        self.keys, self.blocks = _checkpoint_keys(model, ckpt)
         self.init_fn = getattr(model, "_init_weights", None)
 
     def __call__(self, unit_name: str, modules: list[nn.Module], params):
@@ -240,7 +258,14 @@ class _StreamingLoader:
             a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
             if a < b:
                 key = self.keys[id(slot.param)]
-                self.ckpt.read(key, a - slot.offset, b - slot.offset, master[a - lo : b - lo])
+                out = master[a - lo : b - lo]
+                tile = self.blocks.get(id(slot.param))
+                if tile is None:
+                    self.ckpt.read(key, a - slot.offset, b - slot.offset, out)
+                else:
+                    block, cols = tile
+                    read = functools.partial(self.ckpt.read, key)
+                    read_block(read, cols, block, a - slot.offset, b - slot.offset, out)
 
 
 def from_pretrained(
@@ -264,6 +289,9 @@ def from_pretrained(
         model = AutoModelForCausalLM.from_config(hf_config)
     device = torch.device(device) if device is not None else default_device()
     realize_placeholders(model, device)
+    # Tiles first (the engine would tile later), so that the loader maps each to its block.
+    itemsize = torch.finfo(zero_config.torch_dtype).bits // 8
+    apply_tiling(model, zero_config.tile_linear_bytes, itemsize)
     try:
         loader = _StreamingLoader(model, ckpt, device)
         engine = ZeroEngine(model, zero_config, group, device=device, prepare_unit=loader)

@@ -32,6 +32,7 @@ from .plan import (
     unit_deps,
 )
 from .prefetch import Prefetcher
+from .tiling import apply_tiling, merge_tiles, tiled_weights
 from .unit import Unit, UnitState
 
 __all__ = ["ShardedParameterError", "ZeroEngine", "shard"]
@@ -97,6 +98,10 @@ class ZeroEngine(nn.Module):
             device = params[0].device if params else torch.device("cpu")
         self.device = torch.device(device)
         self._prepare_unit = prepare_unit
+        # Large linears become tiles before units are formed (see [Note: tiling]); the map
+        # lets optimizer groups built from the untiled model find the tiles.
+        itemsize = torch.finfo(config.torch_dtype).bits // 8
+        self.tiled_from = apply_tiling(model, config.tile_linear_bytes, itemsize)
         self.pool = BufferPool(self.device)
         self.prefetcher = Prefetcher(config.prefetch_bytes if config.stage == 3 else 0)
         self.scaler = (
@@ -123,6 +128,7 @@ class ZeroEngine(nn.Module):
                 self.prefetcher.budget,
             )
         self._sync = True
+        self._overlap = None  # the optimizer's overlapped step, during its backward
         self._final_callback_queued = False
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
@@ -446,6 +452,8 @@ class ZeroEngine(nn.Module):
             return
         if unit.index == 0:
             self.prefetcher.start_pass("backward")
+        if self._overlap is not None:
+            self._overlap.pump()
         unit.backward_active = True
         self._use("backward", unit)
         self._pin(unit)
@@ -455,6 +463,8 @@ class ZeroEngine(nn.Module):
     def post_backward(self, unit: Unit) -> None:
         unit.grads_ready = 0
         unit.reduce_grads(sync=self._sync)
+        if self._overlap is not None and self._sync:
+            self._overlap.launch(unit)  # its gradient shard is final: update it now
         if unit.backward_active:
             unit.backward_active = False
             self._unpin(unit)
@@ -578,4 +588,4 @@ class ZeroEngine(nn.Module):
             with self.gathered([unit]):
                 for s in unit.slots:
                     out[s.name] = s.param.detach().to("cpu", copy=True)
-        return out
+        return merge_tiles(out, tiled_weights(self.module))  # the untiled names and shapes

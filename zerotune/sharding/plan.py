@@ -39,6 +39,7 @@ from ..config import ZeroConfig
 from ..optim.quant8 import quantized, state_bytes
 from ..optim.state_store import OptimLayout
 from .policy import select_unit_modules
+from .tiling import tiled_copy
 
 __all__ = [
     "ROOT",
@@ -127,10 +128,12 @@ def assign_params(
     specs = [(ROOT, model)] + select_unit_modules(model, unit_modules)
     owned: dict[int, int] = {}
     per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in specs]
+    unit_ids = {id(m) for _, m in specs[1:]}
     # Non-root units first, in module order, so a tied weight belongs to the first module
-    # that holds it (the input embedding, not the head).
+    # that holds it (the input embedding, not the head). A unit nested in another (a tile)
+    # owns its own parameters.
     for i, (name, module) in list(enumerate(specs))[1:]:
-        for pname, p in module.named_parameters():
+        for pname, p in _named_params_outside(module, unit_ids):
             if id(p) not in owned:
                 owned[id(p)] = i
                 per_unit[i].append((f"{name}.{pname}", p))
@@ -139,6 +142,16 @@ def assign_params(
             owned[id(p)] = 0
             per_unit[0].append((pname, p))
     return specs, per_unit, owned
+
+
+def _named_params_outside(module: nn.Module, unit_ids: set[int], prefix: str = ""):
+    """``module.named_parameters()`` without the subtrees of nested units (same order)."""
+    for n, p in module._parameters.items():
+        if p is not None:
+            yield f"{prefix}{n}", p
+    for n, child in module._modules.items():
+        if child is not None and id(child) not in unit_ids:
+            yield from _named_params_outside(child, unit_ids, f"{prefix}{n}.")
 
 
 def unit_deps(specs: list[tuple[str, nn.Module]], owned: dict[int, int]) -> list[list[int]]:
@@ -190,7 +203,10 @@ def size_unit(
 
 
 def plan_units(model: nn.Module, config: ZeroConfig, world: int) -> list[UnitPlan]:
-    """The units ``ZeroEngine`` builds for ``model`` at ``world`` ranks (a meta model works)."""
+    """The units ``ZeroEngine`` builds for ``model`` at ``world`` ranks (a meta model works).
+    With ``tile_linear_bytes`` the units are those of the tiled model, as the engine tiles
+    it (see [Note: tiling] in tiling.py); ``model`` itself is left as it is."""
+    model = tiled_copy(model, config.tile_linear_bytes, _itemsize(config.torch_dtype))
     specs, per_unit, owned = assign_params(model, config.unit_modules)
     deps = unit_deps(specs, owned)
     return [

@@ -4,7 +4,9 @@ A unit is a module whose parameters are sharded, gathered and released together.
 policy follows Hugging Face: every instance of a class named in ``_no_split_modules`` (the
 transformer blocks), every ``nn.Embedding``, and the output head. Models without
 ``_no_split_modules`` use their direct children that hold parameters. Whatever no unit claims
-belongs to the root unit (the model itself). Units never nest: the outermost match wins.
+belongs to the root unit (the model itself). Units never nest: the outermost match wins,
+except for modules marked ``_zerotune_own_unit`` (the tiles of a tiled linear, see
+[Note: tiling] in tiling.py), which are units wherever they are.
 
 This module reads attributes only; it does not import transformers.
 """
@@ -77,16 +79,20 @@ def select_unit_modules(model: nn.Module, spec: UnitSpec = None) -> list[tuple[s
     selected: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
 
-    def visit(prefix: str, module: nn.Module) -> None:
+    def visit(prefix: str, module: nn.Module, inside: bool) -> None:
         for child_name, child in module.named_children():
             qualified = f"{prefix}.{child_name}" if prefix else child_name
             if id(child) in seen:
                 continue
-            if match(qualified, child):
+            if getattr(child, "_zerotune_own_unit", False):
+                seen.add(id(child))  # a tile (tiling.py): its own unit, even inside another
+                selected.append((qualified, child))
+            elif not inside and match(qualified, child):
                 seen.add(id(child))
                 selected.append((qualified, child))
+                visit(qualified, child, True)  # only tiles nest
             else:
-                visit(qualified, child)
+                visit(qualified, child, inside)
 
-    visit("", model)
+    visit("", model, False)
     return selected
