@@ -353,3 +353,22 @@ def test_a_checkpoint_of_another_tiling_is_refused(tmp_path):
     other = zerotune.shard(build("gpt2"), {"stage": 3})
     with pytest.raises(CheckpointError, match="resume with the same tile_linear_bytes"):
         zerotune.load_checkpoint(other, tmp_path / "ckpt")
+
+
+# ------------------------------------------------------------------------ ZeroTrainer
+def test_zero_trainer_with_tiling_logs_the_plain_trainers_losses(tmp_path):
+    from trainer_cases import logged, plain_run, zero_run
+    from transformers import AutoModelForCausalLM
+
+    plain = plain_run(str(tmp_path / "plain"))
+    # Decay / no-decay groups come from the tiled model's names (tiles decay like weights).
+    zero = zero_run(str(tmp_path / "zero"), zero_stage=3, tile_linear_bytes=1536)
+    assert sum(isinstance(m, LinearTile) for m in zero.engine.module.modules()) == 66
+    np.testing.assert_allclose(logged(zero), logged(plain), rtol=1e-5)
+    zero.save_model(str(tmp_path / "saved"))
+    weights = zero.engine.full_state_dict()
+    zero.close()
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", output_loading_info=True)
+    assert all(not v for v in info.values()), info
+    for name, p in model.named_parameters():
+        np.testing.assert_array_equal(p.detach(), weights[name], err_msg=name)  # fp32 run
