@@ -12,6 +12,8 @@ one JSON line with ``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain)
     python benchmarks/train_step.py --model gpt2-xl --offload nvme --steps 3 --no-baseline
     python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
         --optim adamw_8bit                      # + nvme_bytes_ratio (8-bit / fp32 states)
+    python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
+        --overlap-step                          # optimizer I/O during backward
     python benchmarks/train_step.py --offload-activations nvme --nvme-path /tmp \
         --batch 8 --seq 512                     # checkpoints offloaded vs kept, both checkpointed
 
@@ -60,6 +62,11 @@ def parse() -> argparse.Namespace:
         default="none",
         choices=["none", "cpu", "nvme"],
         help="checkpoint every block and move its saved inputs to this tier",
+    )
+    ap.add_argument(
+        "--overlap-step",
+        action="store_true",
+        help="zerotune: update each unit during backward (ZeroAdamW.overlapped())",
     )
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument(
@@ -116,7 +123,11 @@ def run_variant(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         loss = runner(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
-        loss.backward()
+        if args.overlap_step and args.variant != "plain":
+            with opt.overlapped():
+                loss.backward()
+        else:
+            loss.backward()
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
@@ -163,7 +174,8 @@ def main() -> None:
 
     print(
         f"model {args.model}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
-        f"stage {args.stage}, optim {args.optim}, offload {args.offload}, activations "
+        f"stage {args.stage}, optim {args.optim}{' overlapped' if args.overlap_step else ''}, "
+        f"offload {args.offload}, activations "
         f"{args.offload_activations}, median of {args.steps} steps after {args.warmup} "
         f"warm-up, {os.cpu_count()} threads"
     )
@@ -193,6 +205,8 @@ def main() -> None:
         "stage": args.stage,
         "dtype": args.dtype,
         "offload": args.offload,
+        "optim": args.optim,
+        "overlap_step": args.overlap_step,
         "step_time_s": round(zt["total"], 4),
         "peak_rss_gib": round(zt["peak_rss_gib"], 3),
         "read_gb_per_step": round(zt["read_bytes_per_step"] / gb, 3),

@@ -173,6 +173,11 @@ class ResidentStore:
             return [(0, n)]
         return [(c0, min(c0 + _Q8_CHUNK, n)) for c0 in range(0, n, _Q8_CHUNK)]
 
+    def pipeline(self, items, update):
+        """``run`` as a generator (it has nothing to wait for: it yields nothing)."""
+        self.run(items, update)
+        yield from ()
+
     def run(self, items, update) -> None:
         for unit, c0, c1 in items:
             master, grad = unit.master[c0:c1], unit.grad_shard[c0:c1]
@@ -334,6 +339,13 @@ class NvmeStore:
         return item, buf, state_bytes, pieces, handles
 
     def run(self, items, update) -> None:
+        for handle in self.pipeline(items, update):
+            handle.wait()
+
+    def pipeline(self, items, update):
+        """``run`` as a generator: before waiting for an I/O handle that is not done yet it
+        yields it, so a caller can do other work and resume later (see [Note: overlapped
+        step] in zero_adam.py); resuming waits for that handle."""
         writes: deque = deque()
         upcoming = self._start(items[0]) if items else None
         for k in range(len(items)):
@@ -343,6 +355,8 @@ class NvmeStore:
             )
             (unit, c0, c1), buf, state_bytes, pieces, handles = current
             for h in handles:
+                if not h.done():
+                    yield h
                 h.wait()
             n = c1 - c0
             if unit.grad_extent is not None:
@@ -363,9 +377,17 @@ class NvmeStore:
             self.bytes_written += state_bytes
             writes.append((hs, buf))
             while len(writes) > 1:
+                yield from self._pending(writes[0][0])
                 self._finish(writes.popleft())
         while writes:
+            yield from self._pending(writes[0][0])
             self._finish(writes.popleft())
+
+    @staticmethod
+    def _pending(handles):
+        for h in handles:
+            if not h.done():
+                yield h
 
     def _finish(self, entry) -> None:
         handles, buf = entry

@@ -15,10 +15,28 @@ same pass.
 Gradient clipping and the fp16 loss scale do not rewrite the gradients: they set one factor
 that the update applies to each chunk of gradient it reads (``grad * factor``), so gradients
 on NVMe are read once for the norm and once for the step.
+
+[Note: overlapped step]
+With optimizer state on NVMe the step moves 12 bytes per parameter each way (6 with 8-bit
+moments) and waits on the disk while the processor idles. ``with opt.overlapped():`` around
+the last backward of a step lets each unit's update start as soon as that unit's gradient
+shard is final (the engine's post-backward hook, after the reduce-scatter), while backward
+goes on with the units before it. Nothing runs on another Python thread: a unit's update is
+the store's pipeline as a generator (``pipeline``) that yields whenever the next I/O it needs
+has not arrived, and the engine's backward hooks resume it ("pump") between layers, so disk
+transfers proceed in the aio threads during backward compute, and the C++ Adam runs on this
+thread between layers. ``step()`` then finishes what is still in flight and updates the units
+whose gradients became final only at the end of backward. The updates are the same as
+``step()``'s (same chunks, same kernel, same step counts), so results are identical.
+It needs what an early update cannot undo or rescale: no global-norm clipping (the norm needs
+every gradient first), no fp16 loss scaling (an overflow anywhere must skip every update),
+stage 2 or 3 (stage 1 keeps whole gradients until the step) and a synchronized backward.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -122,6 +140,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._overflow = False
         self._factor = 1.0  # applied to gradients in the update: 1/loss scale * clip coef
         self._grad_norm: float | None = None
+        self._overlap: _OverlappedStep | None = None  # see [Note: overlapped step]
         engine.optimizer = self
 
     @staticmethod
@@ -185,10 +204,44 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._overflow = not bool(torch.isfinite(sq).item())
             self._sum_sq = sq
 
+    @contextlib.contextmanager
+    def overlapped(self):
+        """Run the last backward of a step inside: each unit is updated as soon as its
+        gradient is final, overlapping the optimizer's I/O with the rest of backward; then
+        call ``step()`` as usual (see [Note: overlapped step]). Not with clipping, fp16 or
+        stage 1, nor inside ``no_sync()``."""
+        engine = self.engine
+        if engine.scaler is not None:
+            raise RuntimeError(
+                "overlapped(): fp16 loss scaling must see every gradient before any update "
+                "(an overflow skips the whole step); use bf16 or fp32"
+            )
+        if engine.config.stage < 2:
+            raise RuntimeError(
+                "overlapped(): stage 1 keeps whole gradients until the step; use stage 2 or 3"
+            )
+        if not engine._sync:
+            raise RuntimeError(
+                "overlapped(): the backward inside must be synchronized, not in no_sync()"
+            )
+        if self._overlap is not None or engine._overlap is not None:
+            raise RuntimeError("overlapped(): call step() before the next overlapped backward")
+        self._factor = 1.0
+        self._overlap = engine._overlap = _OverlappedStep(self)
+        try:
+            yield
+        finally:
+            engine._overlap = None
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm (over all ranks) is at most ``max_norm``;
         returns the norm before clipping (like ``torch.nn.utils.clip_grad_norm_``)."""
+        if self._overlap is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ after an overlapped backward: units were updated during "
+                "backward, before the global norm existed; clip without overlapped()"
+            )
         self._prepare()
         if self._overflow:
             return torch.tensor(float("inf"))
@@ -208,6 +261,11 @@ class ZeroAdamW(torch.optim.Optimizer):
     def step(self, closure=None) -> StepInfo:
         if closure is not None:
             raise ValueError("ZeroAdamW.step does not take a closure")
+        overlap, self._overlap = self._overlap, None
+        launched: set[int] = set()
+        if overlap is not None:
+            overlap.finish()
+            launched = overlap.launched
         self._prepare()
         scaler = self.engine.scaler
         info = StepInfo(
@@ -216,12 +274,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             grad_norm=self._grad_norm,
         )
         if not self._overflow:
-            units = self._live_units()
+            units = [u for u in self._live_units() if u.index not in launched]
             for unit in units:
                 for seg in self._unit_segments[unit.index]:
                     self.state[seg.key]["step"] += 1
             items = [(u, c0, c1) for u in units for c0, c1 in self.store.chunks(u)]
-            self.store.run(items, self._update_chunk)
+            if items:
+                self.store.run(items, self._update_chunk)
             self.engine.after_step()
         if scaler is not None:
             scaler.update(self._overflow)
@@ -267,3 +326,49 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         return self.store.nbytes()
+
+
+class _OverlappedStep:
+    """The units updated during one overlapped backward ([Note: overlapped step])."""
+
+    def __init__(self, opt: ZeroAdamW) -> None:
+        self.opt = opt
+        self.launched: set[int] = set()
+        self._jobs: deque = deque()  # generators, oldest first (staging holds one at a time)
+        self._waiting = None  # the I/O handle the oldest job waits for
+
+    def launch(self, unit) -> None:
+        """``unit``'s gradient shard is final: queue its update and start what can start."""
+        opt = self.opt
+        segs = opt._unit_segments.get(unit.index)
+        if segs is None or unit.grad_is_zero or unit.index in self.launched:
+            return
+        self.launched.add(unit.index)
+        for seg in segs:
+            opt.state[seg.key]["step"] += 1
+        self._jobs.append(self._job(unit))
+        self.pump()
+
+    def _job(self, unit):
+        # Gradients spilled to NVMe must be on disk before the pipeline reads them back.
+        for entry in unit._pending_writes:
+            if not entry[0].done():
+                yield entry[0]
+        unit.wait_writes()
+        items = [(unit, c0, c1) for c0, c1 in self.opt.store.chunks(unit)]
+        yield from self.opt.store.pipeline(items, self.opt._update_chunk)
+
+    def pump(self, block: bool = False) -> None:
+        """Advance the queued updates until one must wait for I/O (or, with ``block``, to
+        the end)."""
+        while self._jobs:
+            if self._waiting is not None and not block and not self._waiting.done():
+                return
+            try:
+                self._waiting = next(self._jobs[0])  # resuming waits for the last handle
+            except StopIteration:
+                self._jobs.popleft()
+                self._waiting = None
+
+    def finish(self) -> None:
+        self.pump(block=True)

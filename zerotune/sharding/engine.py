@@ -128,6 +128,7 @@ class ZeroEngine(nn.Module):
                 self.prefetcher.budget,
             )
         self._sync = True
+        self._overlap = None  # the optimizer's overlapped step, during its backward
         self._final_callback_queued = False
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
@@ -451,6 +452,8 @@ class ZeroEngine(nn.Module):
             return
         if unit.index == 0:
             self.prefetcher.start_pass("backward")
+        if self._overlap is not None:
+            self._overlap.pump()
         unit.backward_active = True
         self._use("backward", unit)
         self._pin(unit)
@@ -460,6 +463,8 @@ class ZeroEngine(nn.Module):
     def post_backward(self, unit: Unit) -> None:
         unit.grads_ready = 0
         unit.reduce_grads(sync=self._sync)
+        if self._overlap is not None and self._sync:
+            self._overlap.launch(unit)  # its gradient shard is final: update it now
         if unit.backward_active:
             unit.backward_active = False
             self._unpin(unit)
