@@ -105,7 +105,9 @@ class SwapSpace:
         """``sizes[kind][unit_index]`` = bytes of that unit's extent in that kind's file;
         ``direct[kind]``: use O_DIRECT for that file (its buffers must then be aligned)."""
         from .aio import SwapFile
+        from .host import prefer_mmap_for_large_buffers
 
+        prefer_mmap_for_large_buffers()  # see memory/host.py
         self.root = Path(nvme_path)
         if not self.root.is_dir():
             raise ConfigError(f"nvme_path {self.root} does not exist or is not a folder")
