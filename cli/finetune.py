@@ -254,11 +254,15 @@ def _zero_settings(options: dict) -> dict:
         settings["offload_param"] = offload if stage == 3 else "none"
     param = settings.get("offload_param", base.get("offload_param", "none"))
     optim = settings.get("offload_optimizer", base.get("offload_optimizer", "none"))
-    if "nvme" in (param, optim):
+    activations = _flag_value(options["hf_args"], "offload_activations") or base.get(
+        "offload_activations", "none"
+    )
+    if "nvme" in (param, optim, activations):
         settings["nvme_path"] = options["nvme_path"] or base.get("nvme_path")
     elif options["nvme_path"]:
         raise BadInput("--nvme-path is set but nothing is offloaded to nvme (add --offload nvme)")
     merged = {**base, **{_CONFIG_KEYS.get(k, k): v for k, v in settings.items()}}
+    merged["offload_activations"] = activations  # a passed-through flag; checked here too
     if "nvme_path" in settings and merged["nvme_path"] is None:
         merged["nvme_path"] = tempfile.gettempdir()  # stands for the folder made later
     with _fail_on(ConfigError):
@@ -270,6 +274,17 @@ def _zero_settings(options: dict) -> dict:
 
 
 _CONFIG_KEYS = {"zero_stage": "stage"}
+
+
+def _flag_value(argv: list[str] | tuple[str, ...], name: str) -> str | None:
+    """The value of ``--name`` (or ``--name-with-dashes``) among the passed-through
+    TrainingArguments flags, in either ``--flag value`` or ``--flag=value`` form."""
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in spellings:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
 
 
 def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):

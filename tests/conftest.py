@@ -87,7 +87,7 @@ def tiny_gpt2(seed: int = 0, layers: int = 2, tie: bool = True, **overrides):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(
+    settings = dict(
         n_layer=layers,
         n_embd=32,
         n_head=2,
@@ -99,9 +99,8 @@ def tiny_gpt2(seed: int = 0, layers: int = 2, tie: bool = True, **overrides):
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        **overrides,
     )
-    return GPT2LMHeadModel(cfg)
+    return GPT2LMHeadModel(GPT2Config(**{**settings, **overrides}))
 
 
 def tiny_llama_config(kind: str = "llama"):

@@ -128,6 +128,44 @@ def test_local_model_folder_and_jsonl(env, tmp_path):
     )
 
 
+def test_hub_id_from_the_local_cache_with_memory_options(env, tmp_path):
+    """A hub id that is in the Hugging Face cache loads offline (HF_HUB_OFFLINE=1), the way
+    a downloaded model would: the cache layout is what huggingface_hub writes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zerotune.hf.data import byte_tokenizer
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--zt-test--tiny-gpt2"
+    snapshot = repo / "snapshots" / revision
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=259, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(snapshot)
+    byte_tokenizer().save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    out = tmp_path / "out"
+    env = {**env, "HF_HOME": str(tmp_path / "hf")}
+    # With the memory extras: 8-bit Adam states and offloaded activation checkpoints are
+    # TrainingArguments / ZeroTrainingArguments flags the command passes on.
+    proc = finetune(env, "--model", "zt-test/tiny-gpt2", "--output-dir", out, "--block-size",
+                    "32", "--max_steps", "8", "--logging_steps", "4", "--save_strategy", "no",
+                    "--learning_rate", "1e-2", "--optim", "adamw_8bit",
+                    "--gradient_checkpointing", "--offload_activations", "nvme")  # fmt: skip
+    s = summary(out)
+    assert s["init"] == "pretrained" and s["global_step"] == 8
+    assert s["tokenizer"].startswith("tokenizer of")
+    assert s["zero"]["optim_state_bits"] == 8 and s["zero"]["offload_activations"] == "nvme"
+    memory = s["memory_rank0"]
+    assert memory["engine_checkpoints_device"] == 0
+    assert memory["engine_checkpoints_offloaded_peak"] > 0
+    assert s["losses"][-1][1] < s["losses"][0][1]
+    assert "activation checkpoints on nvme, 8-bit Adam states" in proc.stderr + proc.stdout
+    # Not in the cache: one line naming the cache, exit code 2.
+    proc = finetune(env, "--model", "zt-test/absent", "--output-dir", tmp_path / "o2", check=False)
+    assert proc.returncode == 2 and "local Hugging Face cache" in proc.stderr
+
+
 def test_two_processes(env, tmp_path):
     out = tmp_path / "out"
     proc = finetune(env, "--output-dir", out, "--nproc-per-node", "2", "--max_steps", "4",
@@ -141,22 +179,6 @@ def test_two_processes(env, tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out)
-
-
-def test_memory_options_through_the_command(env, tmp_path):
-    """8-bit Adam states and offloaded activation checkpoints are TrainingArguments /
-    ZeroTrainingArguments flags: the command passes them on and the summary shows them."""
-    out = tmp_path / "out"
-    proc = finetune(env, "--output-dir", out, "--optim", "adamw_8bit", "--gradient_checkpointing",
-                    "--offload_activations", "nvme", "--max_steps", "8", "--logging_steps", "4",
-                    "--save_strategy", "no")  # fmt: skip
-    s = summary(out)
-    assert s["zero"]["optim_state_bits"] == 8 and s["zero"]["offload_activations"] == "nvme"
-    memory = s["memory_rank0"]
-    assert memory["engine_checkpoints_device"] == 0
-    assert memory["engine_checkpoints_offloaded_peak"] > 0
-    assert s["losses"][-1][1] < s["losses"][0][1]
-    assert "activation checkpoints on nvme, 8-bit Adam states" in proc.stderr + proc.stdout
 
 
 def test_ranks_without_nvme_room_print_one_line(env, tmp_path):

@@ -296,7 +296,7 @@ def run_overlapped(rank, world, nvme_root, configs):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [2])  # world 1 runs the same hooks without collectives
 def test_overlapped_step_matches_plain_adamw(world, tmp_path):
     import numpy as np
     from harness import train_reference

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import run_world
+from conftest import run_world, tiny_gpt2
 from harness import LR, WD, batches, build, loss_of, no_decay_groups, train_zero
 
 import zerotune
@@ -144,20 +144,7 @@ def test_world_2_nvme_tracks_fp32_and_the_estimate_holds(yardstick, tmp_path):
 def wide_gpt2():
     """GPT-2 with 64-wide layers: every unit but the position embedding and the final norm
     is large enough for 8-bit state, so the ratios show the per-element costs."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=2,
-        vocab_size=96,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return GPT2LMHeadModel(cfg)
+    return tiny_gpt2(seed=0, n_embd=64)
 
 
 def _proc_wchar() -> int:

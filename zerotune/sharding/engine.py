@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import dist as zdist
 from ..config import ZeroConfig, load_config
+from ..memory.host import prefer_mmap_for_large_buffers, release_free_memory
 from ..memory.pool import BufferPool
 from ..optim.scaling import DynamicLossScaler
 from .external import ExternalParams, ShardedParameterError
@@ -102,6 +103,10 @@ class ZeroEngine(nn.Module):
         # lets optimizer groups built from the untiled model find the tiles.
         itemsize = torch.finfo(config.torch_dtype).bits // 8
         self.tiled_from = apply_tiling(model, config.tile_linear_bytes, itemsize)
+        if "cpu" in (config.offload_param, config.offload_optimizer):
+            # Host memory holds the offloaded state: keep its RSS honest (memory/host.py;
+            # NVMe offload does the same when it opens its swap files).
+            prefer_mmap_for_large_buffers()
         self.pool = BufferPool(self.device)
         self.prefetcher = Prefetcher(config.prefetch_bytes if config.stage == 3 else 0)
         self.scaler = (
@@ -501,6 +506,10 @@ class ZeroEngine(nn.Module):
     def after_step(self) -> None:
         for unit in self.units:
             unit.refresh()
+        if self.device.type == "cpu":
+            # On a CPU the heap also holds activations and gradients: give back what the
+            # step freed, so fragments do not pile up from step to step (memory/host.py).
+            release_free_memory()
 
     def zero_grad(self) -> None:
         for unit in self.units:
