@@ -6,10 +6,15 @@ import os
 import socket
 import traceback
 
-import pytest
-import torch
-import torch.multiprocessing as mp
+# Tiny models: one thread per process (OpenMP threads spinning on a shared 2-core machine
+# cost more than they compute; ranks and scripts the tests start inherit this).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
