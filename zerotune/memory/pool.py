@@ -118,10 +118,6 @@ class GatherCache:
             self.kept_bytes += n
             self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
 
-    def clear(self) -> None:
-        self._free.clear()
-        self.kept_bytes = 0
-
 
 class BufferPool:
     def __init__(self, device: torch.device | str = "cpu", pin: bool = False):
