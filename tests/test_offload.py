@@ -342,3 +342,64 @@ def test_overlapped_step_refuses_what_it_cannot_do(tmp_path):
         opt = zerotune.ZeroAdamW(engine, lr=1e-3)
         with pytest.raises(RuntimeError, match=message), opt.overlapped():
             pass
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fp32_master_lives_in_the_parameter_file(dtype, tmp_path):
+    """With fp32 compute and both tiers on NVMe the parameter extent is the master: the optim
+    extent holds the two moments only, the step writes no separate parameter copy, and the
+    parameters gathered after a step are the master bit for bit. bf16 keeps three regions
+    and writes its compute copy."""
+    import torch
+    from conftest import tiny_gpt2
+
+    import zerotune
+    from zerotune.memory.swap import round_up
+    from zerotune.sharding.unit import Unit
+
+    config = {
+        "stage": 3,
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "nvme_path": str(tmp_path),
+        "staging_bytes": 3 * 16 * 4096 * 3,  # several chunks per unit
+        "dtype": dtype,
+    }
+    engine = zerotune.shard(tiny_gpt2(seed=0, layers=2), config)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    swapped = [u for u in engine.units if u.param_extent is not None and u.trainable]
+    assert swapped
+    regions = 2 if dtype == "fp32" else 3
+    for u in engine.units:
+        if u.trainable:
+            want = (regions if u.param_extent is not None else 3) * round_up(u.shard_numel * 4)
+            assert engine.swap.extent("optim", u.index).nbytes == want, u.name
+    optim_file = engine.swap.files["optim"]
+    assert os.path.getsize(optim_file.path) == sum(
+        round_up(engine.swap.extent("optim", u.index).nbytes) for u in engine.units if u.trainable
+    )
+
+    stored = []
+    original = Unit.store_shard
+
+    def counting(self, values, give_back=None):
+        stored.append(self.index)
+        return original(self, values, give_back)
+
+    Unit.store_shard = counting
+    try:
+        ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+        before = [engine.unit_state(u)["master"].clone() for u in swapped]
+        engine(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    finally:
+        Unit.store_shard = original
+    assert stored == ([] if dtype == "fp32" else [u.index for u in swapped])
+    for u, old in zip(swapped, before):
+        master = engine.unit_state(u)["master"]
+        assert not torch.equal(master, old), u.name  # the step changed it
+        with engine.gathered([u]):
+            flat = torch.cat([s.param.detach().reshape(-1).float() for s in u.slots])
+        want = master[: u.numel] if dtype == "fp32" else master[: u.numel].bfloat16().float()
+        assert torch.equal(flat, want), u.name
+    engine.close()

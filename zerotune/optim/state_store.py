@@ -9,6 +9,15 @@ keeps each unit's fp32 master, exp_avg and exp_avg_sq in the rank's optim swap f
 updated by the C++ Adam, chunk k+1 is read and chunk k-1 written back. Chunks are bounded so
 that three chunk sets fit in ``staging_bytes``, whatever the size of the largest unit.
 
+With fp32 compute and the parameters on NVMe too, the unit's parameter extent already
+holds the fp32 shard, which is the master: the optim extent then has two regions (the
+moments), and the step reads and writes the master chunk in the parameter file. That file
+is buffered (the gathers of forward and backward read it through the page cache), so the
+master read is a copy from the page cache instead of a disk read, and the new parameters
+need no second write: per parameter and step the optimizer moves 8 bytes each way through
+O_DIRECT plus 4 each way through the page cache, against 12 + 12 + 4 before. A gather of
+the unit waits for those writes (``Unit.param_file_writes``).
+
 With 8-bit moments (see [Note: 8-bit optimizer states] in quant8.py) a quantized unit's
 moments are codes and absmax values; the stores dequantize a chunk into fp32 tensors before
 the update and quantize it back after, so the optimizer sees fp32 moments either way.
@@ -112,10 +121,18 @@ class OptimLayout:
         step = self.q8_chunk if self.quantized(unit_numel) else self.chunk
         return [(c0, min(c0 + step, shard)) for c0 in range(0, shard, step)]
 
-    def extent_bytes(self, unit_numel: int, shard: int) -> int:
-        """Bytes of the unit's optim extent: three fp32 regions, or the chunk records."""
+    def master_in_param_file(self, unit_numel: int, param_on_disk: bool, itemsize: int) -> bool:
+        """Whether the unit's fp32 master lives in the parameter swap file rather than in its
+        optim extent: with fp32 compute and the shard on NVMe the two are the same numbers
+        (see [Note: optimizer state stores]). Units with 8-bit moments keep the master in
+        their chunk records."""
+        return param_on_disk and itemsize == _F32 and not self.quantized(unit_numel)
+
+    def extent_bytes(self, unit_numel: int, shard: int, with_master: bool = True) -> int:
+        """Bytes of the unit's optim extent: three fp32 regions (two when the master is in
+        the parameter file), or the chunk records."""
         if not self.quantized(unit_numel):
-            return 3 * round_up(shard * _F32)
+            return (3 if with_master else 2) * round_up(shard * _F32)
         return sum(round_up(record_bytes(c1 - c0)) for c0, c1 in self.chunks(unit_numel, shard))
 
     def touched_bytes(self, unit_numel: int, shard: int) -> int:
@@ -228,11 +245,23 @@ class ResidentStore:
         return f32 + sum(q.nbytes() for q in self.q8.values())
 
 
-def _optim_offsets(swap, unit, c0: int) -> list[int]:
-    """File offsets of element ``c0`` in the unit's master, exp_avg and exp_avg_sq regions."""
+def master_in_param_file(layout: OptimLayout, unit) -> bool:
+    """Whether ``unit``'s fp32 master is read from and written to its parameter extent."""
+    itemsize = torch.finfo(unit.dtype).bits // 8
+    return layout.master_in_param_file(unit.numel, unit.param_extent is not None, itemsize)
+
+
+def _fp32_locations(swap, layout: OptimLayout, unit, c0: int) -> list[tuple[object, int]]:
+    """(file, offset) of element ``c0`` of the unit's master, exp_avg and exp_avg_sq."""
+    optim = swap.files["optim"]
     base = swap.extent("optim", unit.index).offset
     region = round_up(unit.shard_numel * _F32)
-    return [base + k * region + c0 * _F32 for k in range(3)]
+    if master_in_param_file(layout, unit):
+        p = unit.param_extent
+        return [(p.file, p.offset + c0 * _F32)] + [
+            (optim, base + k * region + c0 * _F32) for k in range(2)
+        ]
+    return [(optim, base + k * region + c0 * _F32) for k in range(3)]
 
 
 def _record_offset(swap, layout: OptimLayout, unit, c0: int) -> int:
@@ -258,8 +287,9 @@ def _record_views(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, Q8Moments]:
 
 
 def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
-    """At construction: the unit's fp32 master and zero moments go to the optim swap file;
-    the unit keeps no fp32 master in memory from then on."""
+    """At construction: the unit's fp32 master (unless the parameter file holds it) and
+    zero moments go to the optim swap file; the unit keeps no fp32 master in memory from
+    then on."""
     f = swap.files["optim"]
     q8 = layout.quantized(unit.numel)
     for c0, c1 in layout.chunks(unit.numel, unit.shard_numel):
@@ -277,13 +307,15 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
         held = staging.acquire(nbytes)
         buf = held[:nbytes]
         f32 = buf.view(torch.float32)
+        locations = _fp32_locations(swap, layout, unit, c0)
+        if not master_in_param_file(layout, unit):
+            f32.zero_()
+            f32[: c1 - c0].copy_(unit.master[c0:c1])
+            file, off = locations[0]
+            file.write(buf, off).wait()
         f32.zero_()
-        f32[: c1 - c0].copy_(unit.master[c0:c1])
-        master_off, m_off, v_off = _optim_offsets(swap, unit, c0)
-        f.write(buf, master_off).wait()
-        f32.zero_()
-        f.write(buf, m_off).wait()
-        f.write(buf, v_off).wait()
+        for file, off in locations[1:]:
+            file.write(buf, off).wait()
         staging.release(held)
     unit.master = None
 
@@ -299,8 +331,10 @@ class NvmeStore:
     def _q8(self, unit) -> bool:
         return self.layout.quantized(unit.numel)
 
-    def _offsets(self, unit, c0: int) -> list[int]:
-        return _optim_offsets(self.swap, unit, c0)
+    def master_in_param_file(self, unit) -> bool:
+        """Whether the step reads and writes ``unit``'s master in its parameter extent (so
+        the new parameters need no separate write)."""
+        return master_in_param_file(self.layout, unit)
 
     def chunks(self, unit):
         return self.layout.chunks(unit.numel, unit.shard_numel)
@@ -309,14 +343,18 @@ class NvmeStore:
         return self.swap.files["optim"]
 
     def _pieces(self, unit, c0: int, c1: int, buf: torch.Tensor) -> list:
-        """(part of ``buf``, file offset) for each region of the chunk's optimizer state;
-        the state takes the first bytes of ``buf``."""
+        """(part of ``buf``, file, offset) for each region of the chunk's optimizer state;
+        the state takes the first bytes of ``buf``. A master in the parameter file (buffered
+        I/O) moves exactly its bytes: the rest of that page belongs to the next extent's."""
         if self._q8(unit):
             nbytes = round_up(record_bytes(c1 - c0))
-            return [(buf[:nbytes], _record_offset(self.swap, self.layout, unit, c0))]
+            return [(buf[:nbytes], self._file(), _record_offset(self.swap, self.layout, unit, c0))]
         nbytes = round_up((c1 - c0) * _F32)
-        offs = self._offsets(unit, c0)
-        return [(buf[k * nbytes : (k + 1) * nbytes], offs[k]) for k in range(3)]
+        out = []
+        for k, (file, off) in enumerate(_fp32_locations(self.swap, self.layout, unit, c0)):
+            size = (c1 - c0) * _F32 if file is not self._file() else nbytes
+            out.append((buf[k * nbytes : k * nbytes + size], file, off))
+        return out
 
     # ----------------------------------------------------------------------- the step
     def _start(self, item):
@@ -329,7 +367,7 @@ class NvmeStore:
             state_bytes = 3 * round_up(n * _F32)
         buf = self.staging.acquire(state_bytes + (n * _F32 if grad_disk else 0))
         pieces = self._pieces(unit, c0, c1, buf)
-        handles = [self._file().read(part, off) for part, off in pieces]
+        handles = [file.read(part, off) for part, file, off in pieces]
         self.bytes_read += state_bytes
         if grad_disk:
             g = unit.grad_extent
@@ -373,8 +411,10 @@ class NvmeStore:
                 stride = state_bytes // 3 // _F32
                 master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
                 update(unit, c0, c1, master, m, v, grad)
-            hs = [self._file().write(part, off) for part, off in pieces]
+            hs = [file.write(part, off) for part, file, off in pieces]
             self.bytes_written += state_bytes
+            if unit.param_extent is not None and pieces[0][1] is unit.param_extent.file:
+                unit.param_file_writes.extend(hs[:1])  # a gather must wait for it
             writes.append((hs, buf))
             while len(writes) > 1:
                 yield from self._pending(writes[0][0])
@@ -409,8 +449,8 @@ class NvmeStore:
             q8 = Q8Moments.zeros(n, "cpu")
             for c0, c1 in self.chunks(unit):
                 held = self.staging.acquire(round_up(record_bytes(c1 - c0)))
-                for part, off in self._pieces(unit, c0, c1, held):
-                    self._file().read(part, off).wait()
+                for part, file, off in self._pieces(unit, c0, c1, held):
+                    file.read(part, off).wait()
                 m, q = _record_views(held, c1 - c0)
                 master[c0:c1].copy_(m)
                 q8.slice(c0, c1).copy_(q)
@@ -421,8 +461,8 @@ class NvmeStore:
             nbytes = round_up((c1 - c0) * _F32)
             held = self.staging.acquire(nbytes)
             buf = held[:nbytes]
-            for key, off in zip(out, self._offsets(unit, c0)):
-                self._file().read(buf, off).wait()
+            for key, (file, off) in zip(out, _fp32_locations(self.swap, self.layout, unit, c0)):
+                file.read(buf, off).wait()
                 out[key][c0:c1].copy_(buf.view(torch.float32)[: c1 - c0])
             self.staging.release(held)
         return out
@@ -438,12 +478,13 @@ class NvmeStore:
             held = self.staging.acquire(nbytes)
             buf = held[:nbytes]
             f32 = buf.view(torch.float32)
-            for key, off in zip(keys, self._offsets(unit, c0)):
+            for key, (file, off) in zip(keys, _fp32_locations(self.swap, self.layout, unit, c0)):
                 if key not in state:
                     continue
                 f32.zero_()
                 f32[: c1 - c0].copy_(state[key].reshape(-1)[c0:c1])
-                self._file().write(buf, off).wait()
+                part = buf if file is self._file() else buf[: (c1 - c0) * _F32]
+                file.write(part, off).wait()
             self.staging.release(held)
 
     def _write_records(self, unit, state: dict[str, torch.Tensor]) -> None:
@@ -453,7 +494,7 @@ class NvmeStore:
         flat = {k: v.reshape(-1) for k, v in state.items()}
         for c0, c1 in self.chunks(unit):
             held = self.staging.acquire(round_up(record_bytes(c1 - c0)))
-            ((part, off),) = self._pieces(unit, c0, c1, held)
+            ((part, _, off),) = self._pieces(unit, c0, c1, held)
             self._file().read(part, off).wait()
             master, q8 = _record_views(held, c1 - c0)
             if "master" in flat:

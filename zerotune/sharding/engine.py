@@ -274,7 +274,13 @@ class ZeroEngine(nn.Module):
             self.pool.release(buf)
 
     def lowp_target(self, unit: Unit) -> torch.Tensor | None:
-        """The compute-dtype shard the optimizer refreshes (None: it is the master itself)."""
+        """The compute-dtype shard the optimizer refreshes (None: it is the master itself,
+        in memory or, with fp32 compute and both tiers on NVMe, in the parameter file)."""
+        store = getattr(getattr(self, "optimizer", None), "store", None)
+        if getattr(store, "master_in_param_file", None) is not None and (
+            store.master_in_param_file(unit)
+        ):
+            return None
         if unit.param_extent is not None:
             buf = self._lowp_buffers.get(unit.index)
             if buf is None:
@@ -287,7 +293,7 @@ class ZeroEngine(nn.Module):
         return unit.shard
 
     def lowp_done(self, unit: Unit, target: torch.Tensor | None) -> None:
-        if unit.param_extent is not None:
+        if target is not None and unit.param_extent is not None:
             self._lowp_buffers.pop(unit.index)
             unit.store_shard(target, give_back=self.pool.release)
 

@@ -13,11 +13,11 @@ and the config, so that ``zerotune estimate`` and the engine cannot disagree:
   (``padded * itemsize``) are at most ``persistence_threshold``.
 * swap files (NVMe): per unit, a param extent (compute-dtype shard) for non-persistent units
   with ``offload_param="nvme"``; an optim extent of three 4 KiB-rounded fp32 regions (master,
-  exp_avg, exp_avg_sq) for trainable units with ``offload_optimizer="nvme"`` (with 8-bit
-  moments, chunk records of about 6 bytes per element: ``OptimLayout`` in
-  optim/state_store.py); fp32 gradient extents when the gradient shards exceed
-  ``grad_host_bytes``. Staging slots hold one chunk of each streamed kind (see [Note:
-  optimizer state stores] in optim/state_store.py).
+  exp_avg, exp_avg_sq; two when fp32 compute keeps the master in the param extent) for
+  trainable units with ``offload_optimizer="nvme"`` (with 8-bit moments, chunk records of
+  about 6 bytes per element: ``OptimLayout`` in optim/state_store.py); fp32 gradient extents
+  when the gradient shards exceed ``grad_host_bytes``. Staging slots hold one chunk of each
+  streamed kind (see [Note: optimizer state stores] in optim/state_store.py).
 * optimizer state per unit: two fp32 moments, or with ``optim_state_bits=8`` for units of
   at least 4096 elements two uint8 moments and their absmax values (``quant8.state_bytes``).
 * resident bytes per rank (``resident_bytes``): what ``Unit.memory_bytes`` and the
@@ -237,10 +237,13 @@ def plan_swap(units: list[UnitPlan], config: ZeroConfig, world: int) -> SwapPlan
         grads_on_disk = grad_bytes > config.grad_host_bytes
     layout = OptimLayout.plan(config.staging_bytes, grads_on_disk, config.optim_state_bits)
     for u in units:
-        if config.offload_param == "nvme" and not u.persistent and u.numel:
+        param_on_disk = config.offload_param == "nvme" and not u.persistent and u.numel > 0
+        if param_on_disk:
             plan.sizes["param"][u.index] = u.shard * itemsize
         if config.offload_optimizer == "nvme" and u.trainable:
-            plan.sizes["optim"][u.index] = layout.extent_bytes(u.numel, u.shard)
+            # With fp32 compute the parameter extent holds the master (state_store.py).
+            shared = layout.master_in_param_file(u.numel, param_on_disk, itemsize)
+            plan.sizes["optim"][u.index] = layout.extent_bytes(u.numel, u.shard, not shared)
     plan.grads_on_disk = grads_on_disk
     if grads_on_disk:
         plan.sizes["grad"] = {u.index: u.shard * _F32 for u in units if u.trainable}

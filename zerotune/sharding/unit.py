@@ -140,6 +140,9 @@ class Unit:
         self._read = None  # (handle, staging tensor or None) of a parameter read in flight
         self._lent = None  # the GatherCache buffer behind flat's storage while gathered
         self._pending_writes: list = []  # this unit's entries of pool.writes
+        # The optimizer store's writes of the fp32 master into param_extent (the parameter
+        # file holds the master with fp32 compute; optim/state_store.py): gathers wait.
+        self.param_file_writes: list = []
         if persistent:
             self._point_params(self.full)
             self.state = UnitState.GATHERED
@@ -219,6 +222,9 @@ class Unit:
         for entry in self._pending_writes:
             self.pool.writes.finish(entry)
         self._pending_writes.clear()
+        for handle in self.param_file_writes:
+            handle.wait()
+        self.param_file_writes.clear()
 
     def offload_params(self, extent) -> None:
         """Keep this rank's compute-dtype shard in ``extent`` (NVMe) instead of memory."""
