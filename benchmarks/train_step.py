@@ -115,6 +115,8 @@ def run_variant(args: argparse.Namespace) -> dict:
             model.train()
         opt = zerotune.ZeroAdamW(runner, lr=1e-5)
     io = psutil.Process().io_counters
+    cached0 = _page_cache_bytes()
+    cached_peak = 0
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
     times = {"forward": [], "backward": [], "optimizer": [], "total": []}
     losses, read, written = [], [], []
@@ -133,6 +135,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         opt.zero_grad()
         t3 = time.perf_counter()
         after = io()
+        cached_peak = max(cached_peak, _page_cache_bytes() - cached0)
         losses.append(float(loss.detach()))
         if step >= args.warmup:
             for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
@@ -144,10 +147,29 @@ def run_variant(args: argparse.Namespace) -> dict:
     result["losses"] = losses
     result["read_bytes_per_step"] = statistics.median(read)
     result["written_bytes_per_step"] = statistics.median(written)
+    # The machine's page cache grew by this much while the variant ran (swap files written
+    # with buffered I/O stay there until the kernel needs the room: not process RSS, but
+    # RAM in use while there is RAM to spare).
+    result["page_cache_growth_gib"] = cached_peak / 2**30
     if args.variant != "plain":
         result["memory_report"] = runner.memory_report()
+        if runner.swap is not None:
+            files = runner.swap.files
+            result["buffered_swap_gib"] = (
+                sum(f.size for k, f in files.items() if not f.direct) / 2**30
+            )
         runner.close()
     return result
+
+
+def _page_cache_bytes() -> int:
+    """Cached + Buffers of /proc/meminfo (the whole machine's page cache)."""
+    total = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(("Cached:", "Buffers:")):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 def main() -> None:
@@ -200,6 +222,13 @@ def main() -> None:
             f"written {zt['written_bytes_per_step'] / gb:.2f} GB, "
             f"{moved / gb / zt['total']:.2f} GB/s averaged over the step"
         )
+        print(
+            f"zerotune buffered swap files (parameters, gradients) {zt['buffered_swap_gib']:.2f}"
+            f" GiB; page cache grew by {zt['page_cache_growth_gib']:.2f} GiB at most"
+        )
+    report = zt.get("memory_report", {})
+    mib = {k: round(v / 2**20) for k, v in report.items() if isinstance(v, int) and v >= 2**20}
+    print(f"zerotune memory report at the end (MiB): {mib}")
     summary = {
         "model": args.model,
         "stage": args.stage,
@@ -212,7 +241,10 @@ def main() -> None:
         "read_gb_per_step": round(zt["read_bytes_per_step"] / gb, 3),
         "written_gb_per_step": round(zt["written_bytes_per_step"] / gb, 3),
         "io_gbps": round(moved / gb / zt["total"], 3),
+        "page_cache_growth_gib": round(zt["page_cache_growth_gib"], 3),
     }
+    if "buffered_swap_gib" in zt:
+        summary["buffered_swap_gib"] = round(zt["buffered_swap_gib"], 3)
     for other, key in (
         ("zerotune-fp32-states", "nvme_bytes_ratio"),
         ("zerotune-kept-checkpoints", "moved_bytes_ratio"),

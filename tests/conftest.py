@@ -37,55 +37,106 @@ def _plain(obj):
     return obj
 
 
-def _worker(rank, world, port, fn, args, queue):
+def _pool_worker(rank, world, tasks, results):
+    """One rank of a pool: runs task after task, each in its own gloo process group, so a
+    test pays the ~8 s import of torch + transformers once per session, not per call."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = fn(rank, world, *args)
-        queue.put((rank, "ok", _plain(result)))
-    except BaseException:  # noqa: BLE001 - the parent re-raises with the traceback
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        port, fn, args, env, cwd = task
+        # Each task sees the caller's environment and folder as they are now (a fresh
+        # process would have), one thread and the default dtype.
+        os.environ.clear()
+        os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.chdir(cwd)
+        torch.set_num_threads(1)
+        torch.set_default_dtype(torch.float32)
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+            result = fn(rank, world, *args)
+            results.put((rank, "ok", _plain(result)))
+        except BaseException:  # noqa: BLE001 - the parent re-raises with the traceback
+            results.put((rank, "error", traceback.format_exc()))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class _RankPool:
+    """``world`` spawned rank processes kept for the session (see ``run_world``)."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.procs = [
+            ctx.Process(target=_pool_worker, args=(r, world, self.tasks[r], self.results))
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.daemon = True
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, args, timeout: float) -> list:
+        port = _free_port()
+        for q in self.tasks:
+            q.put((port, fn, args, dict(os.environ), os.getcwd()))
+        results: dict[int, object] = {}
+        for _ in range(self.world):
+            rank, status, payload = self.results.get(timeout=timeout)
+            if status != "ok":
+                raise AssertionError(f"rank {rank}:\n{payload}")
+            results[rank] = payload
+        return [results[r] for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.tasks:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_POOLS: dict[int, _RankPool] = {}
 
 
 def run_world(world: int, fn, *args, timeout: float = 300.0) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return each rank's result.
 
-    World 1 runs in this process, without a process group.
+    World 1 runs in this process, without a process group. Larger worlds run on a pool of
+    rank processes kept for the session; a failed or timed-out call discards its pool (the
+    other ranks may be stuck in a collective), and the next call starts a new one.
     """
     if world == 1:
         return [_plain(fn(0, 1, *args))]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    errors = []
+    pool = _POOLS.get(world)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(kill=True)
+        pool = _POOLS[world] = _RankPool(world)
     try:
-        for _ in range(world):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=5 if errors else 30)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world)]
+        return pool.run(fn, args, timeout)
+    except BaseException:
+        _POOLS.pop(world, None)
+        pool.close(kill=True)
+        raise
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_rank_pools():
+    yield
+    while _POOLS:
+        _POOLS.popitem()[1].close()
 
 
 def tiny_gpt2(seed: int = 0, layers: int = 2, tie: bool = True, **overrides):
