@@ -403,3 +403,37 @@ def test_fp32_master_lives_in_the_parameter_file(dtype, tmp_path):
         want = master[: u.numel] if dtype == "fp32" else master[: u.numel].bfloat16().float()
         assert torch.equal(flat, want), u.name
     engine.close()
+
+
+def test_host_pool_keeps_only_buffers_that_recur(tmp_path):
+    """With offload the reduce/copy pool keeps, for reuse, the gradient buffers of the sizes
+    several units share (the blocks), as many as NVMe writes can keep busy; a size one unit
+    has (the embedding's gradient) is given back after use instead of staying resident."""
+    import torch
+    from conftest import tiny_gpt2
+
+    import zerotune
+
+    config = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
+              "nvme_path": str(tmp_path), "grad_host_bytes": 0}  # fmt: skip
+    engine = zerotune.shard(tiny_gpt2(seed=0, layers=4), config)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    pool = engine.pool
+    sizes = [u.padded_numel * 4 for u in engine.units if u.trainable and u.numel]
+    assert pool.keep_sizes == {n for n in sizes if sizes.count(n) >= 2}  # the blocks
+    one_off = [n for n in sizes if sizes.count(n) == 1]
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    made = []
+    for _ in range(3):
+        before = pool.allocations
+        engine(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        made.append(pool.allocations - before)
+        assert pool.in_use_bytes == 0
+        assert pool.allocated_bytes == pool.free_bytes
+        kept = [n * 4 for (n, dtype), bufs in pool._free.items() for _ in bufs]
+        assert set(kept) <= pool.keep_sizes and len(kept) <= pool.writes.limit + 1, kept
+    # After the first step only the one-off sizes are made again, once each a step; the
+    # block-sized buffers are all reused.
+    assert made[1] == made[2] == len(one_off), (made, one_off)
+    engine.close()

@@ -327,9 +327,16 @@ def _working_buffers(
     for u in units:
         if u.persistent and world > 1 and u.numel:
             need(u.shard, e)  # refresh: the updated shard, all-gathered
-        if u.index in param_disk:
+        shared_master = (
+            u.index in param_disk
+            and u.index in swap.sizes.get("optim", {})
+            and swap.layout.master_in_param_file(u.numel, True, e)
+        )
+        if u.index in param_disk and not shared_master:
+            # Updated shards on their way to NVMe (none when the parameter file holds the
+            # fp32 master: the step writes it there itself).
             count = min(_buffers_writing(u.shard * e), same(lambda v, n=u.shard: v.shard == n))
-            need(u.shard, e, count)  # updated shards on their way to NVMe
+            need(u.shard, e, count)
     pool = sum(n * size * count for (n, size), count in keys.items())
     if pool:
         out["pool"] = {"device": pool}

@@ -129,6 +129,13 @@ class BufferPool:
         self.writes = WriteQueue()  # NVMe writes of gradient and parameter shards in flight
         self.allocations = 0  # buffers created since the pool was made
         self.allocated_bytes = 0  # bytes owned by the pool (free or lent out)
+        # Sizes (in bytes) of the buffers kept for reuse once released (None: all of them,
+        # for the run); a buffer of another size is dropped. With offload the engine keeps
+        # only the sizes several units share (the blocks), so that a size one unit uses
+        # once a step (an embedding's gradient) does not stay resident through the whole
+        # step (see ZeroEngine.__init__ and plan.recurring_sizes).
+        self.keep_sizes: set[int] | None = None
+        self.free_bytes = 0
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
 
@@ -138,6 +145,7 @@ class BufferPool:
         reused = bool(free)
         if reused:
             buf = free.pop()
+            self.free_bytes -= buf.numel() * buf.element_size()
         elif self.device.type == "cpu" and not self.pin:
             # 4 KiB aligned: these buffers also carry NVMe reads and writes.
             from .aio import aligned_empty
@@ -153,5 +161,10 @@ class BufferPool:
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
-        self.in_use_bytes -= buf.numel() * buf.element_size()
+        nbytes = buf.numel() * buf.element_size()
+        self.in_use_bytes -= nbytes
+        if self.keep_sizes is not None and nbytes not in self.keep_sizes:
+            self.allocated_bytes -= nbytes  # dropped: its memory goes back
+            return
+        self.free_bytes += nbytes
         self._free[(buf.numel(), buf.dtype)].append(buf)

@@ -29,6 +29,7 @@ from .plan import (
     assign_params,
     gather_cache_bytes,
     plan_swap,
+    recurring_sizes,
     size_unit,
     unit_deps,
 )
@@ -132,6 +133,13 @@ class ZeroEngine(nn.Module):
                 ],
                 self.prefetcher.budget,
             )
+        if self.device.type == "cpu" and (
+            config.offload_param != "none" or config.offload_optimizer != "none"
+        ):
+            live = [u for u in self.units if u.trainable and u.numel]
+            self.pool.keep_sizes = recurring_sizes([u.padded_numel * 4 for u in live])
+            if self.world > 1:
+                self.pool.keep_sizes |= recurring_sizes([u.shard_numel * 4 for u in live])
         self._sync = True
         self._overlap = None  # the optimizer's overlapped step, during its backward
         self._final_callback_queued = False

@@ -324,8 +324,23 @@ def gather_cache_bytes(gathered_sizes: list[int], prefetch_bytes: int) -> int:
     gathered), whichever is larger, and never more than all those units together. A size
     only one unit has (an embedding) is not kept for its own sake: its buffer would stay
     resident through the whole step for one reuse."""
-    counts: dict[int, int] = {}
-    for n in gathered_sizes:
-        counts[n] = counts.get(n, 0) + 1
-    recurring = max((n for n, c in counts.items() if c >= 2), default=0)
+    recurring = _recurring_max(gathered_sizes)
     return min(max(prefetch_bytes, 2 * recurring), sum(gathered_sizes))
+
+
+def _recurring_max(sizes: list[int]) -> int:
+    """The largest size that at least two entries share (0 if none)."""
+    return max(recurring_sizes(sizes), default=0)
+
+
+def recurring_sizes(sizes: list[int]) -> set[int]:
+    """The sizes that at least two entries share. A host pool with offload keeps released
+    buffers of these sizes only (memory/pool.py BufferPool.keep_sizes, given the trainable
+    units' fp32 gradient and, at world size > 1, shard sizes): the blocks of a transformer
+    reuse theirs step after step (as many as can be busy at once: the NVMe writes in flight
+    plus the one filling), while a size only one unit has (an embedding's gradient) is
+    given back after use rather than held through the whole step."""
+    counts: dict[int, int] = {}
+    for n in sizes:
+        counts[n] = counts.get(n, 0) + 1
+    return {n for n, c in counts.items() if c >= 2}
