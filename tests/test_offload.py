@@ -215,8 +215,24 @@ def test_lend_storage_points_views_at_the_lent_buffer():
     assert cache.allocations == 2 and cache.kept_bytes == 32 and cache.peak_kept_bytes == 32
 
 
-def test_nvme_gathers_reuse_buffers_after_the_first_step(tmp_path):
+def _made_per_step(engine, opt, allocations, check=None) -> list[int]:
+    """How much ``allocations()`` grew during each of three steps of a tiny GPT-2 batch
+    (``check()`` runs after each step)."""
     import torch
+
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    made = []
+    for _ in range(3):
+        before = allocations()
+        engine(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        made.append(allocations() - before)
+        if check is not None:
+            check()
+    return made
+
+
+def test_nvme_gathers_reuse_buffers_after_the_first_step(tmp_path):
     from conftest import tiny_gpt2
 
     import zerotune
@@ -235,13 +251,7 @@ def test_nvme_gathers_reuse_buffers_after_the_first_step(tmp_path):
         == gather_cache_bytes(sizes, 0)
         == 2 * max(n for n in sizes if sizes.count(n) >= 2)
     )
-    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
-    made = []
-    for _ in range(3):
-        before = cache.allocations
-        engine(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        made.append(cache.allocations - before)
+    made = _made_per_step(engine, opt, lambda: cache.allocations)
     # The first step allocates each buffer the units need at once; then every gather reuses
     # a kept one (here two block-sized buffers hold whatever is released, the embeddings and
     # the final norm being smaller than a block).
@@ -409,7 +419,6 @@ def test_host_pool_keeps_only_buffers_that_recur(tmp_path):
     """With offload the reduce/copy pool keeps, for reuse, the gradient buffers of the sizes
     several units share (the blocks), as many as NVMe writes can keep busy; a size one unit
     has (the embedding's gradient) is given back after use instead of staying resident."""
-    import torch
     from conftest import tiny_gpt2
 
     import zerotune
@@ -422,17 +431,14 @@ def test_host_pool_keeps_only_buffers_that_recur(tmp_path):
     sizes = [u.padded_numel * 4 for u in engine.units if u.trainable and u.numel]
     assert pool.keep_sizes == {n for n in sizes if sizes.count(n) >= 2}  # the blocks
     one_off = [n for n in sizes if sizes.count(n) == 1]
-    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
-    made = []
-    for _ in range(3):
-        before = pool.allocations
-        engine(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        made.append(pool.allocations - before)
+
+    def check():
         assert pool.in_use_bytes == 0
         assert pool.allocated_bytes == pool.free_bytes
         kept = [n * 4 for (n, dtype), bufs in pool._free.items() for _ in bufs]
         assert set(kept) <= pool.keep_sizes and len(kept) <= pool.writes.limit + 1, kept
+
+    made = _made_per_step(engine, opt, lambda: pool.allocations, check)
     # After the first step only the one-off sizes are made again, once each a step; the
     # block-sized buffers are all reused.
     assert made[1] == made[2] == len(one_off), (made, one_off)
