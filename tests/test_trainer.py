@@ -77,6 +77,48 @@ def test_same_losses_as_plain_trainer(reference, tmp_path, zero):
     trainer.close()
 
 
+def test_without_clipping_nvme_steps_overlap_backward(tmp_path):
+    """With the optimizer state on NVMe and no clipping, the last backward of each step runs
+    inside ``optimizer.overlapped()`` (units updated as their gradients become final): the
+    same logged losses, gradient norms (summed as the updates read the gradients) and
+    weights as the plain Trainer with ``max_grad_norm=0``."""
+    from zerotune.optim import zero_adam
+
+    plain = plain_run(str(tmp_path / "plain"), max_grad_norm=0.0)
+    (tmp_path / "nvme").mkdir()
+    launched = []
+    original = zero_adam._OverlappedStep.launch
+
+    def counting(self, unit):
+        launched.append(unit.index)
+        return original(self, unit)
+
+    zero_adam._OverlappedStep.launch = counting
+    try:
+        trainer = zero_run(str(tmp_path / "out"), max_grad_norm=0.0, zero_stage=3,
+                           offload_param="nvme", offload_optimizer="nvme",
+                           nvme_path=str(tmp_path / "nvme"))  # fmt: skip
+    finally:
+        zero_adam._OverlappedStep.launch = original
+    assert trainer.overlap_step
+    # Every step updated units during backward (all but the tied embedding, final last).
+    assert len(launched) >= COMMON["max_steps"] * (len(trainer.engine.units) - 3), launched
+    torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
+    torch.testing.assert_close(logged(trainer, "grad_norm"), logged(plain, "grad_norm"),
+                               rtol=1e-4, atol=0)  # fmt: skip
+    weights = trainer.engine.full_state_dict()
+    for name, ref in plain.model.named_parameters():
+        torch.testing.assert_close(weights[name], ref.detach(), rtol=RTOL, atol=RTOL, msg=name)
+    trainer.close()
+    # Clipping (the default) keeps the sequential step.
+    args = ZeroTrainingArguments(output_dir=str(tmp_path / "x"), zero_stage=3,
+                                 offload_optimizer="nvme", nvme_path=str(tmp_path / "nvme"),
+                                 use_cpu=True, report_to="none")  # fmt: skip
+    clipped = ZeroTrainer(model=model(), args=args, train_dataset=dataset())
+    assert not clipped.overlap_step
+    clipped.close()
+
+
 def test_config_and_pretrained_folder_models(reference, tmp_path):
     """A folder (streamed into the shards) trains like the module it was saved from; a config
     is zero-initialized (its own seed-per-unit init, so only its loss is checked)."""

@@ -15,6 +15,12 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
   The optimizer is marked as prepared, so accelerate's wrapper (which round-trips the state
   dict to move it to the device) leaves it alone; it reports skipped fp16 steps itself.
 - ``_clip_grad_norm`` / ``_get_grad_norm`` use the optimizer's global-norm clipping.
+- ``training_step``: with the optimizer state on NVMe and no clipping (``--max_grad_norm
+  0``, no fp16, stage 2-3; ``overlap_step``), the last micro-batch of each step runs its
+  backward inside ``optimizer.overlapped(track_norm=True)``: units are updated while
+  backward goes on, and ``_get_grad_norm`` returns a 0-dim tensor that ``step()`` fills
+  with the norm summed from the gradients the updates read (the Trainer logs it after the
+  step, with ``.item()``).
 - Gradients are averaged over ranks, like DDP's, so ``average_tokens_across_devices`` (which
   scales each rank's loss by the world size) gives DDP's numbers.
 - fp16: the engine's loss scaler multiplies the loss before accelerate's ``backward`` (a
@@ -213,6 +219,9 @@ class ZeroTrainer(Trainer):
         return self.optimizer.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        pending = self.optimizer.pending_grad_norm
+        if grad_norm is None and pending is not None:
+            return pending  # an overlapped step: step() fills it in, before it is logged
         if grad_norm is None:
             grad_norm = self.optimizer.clip_grad_norm_(float("inf"))  # the norm, no clipping
         return float(grad_norm)
@@ -221,7 +230,25 @@ class ZeroTrainer(Trainer):
         ids = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
         if isinstance(ids, torch.Tensor) and self._batch_shape is None:
             self._batch_shape = tuple(ids.shape)  # for check_estimate's activation term
+        if self.accelerator.sync_gradients and self.overlap_step:
+            # The last micro-batch of a step: update units during its backward.
+            with self.optimizer.overlapped(track_norm=True):
+                return super().training_step(model, inputs, *args, **kwargs)
         return super().training_step(model, inputs, *args, **kwargs)
+
+    @property
+    def overlap_step(self) -> bool:
+        """Whether the optimizer step overlaps the last backward of each step (see [Note:
+        overlapped step] in optim/zero_adam.py): with the optimizer state on NVMe, where the
+        step is mostly disk traffic, when nothing needs every gradient before the first
+        update (no clipping: ``--max_grad_norm 0``; no fp16 loss scaling; stage 2 or 3)."""
+        engine = self.engine
+        return (
+            engine.config.offload_optimizer == "nvme"
+            and engine.config.stage >= 2
+            and engine.scaler is None
+            and not (self.args.max_grad_norm or 0) > 0
+        )
 
     def check_memory_estimate(self) -> list[str]:
         """Compare this rank's measured peaks (host: peak RSS added since the engine was

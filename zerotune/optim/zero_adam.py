@@ -141,6 +141,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._factor = 1.0  # applied to gradients in the update: 1/loss scale * clip coef
         self._grad_norm: float | None = None
         self._overlap: _OverlappedStep | None = None  # see [Note: overlapped step]
+        # With overlapped(track_norm=True): this rank's sum of grad**2, added chunk by chunk
+        # as the updates read the gradients, and the norm step() fills in.
+        self._norm_sq: torch.Tensor | None = None
+        self.pending_grad_norm: torch.Tensor | None = None
         engine.optimizer = self
 
     @staticmethod
@@ -205,11 +209,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._sum_sq = sq
 
     @contextlib.contextmanager
-    def overlapped(self):
+    def overlapped(self, track_norm: bool = False):
         """Run the last backward of a step inside: each unit is updated as soon as its
         gradient is final, overlapping the optimizer's I/O with the rest of backward; then
         call ``step()`` as usual (see [Note: overlapped step]). Not with clipping, fp16 or
-        stage 1, nor inside ``no_sync()``."""
+        stage 1, nor inside ``no_sync()``. With ``track_norm`` the global gradient norm is
+        summed from the chunks the updates read: ``pending_grad_norm`` is a 0-dim tensor
+        that ``step()`` fills (and ``StepInfo.grad_norm``)."""
         engine = self.engine
         if engine.scaler is not None:
             raise RuntimeError(
@@ -227,6 +233,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self._overlap is not None or engine._overlap is not None:
             raise RuntimeError("overlapped(): call step() before the next overlapped backward")
         self._factor = 1.0
+        if track_norm:
+            self._norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
+            self.pending_grad_norm = torch.zeros(())
         self._overlap = engine._overlap = _OverlappedStep(self)
         try:
             yield
@@ -281,7 +290,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             items = [(u, c0, c1) for u in units for c0, c1 in self.store.chunks(u)]
             if items:
                 self.store.run(items, self._update_chunk)
+            if self._norm_sq is not None:
+                zdist.all_reduce_sum(self._norm_sq, self.engine.group)
+                info.grad_norm = float(self._norm_sq.sqrt())
+                self.pending_grad_norm.fill_(info.grad_norm)
             self.engine.after_step()
+        self._norm_sq = None
+        self.pending_grad_norm = None
         if scaler is not None:
             scaler.update(self._overflow)
         self._prepared = False
@@ -293,6 +308,12 @@ class ZeroAdamW(torch.optim.Optimizer):
     def _update_chunk(self, unit, c0, c1, master, m, v, grad) -> None:
         if self._factor != 1.0:
             grad.mul_(self._factor)
+        if self._norm_sq is not None:
+            for seg in self._unit_segments[unit.index]:
+                a, b = max(seg.start, c0), min(seg.end, c1)
+                if a < b:
+                    g = grad[a - c0 : b - c0].float()
+                    self._norm_sq += torch.dot(g, g)
         target = self.engine.lowp_target(unit)  # compute-dtype shard to refresh, or None
         fused = target is not None and target.dtype != torch.float32 and unit.param_extent is None
         for seg in self._unit_segments[unit.index]:
