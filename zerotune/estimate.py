@@ -71,6 +71,7 @@ from .sharding.plan import (
     gather_cache_bytes,
     plan_swap,
     plan_units,
+    recurring_sizes,
     resident_bytes,
     size_unit,
 )
@@ -337,7 +338,20 @@ def _working_buffers(
             # fp32 master: the step writes it there itself).
             count = min(_buffers_writing(u.shard * e), same(lambda v, n=u.shard: v.shard == n))
             need(u.shard, e, count)
-    pool = sum(n * size * count for (n, size), count in keys.items())
+    held = {(n, size): n * size * count for (n, size), count in keys.items()}
+    if device == "cpu" and (config.offload_param != "none" or config.offload_optimizer != "none"):
+        # The engine's host pool keeps only the sizes several units share (ZeroEngine and
+        # plan.recurring_sizes); a one-off size (an embedding's gradient) exists only while
+        # in use, so at most the largest of them adds to the kept ones.
+        live = [u for u in units if u.trainable and u.numel]
+        kept = recurring_sizes([u.padded * _F32 for u in live])
+        if world > 1:
+            kept |= recurring_sizes([u.shard * _F32 for u in live])
+        transient = [b for (n, size), b in held.items() if n * size not in kept]
+        pool = sum(b for (n, size), b in held.items() if n * size in kept)
+        pool += max(transient, default=0)
+    else:
+        pool = sum(held.values())
     if pool:
         out["pool"] = {"device": pool}
 
