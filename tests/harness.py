@@ -14,6 +14,7 @@ STEPS = 10
 LR = 2e-3
 WD = 0.1
 MAX_NORM = 0.5
+FIXED = torch.arange(32).reshape(2, 16) * 7 % 96  # input ids the saved models are run on
 
 
 def build(model_name: str):
@@ -161,3 +162,24 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+def train_and_save(rank, world, tmp, steps: int, config: dict):
+    """Tiny GPT-2 sharded with ``config``, ``steps`` steps over ``world`` ranks; then a
+    checkpoint at ``tmp/ckpt``, a live ``save_hf`` at ``tmp/live``. Returns the engine and
+    what to compare with the saved copies: whole weights and logits on ``FIXED``."""
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    engine = zerotune.shard(model, config)
+    opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
+    per = GLOBAL_BATCH // world
+    for ids in batches("gpt2", steps):
+        engine.backward(loss_of(engine, ids[rank * per : (rank + 1) * per]))
+        opt.step()
+    zerotune.save_checkpoint(engine, f"{tmp}/ckpt", step=steps)
+    zerotune.save_hf(engine, f"{tmp}/live", dtype="fp32")
+    weights = engine.full_state_dict()
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=FIXED).logits
+    return engine, {"weights": weights, "logits": logits}

@@ -11,31 +11,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import run_world
-from harness import GLOBAL_BATCH, LR, WD, batches, build, loss_of, no_decay_groups
+from harness import FIXED, build, train_and_save
 
 import zerotune
 from zerotune.checkpoint import CheckpointError, ExportError, export_hf
 
-FIXED = torch.arange(32).reshape(2, 16) * 7 % 96
-
 
 def train_save_export(rank, world, tmp):
     """Tiny GPT-2, 5 steps at world 2: a checkpoint, a live save_hf, and what to compare."""
-    model = build("gpt2")
-    groups = no_decay_groups(model, WD)
-    engine = zerotune.shard(model, {"stage": 3})
-    opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
-    per = GLOBAL_BATCH // world
-    for ids in batches("gpt2", 5):
-        engine.backward(loss_of(engine, ids[rank * per : (rank + 1) * per]))
-        opt.step()
-    zerotune.save_checkpoint(engine, f"{tmp}/ckpt", step=5)
-    zerotune.save_hf(engine, f"{tmp}/live", dtype="fp32")
-    weights = engine.full_state_dict()
-    engine.eval()
-    with torch.no_grad():
-        logits = engine(input_ids=FIXED).logits
-    return {"weights": weights, "logits": logits}
+    return train_and_save(rank, world, tmp, 5, {"stage": 3})[1]
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ import pytest
 import torch
 from conftest import run_world
 from harness import (
-    GLOBAL_BATCH,
+    FIXED,
     LR,
     STEPS,
     WD,
-    batches,
     build,
-    loss_of,
     no_decay_groups,
+    train_and_save,
     train_reference,
     train_zero,
 )
@@ -29,8 +28,6 @@ from zerotune.checkpoint import CheckpointError, export_hf
 from zerotune.config import ConfigError, ZeroConfig
 from zerotune.sharding.plan import plan_units
 from zerotune.sharding.tiling import MAX_TILES, LinearTile, TiledLinear, apply_tiling
-
-FIXED = torch.arange(32).reshape(2, 16) * 7 % 96
 
 
 # --------------------------------------------------------------------- the layer itself
@@ -222,32 +219,17 @@ def test_peak_gathered_bytes_of_a_wide_layer_fall_by_the_tiling_factor():
 
 
 # ------------------------------------------------------------------ export and reload
-def train_and_save(rank, world, tmp, tile_bytes):
-    model = build("gpt2")
-    groups = no_decay_groups(model, WD)
-    engine = zerotune.shard(model, {"stage": 3, "tile_linear_bytes": tile_bytes})
-    opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
-    per = GLOBAL_BATCH // world
-    for ids in batches("gpt2", 3):
-        engine.backward(loss_of(engine, ids[rank * per : (rank + 1) * per]))
-        opt.step()
-    zerotune.save_checkpoint(engine, f"{tmp}/ckpt", step=3)
-    zerotune.save_hf(engine, f"{tmp}/live", dtype="fp32")
-    engine.eval()
-    with torch.no_grad():
-        logits = engine(input_ids=FIXED).logits
-    return {
-        "weights": engine.full_state_dict(),
-        "logits": logits,
-        "n_tiles": sum(isinstance(m, LinearTile) for m in engine.module.modules()),
-    }
+def train_tiled_and_save(rank, world, tmp, tile_bytes):
+    engine, out = train_and_save(rank, world, tmp, 3, {"stage": 3, "tile_linear_bytes": tile_bytes})
+    out["n_tiles"] = sum(isinstance(m, LinearTile) for m in engine.module.modules())
+    return out
 
 
 def save_export_reload(rank, world, tmp):
     """Train and save tiled (1536 bytes: GPT-2's Conv1D weights are [in, out], so output-
     feature tiles are column blocks of the saved tensors); export; stream the untiled
     folder back into an engine tiled at 480 bytes (row and column blocks)."""
-    trained = train_and_save(rank, world, tmp, 1536)
+    trained = train_tiled_and_save(rank, world, tmp, 1536)
     # The checkpoint resumes into an engine tiled the same way.
     model = build("gpt2")
     groups = no_decay_groups(model, WD)
