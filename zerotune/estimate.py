@@ -71,7 +71,7 @@ from .sharding.plan import (
     gather_cache_bytes,
     plan_swap,
     plan_units,
-    recurring_sizes,
+    pool_keep_sizes,
     resident_bytes,
     size_unit,
 )
@@ -339,14 +339,12 @@ def _working_buffers(
             count = min(_buffers_writing(u.shard * e), same(lambda v, n=u.shard: v.shard == n))
             need(u.shard, e, count)
     held = {(n, size): n * size * count for (n, size), count in keys.items()}
-    if device == "cpu" and (config.offload_param != "none" or config.offload_optimizer != "none"):
-        # The engine's host pool keeps only the sizes several units share (ZeroEngine and
-        # plan.recurring_sizes); a one-off size (an embedding's gradient) exists only while
-        # in use, so at most the largest of them adds to the kept ones.
-        live = [u for u in units if u.trainable and u.numel]
-        kept = recurring_sizes([u.padded * _F32 for u in live])
-        if world > 1:
-            kept |= recurring_sizes([u.shard * _F32 for u in live])
+    kept = pool_keep_sizes(
+        [(u.padded, u.shard) for u in units if u.trainable and u.numel], config, world, device
+    )
+    if kept is not None:
+        # The engine's host pool keeps only these sizes; a one-off size (an embedding's
+        # gradient) exists only while in use, so at most the largest adds to the kept ones.
         transient = [b for (n, size), b in held.items() if n * size not in kept]
         pool = sum(b for (n, size), b in held.items() if n * size in kept)
         pool += max(transient, default=0)

@@ -133,7 +133,7 @@ class BufferPool:
         # for the run); a buffer of another size is dropped. With offload the engine keeps
         # only the sizes several units share (the blocks), so that a size one unit uses
         # once a step (an embedding's gradient) does not stay resident through the whole
-        # step (see ZeroEngine.__init__ and plan.recurring_sizes).
+        # step (see plan.pool_keep_sizes).
         self.keep_sizes: set[int] | None = None
         self.free_bytes = 0
         self.in_use_bytes = 0

@@ -184,6 +184,9 @@ class ResidentStore:
         if self.q8:
             require_bitsandbytes()
 
+    def master_in_param_file(self, unit) -> bool:
+        return False  # the master is in memory (see NvmeStore.master_in_param_file)
+
     def chunks(self, unit):
         n = unit.shard_numel
         if unit.index not in self.q8:

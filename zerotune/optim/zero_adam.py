@@ -187,12 +187,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         sq = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
         for unit in self._live_units():
             for c0, c1, grad in self.engine.grad_chunks(unit):
-                for seg in self._unit_segments[unit.index]:
-                    a, b = max(seg.start, c0), min(seg.end, c1)
-                    if a < b:
-                        g = grad[a - c0 : b - c0].float()
-                        sq += torch.dot(g, g)
+                self._add_sum_of_squares(sq, unit, c0, c1, grad)
         return sq
+
+    def _add_sum_of_squares(self, sq: torch.Tensor, unit, c0: int, c1: int, grad) -> None:
+        """``sq += grad**2`` summed over the unit's segments within chunk ``[c0, c1)``."""
+        for seg in self._unit_segments[unit.index]:
+            a, b = max(seg.start, c0), min(seg.end, c1)
+            if a < b:
+                g = grad[a - c0 : b - c0].float()
+                sq += torch.dot(g, g)
 
     def _prepare(self) -> None:
         """Finalize gradients; with fp16, check every rank for overflow (once per step)."""
@@ -309,11 +313,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self._factor != 1.0:
             grad.mul_(self._factor)
         if self._norm_sq is not None:
-            for seg in self._unit_segments[unit.index]:
-                a, b = max(seg.start, c0), min(seg.end, c1)
-                if a < b:
-                    g = grad[a - c0 : b - c0].float()
-                    self._norm_sq += torch.dot(g, g)
+            self._add_sum_of_squares(self._norm_sq, unit, c0, c1, grad)
         target = self.engine.lowp_target(unit)  # compute-dtype shard to refresh, or None
         fused = target is not None and target.dtype != torch.float32 and unit.param_extent is None
         for seg in self._unit_segments[unit.index]:

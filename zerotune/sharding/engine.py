@@ -29,7 +29,7 @@ from .plan import (
     assign_params,
     gather_cache_bytes,
     plan_swap,
-    recurring_sizes,
+    pool_keep_sizes,
     size_unit,
     unit_deps,
 )
@@ -133,13 +133,12 @@ class ZeroEngine(nn.Module):
                 ],
                 self.prefetcher.budget,
             )
-        if self.device.type == "cpu" and (
-            config.offload_param != "none" or config.offload_optimizer != "none"
-        ):
-            live = [u for u in self.units if u.trainable and u.numel]
-            self.pool.keep_sizes = recurring_sizes([u.padded_numel * 4 for u in live])
-            if self.world > 1:
-                self.pool.keep_sizes |= recurring_sizes([u.shard_numel * 4 for u in live])
+        self.pool.keep_sizes = pool_keep_sizes(
+            [(u.padded_numel, u.shard_numel) for u in self.units if u.trainable and u.numel],
+            config,
+            self.world,
+            self.device.type,
+        )
         self._sync = True
         self._overlap = None  # the optimizer's overlapped step, during its backward
         self._final_callback_queued = False
@@ -284,10 +283,8 @@ class ZeroEngine(nn.Module):
     def lowp_target(self, unit: Unit) -> torch.Tensor | None:
         """The compute-dtype shard the optimizer refreshes (None: it is the master itself,
         in memory or, with fp32 compute and both tiers on NVMe, in the parameter file)."""
-        store = getattr(getattr(self, "optimizer", None), "store", None)
-        if getattr(store, "master_in_param_file", None) is not None and (
-            store.master_in_param_file(unit)
-        ):
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and optimizer.store.master_in_param_file(unit):
             return None
         if unit.param_extent is not None:
             buf = self._lowp_buffers.get(unit.index)

@@ -334,13 +334,27 @@ def _recurring_max(sizes: list[int]) -> int:
 
 
 def recurring_sizes(sizes: list[int]) -> set[int]:
-    """The sizes that at least two entries share. A host pool with offload keeps released
-    buffers of these sizes only (memory/pool.py BufferPool.keep_sizes, given the trainable
-    units' fp32 gradient and, at world size > 1, shard sizes): the blocks of a transformer
-    reuse theirs step after step (as many as can be busy at once: the NVMe writes in flight
-    plus the one filling), while a size only one unit has (an embedding's gradient) is
-    given back after use rather than held through the whole step."""
+    """The sizes that at least two entries share."""
     counts: dict[int, int] = {}
     for n in sizes:
         counts[n] = counts.get(n, 0) + 1
     return {n for n, c in counts.items() if c >= 2}
+
+
+def pool_keep_sizes(
+    trainable: list[tuple[int, int]], config: ZeroConfig, world: int, device_type: str
+) -> set[int] | None:
+    """The buffer sizes (bytes) the engine's reduce/copy pool keeps once released
+    (memory/pool.py BufferPool.keep_sizes), given the (padded, shard) element counts of the
+    trainable units; None: every size. With CPU or NVMe offload on a CPU device, where host
+    memory is the budget, only the fp32 gradient sizes (and at world size > 1 the fp32
+    shard sizes) that several units share: the blocks of a transformer reuse their buffers
+    step after step (as many as can be busy at once: the NVMe writes in flight plus the one
+    filling), while a size only one unit has (an embedding's gradient) is given back after
+    use rather than held through the whole step."""
+    if device_type != "cpu" or config.offload_param == config.offload_optimizer == "none":
+        return None
+    kept = recurring_sizes([padded * _F32 for padded, _ in trainable])
+    if world > 1:
+        kept |= recurring_sizes([shard * _F32 for _, shard in trainable])
+    return kept
