@@ -156,7 +156,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         if runner.swap is not None:
             files = runner.swap.files
             result["buffered_swap_gib"] = (
-                sum(f.size for k, f in files.items() if not f.direct) / 2**30
+                sum(f.size for f in files.values() if not f.direct) / 2**30
             )
         runner.close()
     return result

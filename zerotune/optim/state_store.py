@@ -416,8 +416,8 @@ class NvmeStore:
                 update(unit, c0, c1, master, m, v, grad)
             hs = [file.write(part, off) for part, file, off in pieces]
             self.bytes_written += state_bytes
-            if unit.param_extent is not None and pieces[0][1] is unit.param_extent.file:
-                unit.param_file_writes.extend(hs[:1])  # a gather must wait for it
+            if self.master_in_param_file(unit):
+                unit.param_file_writes.append(hs[0])  # a gather must wait for it
             writes.append((hs, buf))
             while len(writes) > 1:
                 yield from self._pending(writes[0][0])

@@ -324,13 +324,8 @@ def gather_cache_bytes(gathered_sizes: list[int], prefetch_bytes: int) -> int:
     gathered), whichever is larger, and never more than all those units together. A size
     only one unit has (an embedding) is not kept for its own sake: its buffer would stay
     resident through the whole step for one reuse."""
-    recurring = _recurring_max(gathered_sizes)
+    recurring = max(recurring_sizes(gathered_sizes), default=0)
     return min(max(prefetch_bytes, 2 * recurring), sum(gathered_sizes))
-
-
-def _recurring_max(sizes: list[int]) -> int:
-    """The largest size that at least two entries share (0 if none)."""
-    return max(recurring_sizes(sizes), default=0)
 
 
 def recurring_sizes(sizes: list[int]) -> set[int]:
