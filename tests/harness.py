@@ -73,14 +73,17 @@ def no_decay_groups(model, wd: float):
     return [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
 
 
-def train_reference(model_name: str, steps: int = STEPS, clip: float | None = MAX_NORM) -> dict:
-    """Plain PyTorch: whole batch, one process, torch.optim.AdamW."""
-    model = build(model_name)
+def train_reference(
+    model_name: str, steps: int = STEPS, clip: float | None = MAX_NORM, device: str = "cpu"
+) -> dict:
+    """Plain PyTorch: whole batch, one process, torch.optim.AdamW (on ``device``); weights
+    and gradient maxima come back on the CPU."""
+    model = build(model_name).to(device)
     opt = torch.optim.AdamW(no_decay_groups(model, WD), lr=LR)
     losses, norms = [], []
     grad_max = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     for ids in batches(model_name, steps):
-        loss = loss_of(model, ids)
+        loss = loss_of(model, ids.to(device))
         loss.backward()
         for n, p in model.named_parameters():
             if p.grad is not None:
@@ -90,14 +93,14 @@ def train_reference(model_name: str, steps: int = STEPS, clip: float | None = MA
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
-        eval_loss = float(loss_of(model, batches(model_name, 1)[0]))
+        eval_loss = float(loss_of(model, batches(model_name, 1)[0].to(device)))
     return {
         "losses": losses,
         "norms": norms,
         "weights": weights,
-        "grad_max": grad_max,
+        "grad_max": {n: g.cpu() for n, g in grad_max.items()},
         "eval_loss": eval_loss,
     }
 
@@ -112,9 +115,11 @@ def train_zero(
     accum: int = 1,
     use_no_sync: bool = False,
     clip: float | None = MAX_NORM,
+    device: str = "cpu",
 ) -> dict:
-    """zerotune on this rank: its slice of the global batch, split into ``accum`` micro-batches."""
-    model = build(model_name)
+    """zerotune on this rank: its slice of the global batch, split into ``accum`` micro-batches,
+    the engine on ``device`` (where the model's parameters are when it is sharded)."""
+    model = build(model_name).to(device)
     groups = no_decay_groups(model, WD)  # reads shapes: before sharding empties the params
     engine = zerotune.shard(model, config)
     opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
@@ -122,8 +127,8 @@ def train_zero(
     micro = per_rank // accum
     losses, norms, infos = [], [], []
     for ids in batches(model_name, steps):
-        mine = ids[rank * per_rank : (rank + 1) * per_rank]
-        total = torch.zeros(())
+        mine = ids[rank * per_rank : (rank + 1) * per_rank].to(device)
+        total = torch.zeros((), device=device)
         for k in range(accum):
             part = mine[k * micro : (k + 1) * micro]
             last = k == accum - 1
@@ -138,9 +143,9 @@ def train_zero(
         if world > 1:
             dist.all_reduce(total)
         losses.append(float(total) / world)
-    weights = engine.full_state_dict()
+    weights = {n: w.cpu() for n, w in engine.full_state_dict().items()}
     with torch.no_grad():
-        eval_loss = float(loss_of(engine, batches(model_name, 1)[0]))
+        eval_loss = float(loss_of(engine, batches(model_name, 1)[0].to(device)))
     memory = engine.memory_report()
     engine.close()
     return {

@@ -69,7 +69,7 @@ def engine_vs_plan(rank, world, nvme_root, cases):
             (u.name, u.numel, u.padded_numel, u.shard_numel, u.persistent, u.trainable)
             for u in engine.units
         ]
-        expected = _flat(engine_bytes(planned, cfg, world, rank))
+        expected = _flat(engine_bytes(planned, cfg, world, rank, device=engine.device.type))
         out.append(
             {
                 "units": units,

@@ -72,6 +72,7 @@ from .sharding.plan import (
     plan_swap,
     plan_units,
     pool_keep_sizes,
+    recurring_sizes,
     resident_bytes,
     size_unit,
 )
@@ -215,6 +216,7 @@ def engine_bytes(
     *,
     with_optimizer: bool = True,
     swap: SwapPlan | None = None,
+    device: str = "cuda",
 ) -> dict[str, dict[str, int]]:
     """What ``ZeroEngine.memory_report()`` says for rank ``rank`` once an optimizer exists
     and a step ran, by kind and tier: ``params``, ``master``, ``grads``, ``full_grads``,
@@ -224,7 +226,7 @@ def engine_bytes(
         swap = plan_swap(units, config, world)
     out: dict[str, dict[str, int]] = {}
     for u in units:
-        for kind, tiers in resident_bytes(u, config, rank, swap, with_optimizer).items():
+        for kind, tiers in resident_bytes(u, config, rank, swap, with_optimizer, device).items():
             for tier, n in tiers.items():
                 out.setdefault(kind, {}).setdefault(tier, 0)
                 out[kind][tier] += n
@@ -272,9 +274,14 @@ def _working_buffers(
 
     # Gathered parameters of sharded units: the unit in use with what it depends on, and
     # the units gathered ahead within prefetch_bytes. At world size 1 a unit in memory is
-    # already whole (no copy); one on NVMe is read into a fresh buffer.
+    # already whole (no copy); one on NVMe, or on the host for an accelerator, is copied
+    # into a fresh buffer.
+    host_shards = config.offload_param == "cpu" and device != "cpu"
+
     def needs_copy(u: UnitPlan) -> bool:
-        return not u.persistent and u.numel > 0 and (world > 1 or u.index in param_disk)
+        return (
+            not u.persistent and u.numel > 0 and (world > 1 or u.index in param_disk or host_shards)
+        )
 
     sharded = [u for u in units if needs_copy(u)]
     if sharded:
@@ -352,6 +359,17 @@ def _working_buffers(
         pool = sum(held.values())
     if pool:
         out["pool"] = {"device": pool}
+    lowp = config.torch_dtype != torch.float32
+    grads_to_host = config.offload_optimizer != "none" or (not lowp and host_shards)
+    if device != "cpu" and grads_to_host:
+        # Gradients copied to the host (pinned, kept by size like a CPU device's pool):
+        # the whole fp32 gradient at world size 1, this rank's shard beyond.
+        sizes = [
+            (u.padded if world == 1 else u.shard) * _F32 for u in units if u.trainable and u.numel
+        ]
+        kept = recurring_sizes(sizes)
+        once = max((b for b in sizes if b not in kept), default=0)
+        out["host_copies"] = {"host": sum(kept) + once}
 
     # Parameter gradients between backward and their reduction (stages 2-3; stage 1 keeps
     # them all, see full_grads): one unit at a time, except a parameter used by several
@@ -742,7 +760,7 @@ def _rows(
     (``act["total"] - act["backward"]``). On a CPU (``device="cpu"``) every tier but NVMe
     is one memory, reported as host.
     """
-    kinds = engine_bytes(units, config, world, rank, swap=swap)
+    kinds = engine_bytes(units, config, world, rank, swap=swap, device=device)
     kinds.pop("padding_elements")
     if known_units:
         work = _working_buffers(units, config, world, swap, device)
@@ -774,8 +792,9 @@ def _rows(
     if act is not None:
         add("activations", "device", act["total"])
     slack = act["total"] - act["backward"] if act is not None else 0
-    for tier, n in work.get("pool", {}).items():
-        add("buffers", tier, n)
+    for kind in ("pool", "host_copies"):
+        for tier, n in work.get(kind, {}).items():
+            add("buffers", tier, n)
     transient: dict[str, int] = {}
     for kind in ("gathered", "param_grads", "nvme_reads", "gather_cache"):
         for tier, n in work.get(kind, {}).items():

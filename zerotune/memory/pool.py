@@ -119,6 +119,15 @@ class GatherCache:
             self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
 
 
+def _pinned_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Pinned host memory whose first byte is 4 KiB aligned (these buffers also carry NVMe
+    reads and writes; the pinned allocator does not promise the alignment)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(numel * itemsize + 4096, dtype=torch.uint8, pin_memory=True)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip : skip + numel * itemsize].view(dtype)
+
+
 class BufferPool:
     def __init__(self, device: torch.device | str = "cpu", pin: bool = False):
         self.device = torch.device(device)
@@ -151,8 +160,10 @@ class BufferPool:
             from .aio import aligned_empty
 
             buf = aligned_empty(numel, dtype)
+        elif self.pin:
+            buf = _pinned_aligned(numel, dtype)
         else:
-            buf = torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
         if not reused:
             self.allocations += 1
             self.allocated_bytes += buf.numel() * buf.element_size()

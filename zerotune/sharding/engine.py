@@ -109,6 +109,9 @@ class ZeroEngine(nn.Module):
             # NVMe offload does the same when it opens its swap files).
             prefer_mmap_for_large_buffers()
         self.pool = BufferPool(self.device)
+        # Buffers that meet the host (NVMe reads and writes, gradients copied out for an
+        # offloaded optimizer): the same pool on a CPU device, pinned host memory otherwise.
+        self.host_pool = self.pool if self.device.type == "cpu" else BufferPool("cpu", pin=True)
         self.prefetcher = Prefetcher(config.prefetch_bytes if config.stage == 3 else 0)
         self.scaler = (
             DynamicLossScaler(
@@ -133,12 +136,11 @@ class ZeroEngine(nn.Module):
                 ],
                 self.prefetcher.budget,
             )
-        self.pool.keep_sizes = pool_keep_sizes(
-            [(u.padded_numel, u.shard_numel) for u in self.units if u.trainable and u.numel],
-            config,
-            self.world,
-            self.device.type,
-        )
+        trainable = [(u.padded_numel, u.shard_numel) for u in self.units if u.trainable and u.numel]
+        self.pool.keep_sizes = pool_keep_sizes(trainable, config, self.world, self.device.type)
+        if self.host_pool is not self.pool:
+            # Host copies of gradients and NVMe buffers: host memory is the budget there.
+            self.host_pool.keep_sizes = pool_keep_sizes(trainable, config, self.world, "cpu")
         self._sync = True
         self._overlap = None  # the optimizer's overlapped step, during its backward
         self._final_callback_queued = False
@@ -193,6 +195,7 @@ class ZeroEngine(nn.Module):
                 device=self.device,
                 persistent=plans[i].persistent,
                 pool=self.pool,
+                host_pool=self.host_pool,
                 group=self.group,
                 fill=fill,
             )
@@ -239,11 +242,18 @@ class ZeroEngine(nn.Module):
             shared = unit.master is unit.shard
             unit.shard = _to_host(unit.shard)
             unit.master = unit.shard if shared else unit.master
+            if unit.world == 1:
+                # The flat buffer was the shard; now its storage exists only while gathered.
+                unit.flat = torch.empty(unit.padded_numel, dtype=unit.dtype, device=self.device)
+                unit.flat.untyped_storage().resize_(0)
         if cfg.offload_optimizer == "cpu":
             if unit.master is not None and unit.master.device != host:
                 # With fp32 the master was the device shard itself: now a host copy.
                 unit.master = _to_host(unit.master.float())
-            unit.grad_device = host
+        if cfg.offload_optimizer == "nvme" or (
+            unit.master is not None and unit.master.device == host
+        ):
+            unit.grad_device = host  # the CPU Adam reads the gradient shards there
         if self.swap is None:
             return
         if ("param", unit.index) in self.swap.extents:
@@ -270,7 +280,7 @@ class ZeroEngine(nn.Module):
             return
         unit.wait_writes()
         step = 1 << 22
-        buf = self.pool.acquire(min(step, unit.shard_numel), torch.float32)
+        buf = self.host_pool.acquire(min(step, unit.shard_numel), torch.float32)
         try:
             for c0 in range(0, unit.shard_numel, step):
                 c1 = min(c0 + step, unit.shard_numel)
@@ -278,29 +288,39 @@ class ZeroEngine(nn.Module):
                 unit.grad_extent.file.read(part, unit.grad_extent.offset + c0 * 4).wait()
                 yield c0, c1, part
         finally:
-            self.pool.release(buf)
+            self.host_pool.release(buf)
 
     def lowp_target(self, unit: Unit) -> torch.Tensor | None:
         """The compute-dtype shard the optimizer refreshes (None: it is the master itself,
-        in memory or, with fp32 compute and both tiers on NVMe, in the parameter file)."""
+        in memory or, with fp32 compute and both tiers on NVMe, in the parameter file). A
+        host buffer stands in for a shard on NVMe, or on the device when the optimizer runs
+        on the host (``lowp_done`` moves it)."""
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None and optimizer.store.master_in_param_file(unit):
             return None
-        if unit.param_extent is not None:
-            buf = self._lowp_buffers.get(unit.index)
-            if buf is None:
-                buf = self._lowp_buffers[unit.index] = self.pool.acquire(
-                    unit.shard_numel, unit.dtype
-                )
-            return buf
-        if unit.master is unit.shard:
+        if unit.param_extent is None and unit.master is unit.shard:
             return None
-        return unit.shard
+        # The update runs where the master is (on the host when it streams from NVMe).
+        update_device = torch.device("cpu") if unit.master is None else unit.master.device
+        staged = unit.param_extent is not None or unit.shard.device != update_device
+        if not staged:
+            return unit.shard
+        buf = self._lowp_buffers.get(unit.index)
+        if buf is None:
+            buf = self._lowp_buffers[unit.index] = self.host_pool.acquire(
+                unit.shard_numel, unit.dtype
+            )
+        return buf
 
     def lowp_done(self, unit: Unit, target: torch.Tensor | None) -> None:
-        if target is not None and unit.param_extent is not None:
-            self._lowp_buffers.pop(unit.index)
-            unit.store_shard(target, give_back=self.pool.release)
+        if target is None or self._lowp_buffers.get(unit.index) is not target:
+            return
+        self._lowp_buffers.pop(unit.index)
+        if unit.param_extent is not None:
+            unit.store_shard(target, give_back=self.host_pool.release)
+        else:
+            unit.shard.copy_(target)  # host to device, blocking: the buffer goes back now
+            self.host_pool.release(target)
 
     def close(self) -> None:
         """Finish pending I/O and remove this rank's swap files (also done at exit)."""

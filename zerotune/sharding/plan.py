@@ -265,26 +265,31 @@ def resident_bytes(
     rank: int = 0,
     swap: SwapPlan | None = None,
     with_optimizer: bool = True,
+    device: str = "cuda",
 ) -> dict[str, dict[str, int]]:
     """``{kind: {tier: bytes}}`` that rank ``rank`` holds in memory for ``unit`` between steps,
     kinds as in ``ZeroEngine.memory_report`` (params, master, grads, optimizer, full_grads)
     and tiers ``device`` (the compute device) or ``host``. Swap-file bytes are in ``swap``.
 
     Placement follows ``ZeroEngine._place``: stage-3 shards go to the host with
-    ``offload_param="cpu"``; a separate fp32 master (bf16/fp16 compute) goes to the host with
-    ``offload_optimizer="cpu"`` (with fp32 compute the master *is* the parameter shard and
-    stays where the shard is); Adam moments sit next to the master; gradient shards are
-    allocated on the compute device in every mode (``Unit._grad_buffer``).
+    ``offload_param="cpu"``; the fp32 master goes to the host with ``offload_optimizer="cpu"``
+    (with fp32 compute the master *is* the parameter shard, except that on an accelerator
+    ``device`` the host gets a copy when the shard stays on the device); Adam moments sit next
+    to the master; gradient shards live where the optimizer reads them: on the host when
+    it runs there (optimizer on CPU or NVMe, or a master on the host), else on the device.
+    On a CPU ``device`` both tiers are the same memory.
     """
     lowp = config.torch_dtype != torch.float32
     param_on_disk = swap is not None and unit.index in swap.sizes.get("param", {})
     optim_on_disk = swap is not None and unit.index in swap.sizes.get("optim", {})
     grads_on_disk = swap is not None and unit.index in swap.sizes.get("grad", {})
     param_tier = "host" if config.offload_param == "cpu" and not unit.persistent else "device"
-    if lowp:
-        master_tier = "host" if config.offload_optimizer == "cpu" else "device"
-    else:
-        master_tier = param_tier  # the same tensor as the parameter shard
+    optimizer_on_host = config.offload_optimizer == "cpu"
+    master_tier = "host" if optimizer_on_host or (not lowp and param_tier == "host") else "device"
+    # With fp32 on an accelerator and the optimizer on the host, the device keeps the
+    # parameter shard and the host a master copy (on a CPU they are one tensor).
+    fp32_copy = not lowp and device != "cpu" and optimizer_on_host and param_tier == "device"
+    grads_tier = "host" if config.offload_optimizer != "none" or master_tier == "host" else "device"
 
     out: dict[str, dict[str, int]] = {}
 
@@ -297,10 +302,10 @@ def resident_bytes(
         add("params", param_tier, (unit.padded if unit.persistent else unit.shard) * unit.itemsize)
     # A separate master: bf16/fp16 compute, or fp32 whose parameter shard went to NVMe
     # (the tensor stays as the master); none once the optimizer state lives on NVMe.
-    if not optim_on_disk and (lowp or param_on_disk):
+    if not optim_on_disk and (lowp or param_on_disk or fp32_copy):
         add("master", master_tier, unit.shard * _F32)
     if unit.trainable and not grads_on_disk:
-        add("grads", "device", unit.shard * _itemsize(config.torch_grad_dtype))
+        add("grads", grads_tier, unit.shard * _itemsize(config.torch_grad_dtype))
     if config.stage == 1:
         # Whole gradients wait in param.grad (compute dtype) from backward to the step.
         add(

@@ -69,14 +69,19 @@ class Unit:
         device: torch.device,
         persistent: bool,
         pool: BufferPool,
+        host_pool: BufferPool | None = None,
         group=None,
         fill=None,
     ):
         """``fill(unit, shard)``, when given, writes this rank's slice of the flat buffer
-        (from a checkpoint, say) and the parameters' own data is never read."""
+        (from a checkpoint, say) and the parameters' own data is never read. ``pool`` holds
+        buffers on ``device``; ``host_pool`` (the same pool on a CPU device, else pinned
+        host memory) those that meet the host: NVMe reads and writes, gradient shards
+        kept on the host."""
         self.index, self.name, self.module = index, name, module
         self.dtype, self.grad_dtype, self.device = dtype, grad_dtype, device
         self.pool, self.group = pool, group
+        self.host_pool = pool if host_pool is None else host_pool
         self.rank, self.world = zdist.get_rank(group), zdist.get_world_size(group)
 
         self.slots: list[Slot] = []
@@ -138,6 +143,7 @@ class Unit:
         self.param_extent = None  # the compute-dtype shard lives here instead of ``shard``
         self.grad_extent = None  # the gradient shard lives here instead of ``grad_shard``
         self._read = None  # (handle, staging tensor or None) of a parameter read in flight
+        self._send = None  # a device copy of a host shard that a gather in flight sends
         self._lent = None  # the GatherCache buffer behind flat's storage while gathered
         self._pending_writes: list = []  # this unit's entries of pool.writes
         # The optimizer store's writes of the fp32 master into param_extent (the parameter
@@ -161,18 +167,35 @@ class Unit:
         if self.param_extent is not None:
             self._gather_from_nvme(async_op)
             return
-        if self.world == 1:
+        if self.world == 1 and self.shard.device == self.device:
             # The shard is the whole flat buffer: point at it, nothing to move.
             self._point_params(self.flat)
             self.state = UnitState.GATHERED
             return
         self._alloc_storage()
-        work = zdist.all_gather_into(self.flat, self.shard, group=self.group, async_op=async_op)
+        send = self.shard
+        if send.device != self.device:
+            # Offloaded to (pinned) host memory: copy in, then gather on the device. The
+            # copy is ordered before the collective and the forward on this stream; the
+            # host shard changes only in the optimizer step, after backward's gradient
+            # copies to the host have synchronized with everything before them.
+            if self.world == 1:
+                self.flat.copy_(send, non_blocking=True)
+                self._point_params(self.flat)
+                self.state = UnitState.GATHERED
+                return
+            send = self.pool.acquire(self.shard_numel, self.dtype)
+            send.copy_(self.shard, non_blocking=True)
+        work = zdist.all_gather_into(self.flat, send, group=self.group, async_op=async_op)
+        staged = send if send is not self.shard else None
         if work is None:
+            if staged is not None:
+                self.pool.release(staged)  # later work on this stream follows the collective
             self._point_params(self.flat)
             self.state = UnitState.GATHERED
         else:
             self._work = work
+            self._send = staged  # back to the pool once the collective is waited for
             self.state = UnitState.GATHERING
 
     def _gather_from_nvme(self, async_op: bool) -> None:
@@ -209,11 +232,16 @@ class Unit:
                 self.state = UnitState.SHARDED
                 raise
             if tmp is not None:
+                if tmp.device != self.device and self.world > 1:
+                    tmp = tmp.to(self.device)  # collectives run on the device
                 zdist.all_gather_into(self.flat, tmp, group=self.group)  # a copy at world 1
                 del tmp
         else:
             self._work.wait()
             self._work = None
+            if self._send is not None:
+                self.pool.release(self._send)
+                self._send = None
         self._point_params(self.flat)
         self.state = UnitState.GATHERED
 
@@ -229,10 +257,10 @@ class Unit:
     def offload_params(self, extent) -> None:
         """Keep this rank's compute-dtype shard in ``extent`` (NVMe) instead of memory."""
         self.wait_writes()
-        staged = self.pool.acquire(self.shard_numel, self.dtype)
+        staged = self.host_pool.acquire(self.shard_numel, self.dtype)
         staged.copy_(self.shard)
         extent.file.write(staged, extent.offset).wait()
-        self.pool.release(staged)
+        self.host_pool.release(staged)
         self.param_extent = extent
         if self.world == 1:
             # The flat buffer was the shard; now it is allocated on each gather.
@@ -257,7 +285,7 @@ class Unit:
             return
         self.wait()
         self._empty_params()
-        if self.world > 1 or self.param_extent is not None:
+        if self.world > 1 or self.param_extent is not None or self.shard.device != self.device:
             self._free_storage()
         self.state = UnitState.SHARDED
 
@@ -349,15 +377,22 @@ class Unit:
         return self.grad_shard
 
     def _add_into_shard_directly(self) -> None:
-        # World 1: the shard is the whole flat buffer; no collective and no staging copy.
-        if self.grad_extent is not None:
-            flat = self.pool.acquire(self.padded_numel, torch.float32)
+        # World 1: the shard is the whole flat buffer; no collective and no staging copy on
+        # the device. Gradients bound for the host (NVMe, or an optimizer on the host) are
+        # copied parameter by parameter into a (pinned) host buffer.
+        if self.grad_extent is not None or self.grad_device != self.device:
+            flat = self.host_pool.acquire(self.padded_numel, torch.float32)
             for s in self.slots:
                 g = s.param.grad
                 region = flat[s.offset : s.offset + s.numel]
                 region.copy_(g.reshape(-1)) if g is not None and s.trainable else region.zero_()
                 s.param.grad = None
-            self._accumulate_nvme(flat)
+            flat[self.numel :].zero_()
+            if self.grad_extent is not None:
+                self._accumulate_nvme(flat)
+            else:
+                self._accumulate(self._grad_buffer(), flat)
+                self.host_pool.release(flat)
             return
         self._grad_buffer()
         first = self.grad_is_zero
@@ -377,18 +412,29 @@ class Unit:
         add and write."""
         if self.grad_dtype != torch.float32:
             raise RuntimeError("gradient shards on NVMe are fp32")
+        if values.device.type != "cpu":
+            host = self.host_pool.acquire(values.numel(), torch.float32)
+            host.copy_(values)  # device to host, blocking
+            self.pool.release(values)
+            values = host
         if not self.grad_is_zero:
             self.wait_writes()
-            old = self.pool.acquire(self.shard_numel, torch.float32)
+            old = self.host_pool.acquire(self.shard_numel, torch.float32)
             self.grad_extent.file.read(old, self.grad_extent.offset).wait()
             values.add_(old)
-            self.pool.release(old)
+            self.host_pool.release(old)
         handle = self.grad_extent.file.write(values, self.grad_extent.offset)
-        self.pool.writes.add(self._pending_writes, handle, values, self.pool.release)
+        self.pool.writes.add(self._pending_writes, handle, values, self.host_pool.release)
         self.grad_is_zero = False
 
     def _accumulate(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        src = src.to(dst.device, non_blocking=False)
+        if src.device != dst.device:
+            # Device to host (optimizer offload): through a pinned buffer, a blocking copy.
+            host = self.host_pool.acquire(src.numel(), src.dtype)
+            host.copy_(src)
+            self._accumulate(dst, host)
+            self.host_pool.release(host)
+            return
         if self.grad_is_zero:
             dst.copy_(src)
             self.grad_is_zero = False

@@ -1,0 +1,225 @@
+"""On a CUDA device: the engine trains like plain AdamW on the same device, host shards are
+pinned, offloaded state leaves the device, activation offload's side stream gives the same
+bits, 8-bit states run through bitsandbytes' CUDA kernels, and the estimate's device tier
+matches torch.cuda's measured peak.
+
+These need a GPU, so they are skipped on a machine without one (CI has none); they run on a
+lent GPU machine with ``python3 -m pytest tests/test_gpu.py`` (docs/design.md, status)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from harness import batches, build, loss_of, train_reference, train_zero
+from test_engine_equivalence import check
+
+import zerotune
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def full_fp32_matmuls():
+    """TF32 rounds fp32 products to 10 mantissa bits: the reference and the engine would
+    each be right yet differ by ~1e-3. Compare full fp32 on both sides."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+_references: dict[str, dict] = {}
+
+
+def cuda_reference(model_name: str) -> dict:
+    if model_name not in _references:
+        ref = train_reference(model_name, device="cuda")
+        ref["weights"] = {k: v.numpy() for k, v in ref["weights"].items()}
+        ref["grad_max"] = {k: v.numpy() for k, v in ref["grad_max"].items()}
+        _references[model_name] = ref
+    return _references[model_name]
+
+
+CASES = [
+    # (model, config, accumulation micro-batches, no_sync for the first one)
+    ("gpt2", {"stage": 1}, 2, False),
+    ("gpt2", {"stage": 2}, 2, True),
+    ("gpt2", {"stage": 3}, 2, True),
+    ("odd", {"stage": 3}, 2, True),
+    ("gpt2_ckpt", {"stage": 3}, 2, False),
+    ("gpt2", {"stage": 3, "offload_optimizer": "cpu"}, 2, False),
+    ("gpt2", {"stage": 2, "offload_optimizer": "cpu"}, 2, True),
+    ("gpt2", {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}, 2, False),
+    ("gpt2", {"stage": 3, "offload_optimizer": "nvme"}, 2, False),
+    ("gpt2", {"stage": 3, "offload_param": "nvme"}, 1, False),
+    (
+        "gpt2",
+        {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "grad_host_bytes": 0},
+        2,
+        False,
+    ),
+    ("gpt2_ckpt", {"stage": 3, "offload_activations": "cpu", "offload_optimizer": "cpu"}, 1, False),
+    ("gpt2_ckpt", {"stage": 3, "offload_activations": "nvme"}, 2, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'-'.join(map(str, c[1].values()))}")
+def test_every_mode_matches_plain_adamw_on_the_device(case, tmp_path):
+    model, extra, accum, no_sync = case
+    config = dict(extra)
+    if "nvme" in config.values():
+        config.update(nvme_path=str(tmp_path), staging_bytes=3 * 16 * 4096 * 3)
+    res = train_zero(0, 1, model, config, accum=accum, use_no_sync=no_sync, device="cuda")
+    res["weights"] = {k: v.numpy() for k, v in res["weights"].items()}
+    ref = cuda_reference(model)
+    check(res, ref, f"cuda {case}")
+    np.testing.assert_allclose(res["eval_loss"], ref["eval_loss"], rtol=1e-5)
+    if "offload_activations" in config:
+        memory = res["memory"]
+        assert memory["checkpoints_device"] == 0
+        assert memory["checkpoints_offloaded_peak"] > 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_bf16_on_the_device_stays_within_bf16_tolerance():
+    ref = cuda_reference("gpt2")
+    res = train_zero(0, 1, "gpt2", {"stage": 3, "dtype": "bf16"}, accum=2, device="cuda")
+    np.testing.assert_allclose(res["losses"], ref["losses"], rtol=2e-2)
+    assert res["losses"][-1] < res["losses"][0] - 0.1
+    for name, w in ref["weights"].items():
+        assert np.abs(res["weights"][name].float().numpy() - w).max() < 5e-2, name
+
+
+def _device_bytes_at_rest(config: dict) -> tuple[int, zerotune.ZeroEngine]:
+    """Device bytes the engine holds between steps (after one step), and the engine. No
+    unit stays gathered (persistence_threshold 0), so what the model states leave on the
+    device shows."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    engine = zerotune.shard(build("gpt2").cuda(), {**config, "persistence_threshold": 0})
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    ids = batches("gpt2", 1)[0].cuda()
+    engine.backward(loss_of(engine, ids))
+    opt.step()
+    opt.zero_grad()
+    del ids
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - base, engine
+
+
+def test_cpu_offload_pins_host_shards_and_empties_the_device():
+    numel = sum(p.numel() for p in build("gpt2").parameters())
+    kept, engine = _device_bytes_at_rest({"stage": 3})
+    engine.close()
+    # On the device: fp32 parameter shards, gradient shards and two moments.
+    assert kept >= 4 * 4 * numel
+    moved, engine = _device_bytes_at_rest(
+        {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}
+    )
+    trainable = [u for u in engine.units if u.trainable]
+    for unit in trainable:
+        assert unit.master.device.type == "cpu" and unit.master.is_pinned(), unit.name
+        assert unit.grad_shard is None or unit.grad_shard.device.type == "cpu", unit.name
+    # Nothing stays on the device: gradients went to the host parameter by parameter, no
+    # device reduce buffer was needed (world size 1), every unit was released.
+    assert engine.pool.allocated_bytes == 0
+    assert moved <= 1024, moved  # at most a stray scalar
+    engine.close()
+
+
+PLAN_CASES = [
+    {"stage": 3},
+    {"stage": 2, "offload_optimizer": "cpu"},
+    {"stage": 3, "offload_optimizer": "cpu"},
+    {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+    {"stage": 3, "dtype": "bf16", "offload_optimizer": "cpu"},
+    {"stage": 3, "dtype": "bf16", "offload_param": "cpu"},
+    {"stage": 3, "offload_param": "nvme", "offload_optimizer": "cpu"},
+    {"stage": 3, "offload_optimizer": "nvme"},
+]
+
+
+@pytest.mark.parametrize("config", PLAN_CASES, ids=lambda c: "-".join(map(str, c.values())))
+def test_device_and_host_bytes_are_where_the_plan_puts_them(config, tmp_path):
+    """Each tensor of the model states is on the tier the estimate plans for it (measured
+    by where the engine's tensors are, per kind)."""
+    from zerotune.estimate import engine_bytes
+    from zerotune.sharding.plan import plan_units
+
+    if "nvme" in config.values():
+        config = {**config, "nvme_path": str(tmp_path)}
+    model = build("gpt2").cuda()
+    cfg = zerotune.ZeroConfig.from_dict(config)
+    planned = plan_units(model, cfg, 1)
+    engine = zerotune.shard(model, config)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    engine.backward(loss_of(engine, batches("gpt2", 1)[0].cuda()))
+    opt.step()
+    expected = engine_bytes(planned, cfg, 1, device="cuda")
+    found: dict[str, dict[str, int]] = {}
+
+    def add(kind, t):
+        if t is not None and t.numel():
+            tier = "host" if t.device.type == "cpu" else "device"
+            found.setdefault(kind, {}).setdefault(tier, 0)
+            found[kind][tier] += t.numel() * t.element_size()
+
+    for u in engine.units:
+        add("params", u.full if u.persistent else u.shard)
+        if u.master is not None and u.master is not u.shard:
+            add("master", u.master)
+        add("grads", u.grad_shard)
+    for m, v in getattr(opt.store, "moments", {}).values():
+        add("optimizer", m)
+        add("optimizer", v)
+    engine.close()
+    for kind in ("params", "master", "grads", "optimizer"):
+        assert found.get(kind, {}) == expected.get(kind, {}), (kind, found, expected)
+
+
+def test_8bit_states_on_the_device_follow_the_host_path():
+    """The device tier quantizes with bitsandbytes' CUDA kernels, the CPU tier with its CPU
+    ones: the same codes up to edge rounding, so the losses agree closely."""
+    config = {"stage": 3, "optim_state_bits": 8}
+    host = train_zero(0, 1, "gpt2", config, accum=1, clip=None)
+    dev = train_zero(0, 1, "gpt2", config, accum=1, clip=None, device="cuda")
+    np.testing.assert_allclose(dev["losses"], host["losses"], rtol=2e-3)
+    assert dev["losses"][-1] < dev["losses"][0] - 0.25
+    assert dev["memory"]["optimizer"] == host["memory"]["optimizer"]
+
+
+ESTIMATE_CASES = [
+    {"stage": 3},
+    {"stage": 3, "offload_optimizer": "cpu"},
+    {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+    {"stage": 3, "dtype": "bf16", "offload_optimizer": "cpu"},
+]
+
+
+@pytest.mark.parametrize("config", ESTIMATE_CASES, ids=lambda c: "-".join(map(str, c.values())))
+def test_estimate_of_device_memory_matches_the_measured_peak(config):
+    from transformers import GPT2Config
+
+    seq, micro = 256, 4
+    cfg = GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, n_positions=seq)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    engine = zerotune.zero_init(cfg, config)
+    assert engine.device.type == "cuda"
+    opt = zerotune.ZeroAdamW(engine, lr=1e-4)
+    ids = torch.randint(0, cfg.vocab_size, (micro, seq), device="cuda")
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    warnings = zerotune.check_estimate(
+        engine, {"device": measured}, seq_len=seq, micro_batch=micro, min_bytes=8 * 2**20
+    )
+    engine.close()
+    assert warnings == [], warnings
