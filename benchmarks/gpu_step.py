@@ -78,7 +78,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     model.train()
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda", generator=g)
-    times, losses = [], []
+    times, fwd_bwd, losses = [], [], []
     for step in range(args.warmup + args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -87,15 +87,19 @@ def run_variant(args: argparse.Namespace) -> dict:
             loss = runner(input_ids=ids, labels=ids).loss / args.accum
             backward(loss)
             total += float(loss.detach())
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
         torch.cuda.synchronize()
         losses.append(total)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+            fwd_bwd.append(t1 - t0)
     step_s = statistics.median(times)
     result = {
         "step_s": step_s,
+        "fwd_bwd_s": statistics.median(fwd_bwd),
         "tokens_per_s": args.batch * args.seq * args.accum / step_s,
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
@@ -124,16 +128,25 @@ def main() -> None:
         f"model {args.model}, {args.dtype}, {args.accum} x {args.batch} x {args.seq} tokens a "
         f"step, median of {args.steps} steps after {args.warmup} warm-up"
     )
-    print(f"{'variant':<22}{'step s':>9}{'tokens/s':>11}{'GPU GiB':>10}{'RSS GiB':>10}")
+    print(
+        f"{'variant':<22}{'fwd+bwd s':>10}{'step s':>9}{'tokens/s':>11}{'GPU GiB':>10}"
+        f"{'RSS GiB':>10}"
+    )
     for name, r in results.items():
         print(
-            f"{name:<22}{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}{r['gpu_peak_gib']:>10.2f}"
-            f"{r['peak_rss_gib']:>10.2f}  losses {r['losses']}"
+            f"{name:<22}{r['fwd_bwd_s']:>10.3f}{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}"
+            f"{r['gpu_peak_gib']:>10.2f}{r['peak_rss_gib']:>10.2f}  losses {r['losses']}"
         )
-    summary = {"model": args.model, "dtype": args.dtype, "tokens_per_step": 0}
-    summary["tokens_per_step"] = args.batch * args.seq * args.accum
+    summary = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "checkpointing": args.checkpointing,
+        "tokens_per_step": args.batch * args.seq * args.accum,
+    }
     for name, r in results.items():
         summary[f"{name}_tokens_per_s"] = round(r["tokens_per_s"], 1)
+        summary[f"{name}_step_s"] = round(r["step_s"], 3)
+        summary[f"{name}_fwd_bwd_s"] = round(r["fwd_bwd_s"], 3)
         summary[f"{name}_gpu_peak_gib"] = round(r["gpu_peak_gib"], 3)
         summary[f"{name}_peak_rss_gib"] = round(r["peak_rss_gib"], 3)
     if "zerotune" in results and "zerotune-optim-cpu" in results:

@@ -72,7 +72,6 @@ from .sharding.plan import (
     plan_swap,
     plan_units,
     pool_keep_sizes,
-    recurring_sizes,
     resident_bytes,
     size_unit,
 )
@@ -362,14 +361,19 @@ def _working_buffers(
     lowp = config.torch_dtype != torch.float32
     grads_to_host = config.offload_optimizer != "none" or (not lowp and host_shards)
     if device != "cpu" and grads_to_host:
-        # Gradients copied to the host (pinned, kept by size like a CPU device's pool):
-        # the whole fp32 gradient at world size 1, this rank's shard beyond.
-        sizes = [
-            (u.padded if world == 1 else u.shard) * _F32 for u in units if u.trainable and u.numel
-        ]
-        kept = recurring_sizes(sizes)
-        once = max((b for b in sizes if b not in kept), default=0)
-        out["host_copies"] = {"host": sum(kept) + once}
+        # Gradients copied to the host, into pinned buffers kept for the run, one per size:
+        # the whole gradient in the compute dtype at world size 1 (Unit._gradients_to_host;
+        # converted to fp32 for an NVMe file), this rank's fp32 shard beyond.
+        sizes = set()
+        for u in units:
+            if u.trainable and u.numel:
+                if world == 1:
+                    sizes.add(u.padded * e)
+                    if grads_disk and e != _F32:
+                        sizes.add(u.padded * _F32)
+                else:
+                    sizes.add(u.shard * _F32)
+        out["host_copies"] = {"host": sum(sizes)}
 
     # Parameter gradients between backward and their reduction (stages 2-3; stage 1 keeps
     # them all, see full_grads): one unit at a time, except a parameter used by several

@@ -110,7 +110,8 @@ class ZeroEngine(nn.Module):
             prefer_mmap_for_large_buffers()
         self.pool = BufferPool(self.device)
         # Buffers that meet the host (NVMe reads and writes, gradients copied out for an
-        # offloaded optimizer): the same pool on a CPU device, pinned host memory otherwise.
+        # offloaded optimizer): the same pool on a CPU device, pinned host memory otherwise,
+        # kept for the run at every size (pinning is slow; one buffer per unit size).
         self.host_pool = self.pool if self.device.type == "cpu" else BufferPool("cpu", pin=True)
         self.prefetcher = Prefetcher(config.prefetch_bytes if config.stage == 3 else 0)
         self.scaler = (
@@ -138,9 +139,6 @@ class ZeroEngine(nn.Module):
             )
         trainable = [(u.padded_numel, u.shard_numel) for u in self.units if u.trainable and u.numel]
         self.pool.keep_sizes = pool_keep_sizes(trainable, config, self.world, self.device.type)
-        if self.host_pool is not self.pool:
-            # Host copies of gradients and NVMe buffers: host memory is the budget there.
-            self.host_pool.keep_sizes = pool_keep_sizes(trainable, config, self.world, "cpu")
         self._sync = True
         self._overlap = None  # the optimizer's overlapped step, during its backward
         self._final_callback_queued = False

@@ -380,7 +380,12 @@ class Unit:
         # World 1: the shard is the whole flat buffer; no collective and no staging copy on
         # the device. Gradients bound for the host (NVMe, or an optimizer on the host) are
         # copied parameter by parameter into a (pinned) host buffer.
-        if self.grad_extent is not None or self.grad_device != self.device:
+        if self.device.type != "cpu" and (
+            self.grad_extent is not None or self.grad_device != self.device
+        ):
+            self._gradients_to_host()
+            return
+        if self.grad_extent is not None:
             flat = self.host_pool.acquire(self.padded_numel, torch.float32)
             for s in self.slots:
                 g = s.param.grad
@@ -388,11 +393,7 @@ class Unit:
                 region.copy_(g.reshape(-1)) if g is not None and s.trainable else region.zero_()
                 s.param.grad = None
             flat[self.numel :].zero_()
-            if self.grad_extent is not None:
-                self._accumulate_nvme(flat)
-            else:
-                self._accumulate(self._grad_buffer(), flat)
-                self.host_pool.release(flat)
+            self._accumulate_nvme(flat)
             return
         self._grad_buffer()
         first = self.grad_is_zero
@@ -405,6 +406,36 @@ class Unit:
                 view.zero_()
             s.param.grad = None
         self.grad_is_zero = False
+
+    def _gradients_to_host(self) -> None:
+        """World size 1 on an accelerator, gradients bound for the host: every parameter's
+        gradient is queued for a copy into one pinned buffer in the compute dtype (half
+        the bytes of fp32 with bf16), one wait for all of them, then the host converts
+        and adds them into the fp32 gradient shard (or its NVMe extent)."""
+        staged = self.host_pool.acquire(self.padded_numel, self.dtype)
+        for s in self.slots:
+            g = s.param.grad
+            region = staged[s.offset : s.offset + s.numel]
+            if g is not None and s.trainable:
+                # The gradient's memory may be handed out again once it is dropped, but
+                # only to work queued after this copy on the same stream.
+                region.copy_(g.reshape(-1), non_blocking=True)
+            else:
+                region.zero_()
+            s.param.grad = None
+        staged[self.numel :].zero_()
+        getattr(torch, self.device.type).current_stream(self.device).synchronize()
+        if self.grad_extent is None:
+            self._accumulate(self._grad_buffer(), staged)
+            self.host_pool.release(staged)
+            return
+        if staged.dtype == torch.float32:
+            self._accumulate_nvme(staged)
+            return
+        flat = self.host_pool.acquire(self.padded_numel, torch.float32)
+        flat.copy_(staged)
+        self.host_pool.release(staged)
+        self._accumulate_nvme(flat)
 
     def _accumulate_nvme(self, values: torch.Tensor) -> None:
         """Add ``values`` (fp32, a pool buffer this call takes over) to the gradient shard on
