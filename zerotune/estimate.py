@@ -72,6 +72,7 @@ from .sharding.plan import (
     plan_swap,
     plan_units,
     pool_keep_sizes,
+    recurring_sizes,
     resident_bytes,
     size_unit,
 )
@@ -363,17 +364,19 @@ def _working_buffers(
     if device != "cpu" and grads_to_host:
         # Gradients copied to the host, into pinned buffers kept for the run, one per size:
         # the whole gradient in the compute dtype at world size 1 (Unit._gradients_to_host;
-        # converted to fp32 for an NVMe file), this rank's fp32 shard beyond.
-        sizes = set()
+        # converted to fp32 for an NVMe file), this rank's fp32 shard beyond. At world size
+        # 1 two units' copies are in flight at once: a size that recurs has two buffers.
+        sizes = []
         for u in units:
             if u.trainable and u.numel:
                 if world == 1:
-                    sizes.add(u.padded * e)
+                    sizes.append(u.padded * e)
                     if grads_disk and e != _F32:
-                        sizes.add(u.padded * _F32)
+                        sizes.append(u.padded * _F32)
                 else:
-                    sizes.add(u.shard * _F32)
-        out["host_copies"] = {"host": sum(sizes)}
+                    sizes.append(u.shard * _F32)
+        second = max(recurring_sizes(sizes), default=0) if world == 1 else 0
+        out["host_copies"] = {"host": sum(set(sizes)) + second}
 
     # Parameter gradients between backward and their reduction (stages 2-3; stage 1 keeps
     # them all, see full_grads): one unit at a time, except a parameter used by several

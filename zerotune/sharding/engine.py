@@ -141,6 +141,13 @@ class ZeroEngine(nn.Module):
         self.pool.keep_sizes = pool_keep_sizes(trainable, config, self.world, self.device.type)
         self._sync = True
         self._overlap = None  # the optimizer's overlapped step, during its backward
+        # Units whose gradients are being copied to the host (at most the newest one).
+        self._host_copies: list[Unit] = []
+        if self.device.type != "cpu":
+            dm = getattr(torch, self.device.type)
+            copy_stream = dm.Stream(device=self.device)
+            for unit in self.units:
+                unit.copy_stream = copy_stream
         self._final_callback_queued = False
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
@@ -497,7 +504,14 @@ class ZeroEngine(nn.Module):
     def post_backward(self, unit: Unit) -> None:
         unit.grads_ready = 0
         unit.reduce_grads(sync=self._sync)
+        if unit._host_copy is not None:
+            # Its gradients are on their way to the host: finish the previous unit's now
+            # (its copies ran while this unit's backward did), this one's after the next.
+            if self._host_copies and self._host_copies[-1] is not unit:
+                self._host_copies.pop().finish_host_copy()
+            self._host_copies.append(unit)
         if self._overlap is not None and self._sync:
+            unit.finish_host_copy()
             self._overlap.launch(unit)  # its gradient shard is final: update it now
         if unit.backward_active:
             unit.backward_active = False
@@ -512,6 +526,7 @@ class ZeroEngine(nn.Module):
             for unit in self.units:
                 if unit.has_pending_grads():
                     unit.reduce_grads(sync=self._sync)
+        self._finish_host_copies()
         for unit in self.units:
             unit.grads_ready = 0
             unit.backward_active = False
@@ -524,8 +539,14 @@ class ZeroEngine(nn.Module):
                 unit.release()
 
     # ------------------------------------------------------------------------- training
+    def _finish_host_copies(self) -> None:
+        self._host_copies.clear()
+        for unit in self.units:
+            unit.finish_host_copy()
+
     def finalize_grads(self) -> None:
         """Make every gradient shard final before clipping or the optimizer step."""
+        self._finish_host_copies()
         for unit in self.units:
             unit.wait_writes()
         for unit in self.units:

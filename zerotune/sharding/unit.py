@@ -144,6 +144,9 @@ class Unit:
         self.grad_extent = None  # the gradient shard lives here instead of ``grad_shard``
         self._read = None  # (handle, staging tensor or None) of a parameter read in flight
         self._send = None  # a device copy of a host shard that a gather in flight sends
+        # Gradients on their way to the host: (pinned buffer, event) until finish_host_copy.
+        self._host_copy = None
+        self.copy_stream = None  # the side stream of those copies (the engine sets it)
         self._lent = None  # the GatherCache buffer behind flat's storage while gathered
         self._pending_writes: list = []  # this unit's entries of pool.writes
         # The optimizer store's writes of the fp32 master into param_extent (the parameter
@@ -410,21 +413,37 @@ class Unit:
     def _gradients_to_host(self) -> None:
         """World size 1 on an accelerator, gradients bound for the host: every parameter's
         gradient is queued for a copy into one pinned buffer in the compute dtype (half
-        the bytes of fp32 with bf16), one wait for all of them, then the host converts
-        and adds them into the fp32 gradient shard (or its NVMe extent)."""
+        the bytes of fp32 with bf16), on the side stream ``copy_stream`` so that backward
+        goes on meanwhile; ``finish_host_copy`` (the engine calls it once the next unit's
+        copies are queued, and at the end of backward) waits for them, and the host
+        converts and adds them into the fp32 gradient shard (or its NVMe extent)."""
+        self.finish_host_copy()
         staged = self.host_pool.acquire(self.padded_numel, self.dtype)
-        for s in self.slots:
-            g = s.param.grad
-            region = staged[s.offset : s.offset + s.numel]
-            if g is not None and s.trainable:
-                # The gradient's memory may be handed out again once it is dropped, but
-                # only to work queued after this copy on the same stream.
-                region.copy_(g.reshape(-1), non_blocking=True)
-            else:
-                region.zero_()
-            s.param.grad = None
+        dm = getattr(torch, self.device.type)
+        stream = self.copy_stream or dm.current_stream(self.device)
+        stream.wait_stream(dm.current_stream(self.device))  # the gradients are computed
+        with dm.stream(stream):
+            for s in self.slots:
+                g = s.param.grad
+                region = staged[s.offset : s.offset + s.numel]
+                if g is not None and s.trainable:
+                    region.copy_(g.reshape(-1), non_blocking=True)
+                    # Its memory is not handed out again before the copy is done.
+                    g.record_stream(stream)
+                else:
+                    region.zero_()
+                s.param.grad = None
+            event = stream.record_event()
         staged[self.numel :].zero_()
-        getattr(torch, self.device.type).current_stream(self.device).synchronize()
+        self._host_copy = (staged, event)
+
+    def finish_host_copy(self) -> None:
+        """Wait for this unit's gradients on their way to the host and add them in."""
+        if self._host_copy is None:
+            return
+        staged, event = self._host_copy
+        self._host_copy = None
+        event.synchronize()
         if self.grad_extent is None:
             self._accumulate(self._grad_buffer(), staged)
             self.host_pool.release(staged)
@@ -473,6 +492,7 @@ class Unit:
             dst.add_(src)
 
     def zero_grad(self) -> None:
+        self.finish_host_copy()  # its buffer goes back only once the copy is done
         self.grad_is_zero = True
         self.unreduced = None
         for s in self.slots:
