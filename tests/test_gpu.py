@@ -123,10 +123,12 @@ def test_cpu_offload_pins_host_shards_and_empties_the_device():
     for unit in trainable:
         assert unit.master.device.type == "cpu" and unit.master.is_pinned(), unit.name
         assert unit.grad_shard is None or unit.grad_shard.device.type == "cpu", unit.name
-    # Nothing stays on the device: gradients went to the host parameter by parameter, no
-    # device reduce buffer was needed (world size 1), every unit was released.
-    assert engine.pool.allocated_bytes == 0
-    assert moved <= 1024, moved  # at most a stray scalar
+    # Nothing per parameter stays on the device, only the pool's fp32 buffers that carried
+    # each unit's gradient to the host (one per size, two of a size that recurs).
+    sizes = [u.padded_numel * 4 for u in trainable]
+    assert engine.pool.allocated_bytes <= sum(set(sizes)) + max(sizes)
+    assert moved <= engine.pool.allocated_bytes + 1024, moved  # at most a stray scalar
+    assert all(u.grad_shard.is_pinned() for u in trainable)
     engine.close()
 
 

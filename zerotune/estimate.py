@@ -377,6 +377,11 @@ def _working_buffers(
                     sizes.append(u.shard * _F32)
         second = max(recurring_sizes(sizes), default=0) if world == 1 else 0
         out["host_copies"] = {"host": sum(set(sizes)) + second}
+        if world == 1 and not grads_disk:
+            # The first micro-batch converts each unit's gradient into an fp32 device buffer
+            # (two units in flight), kept by the device pool.
+            fp32 = [u.padded * _F32 for u in units if u.trainable and u.numel]
+            out["host_copies"]["device"] = sum(set(fp32)) + max(recurring_sizes(fp32), default=0)
 
     # Parameter gradients between backward and their reduction (stages 2-3; stage 1 keeps
     # them all, see full_grads): one unit at a time, except a parameter used by several

@@ -144,7 +144,8 @@ class Unit:
         self.grad_extent = None  # the gradient shard lives here instead of ``grad_shard``
         self._read = None  # (handle, staging tensor or None) of a parameter read in flight
         self._send = None  # a device copy of a host shard that a gather in flight sends
-        # Gradients on their way to the host: (pinned buffer, event) until finish_host_copy.
+        # Gradients on their way to the host: (buffer, event, straight into the shard)
+        # until finish_host_copy.
         self._host_copy = None
         self.copy_stream = None  # the side stream of those copies (the engine sets it)
         self._lent = None  # the GatherCache buffer behind flat's storage while gathered
@@ -374,8 +375,10 @@ class Unit:
         if self.grad_extent is not None:
             raise RuntimeError("the gradient shard of this unit is on NVMe")
         if self.grad_shard is None:
+            # Pinned when an accelerator copies gradients into it.
+            pin = self.grad_device.type == "cpu" and self.device.type != "cpu"
             self.grad_shard = torch.zeros(
-                self.shard_numel, dtype=self.grad_dtype, device=self.grad_device
+                self.shard_numel, dtype=self.grad_dtype, device=self.grad_device, pin_memory=pin
             )
         return self.grad_shard
 
@@ -416,12 +419,29 @@ class Unit:
         the bytes of fp32 with bf16), on the side stream ``copy_stream`` so that backward
         goes on meanwhile; ``finish_host_copy`` (the engine calls it once the next unit's
         copies are queued, and at the end of backward) waits for them, and the host
-        converts and adds them into the fp32 gradient shard (or its NVMe extent)."""
+        converts and adds them into the fp32 gradient shard (or its NVMe extent). The
+        first micro-batch of a step needs no host work: the device converts the gradients
+        into one fp32 buffer, copied straight into the (pinned) gradient shard."""
         self.finish_host_copy()
-        staged = self.host_pool.acquire(self.padded_numel, self.dtype)
         dm = getattr(torch, self.device.type)
-        stream = self.copy_stream or dm.current_stream(self.device)
-        stream.wait_stream(dm.current_stream(self.device))  # the gradients are computed
+        current = dm.current_stream(self.device)
+        stream = self.copy_stream or current
+        if self.grad_extent is None and self.grad_is_zero and self.grad_dtype == torch.float32:
+            flat = self.pool.acquire(self.padded_numel, torch.float32)
+            for s in self.slots:
+                g = s.param.grad
+                region = flat[s.offset : s.offset + s.numel]
+                region.copy_(g.reshape(-1)) if g is not None and s.trainable else region.zero_()
+                s.param.grad = None
+            flat[self.numel :].zero_()
+            stream.wait_stream(current)
+            with dm.stream(stream):
+                self._grad_buffer().copy_(flat, non_blocking=True)
+                event = stream.record_event()
+            self._host_copy = (flat, event, True)  # flat goes back to the pool once done
+            return
+        staged = self.host_pool.acquire(self.padded_numel, self.dtype)
+        stream.wait_stream(current)  # the gradients are computed
         with dm.stream(stream):
             for s in self.slots:
                 g = s.param.grad
@@ -435,15 +455,19 @@ class Unit:
                 s.param.grad = None
             event = stream.record_event()
         staged[self.numel :].zero_()
-        self._host_copy = (staged, event)
+        self._host_copy = (staged, event, False)
 
     def finish_host_copy(self) -> None:
         """Wait for this unit's gradients on their way to the host and add them in."""
         if self._host_copy is None:
             return
-        staged, event = self._host_copy
+        staged, event, direct = self._host_copy
         self._host_copy = None
         event.synchronize()
+        if direct:
+            self.pool.release(staged)  # the device buffer the shard was copied from
+            self.grad_is_zero = False
+            return
         if self.grad_extent is None:
             self._accumulate(self._grad_buffer(), staged)
             self.host_pool.release(staged)
