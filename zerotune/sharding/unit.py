@@ -419,14 +419,16 @@ class Unit:
         the bytes of fp32 with bf16), on the side stream ``copy_stream`` so that backward
         goes on meanwhile; ``finish_host_copy`` (the engine calls it once the next unit's
         copies are queued, and at the end of backward) waits for them, and the host
-        converts and adds them into the fp32 gradient shard (or its NVMe extent). The
-        first micro-batch of a step needs no host work: the device converts the gradients
-        into one fp32 buffer, copied straight into the (pinned) gradient shard."""
+        converts and adds them into the fp32 gradient shard (or its NVMe extent). An fp32
+        shard in memory needs no host work: the device converts the gradients into one
+        fp32 buffer, copied straight into the (pinned) shard; a later micro-batch brings
+        the shard over, adds on the device and copies the sum back (ZeRO-Offload's
+        accumulation: PCIe bytes instead of host arithmetic)."""
         self.finish_host_copy()
         dm = getattr(torch, self.device.type)
         current = dm.current_stream(self.device)
         stream = self.copy_stream or current
-        if self.grad_extent is None and self.grad_is_zero and self.grad_dtype == torch.float32:
+        if self.grad_extent is None and self.grad_dtype == torch.float32:
             flat = self.pool.acquire(self.padded_numel, torch.float32)
             for s in self.slots:
                 g = s.param.grad
@@ -434,11 +436,21 @@ class Unit:
                 region.copy_(g.reshape(-1)) if g is not None and s.trainable else region.zero_()
                 s.param.grad = None
             flat[self.numel :].zero_()
+            shard = self._grad_buffer()
+            held = [flat]  # back to the pool once the copies are done
+            if not self.grad_is_zero:
+                held.append(self.pool.acquire(self.padded_numel, torch.float32))
             stream.wait_stream(current)
             with dm.stream(stream):
-                self._grad_buffer().copy_(flat, non_blocking=True)
+                if self.grad_is_zero:
+                    shard.copy_(flat, non_blocking=True)
+                else:
+                    total = held[1]
+                    total.copy_(shard, non_blocking=True)
+                    total.add_(flat)
+                    shard.copy_(total, non_blocking=True)
                 event = stream.record_event()
-            self._host_copy = (flat, event, True)  # flat goes back to the pool once done
+            self._host_copy = (held, event, True)
             return
         staged = self.host_pool.acquire(self.padded_numel, self.dtype)
         stream.wait_stream(current)  # the gradients are computed
@@ -465,7 +477,8 @@ class Unit:
         self._host_copy = None
         event.synchronize()
         if direct:
-            self.pool.release(staged)  # the device buffer the shard was copied from
+            for buf in staged:  # the device buffers the shard was copied from and to
+                self.pool.release(buf)
             self.grad_is_zero = False
             return
         if self.grad_extent is None:
