@@ -39,8 +39,9 @@ Tiers.
 Backward: unpacking a record starts bringing back the ``PREFETCH`` records saved before it,
 nearest first (a file read into a fresh aligned buffer, then a host-to-device copy on the side
 stream), so the transfer for block k-1 overlaps block k's recompute and backward; the end of
-a training forward starts the newest. The accelerator paths are written against the
-device-agnostic stream API and have not run on a GPU yet.
+a training forward starts the newest. The accelerator paths use the device-agnostic
+stream API; on a CUDA GPU they give the same bits as keeping the checkpoints
+(tests/test_gpu.py).
 
 Swap file: ``activations*.swap`` in this rank's swap folder (the engine's, or one made the
 same way: 0700, files 0600, removed at ``close()``). Extents are 4 KiB-aligned, from a
