@@ -309,6 +309,46 @@ def test_staging_too_small_is_reported_per_option():
     assert plan.option(3, "cpu", "cpu").error is None
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_embeddings_gradient_buffer_meets_no_activation_peak(tied):
+    """With offload on a CPU the reduce pool gives back a size only one unit uses. A tied
+    input embedding reduces its gradient as backward ends, when the activations are gone:
+    its buffer is "pool_late", set against what they left, not added to their peak. An
+    untied head reduces as backward starts: its buffer counts in full."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from zerotune.config import ZeroConfig
+    from zerotune.estimate import _rows, _working_buffers, activation_bytes, model_shape
+    from zerotune.sharding.plan import plan_swap
+
+    cfg = GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=3000, n_positions=64)
+    cfg.tie_word_embeddings = tied
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    config = ZeroConfig.from_dict(
+        {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+         "nvme_path": "/nonexistent", "grad_host_bytes": 0}
+    )  # fmt: skip
+    units = plan_units(model, config, 1)
+    swap = plan_swap(units, config, 1)
+    work = _working_buffers(units, config, 1, swap, device="cpu")
+    act = activation_bytes(model_shape(model), 64, 4, torch.float32, device="cpu")
+    buffers = _rows(units, config, 1, 0, swap, act, "cpu")[0]["buffers"]["host"]
+    every = sum(n for kind in work.values() for n in kind.values())
+    wte = next(u for u in units if u.name.endswith("wte"))
+    head = next(u for u in units if u.name == "lm_head")
+    if tied:
+        # The embedding's gradient buffer (the largest one-off size) is late, and the
+        # activations leave room for all of it by then: the row has none of it.
+        assert work["pool_late"]["device"] > wte.padded * 4 // 2
+        assert act["total"] - act["end"] > work["pool_late"]["device"]
+        assert buffers <= every - work["pool_late"]["device"]
+    else:
+        assert "pool_late" not in work
+        assert work["pool"]["device"] >= head.padded * 4  # the head's, kept in full
+        assert buffers >= work["pool"]["device"]
+
+
 def test_bad_input_raises_config_errors():
     from zerotune.config import ConfigError
 

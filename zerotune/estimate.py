@@ -170,7 +170,8 @@ def activation_bytes(
     (one layer's), ``held`` (kept from forward into backward: every layer's activations, or
     with checkpointing the layers' inputs, plus what lies outside the layers), ``loss`` (the
     loss's peak on top of ``held``), ``backward`` (the peak while backward runs through the
-    layers, without the engine's buffers) and ``total`` (the peak)."""
+    layers, without the engine's buffers), ``end`` (what is left when backward reaches the
+    input embedding) and ``total`` (the peak)."""
     e = torch.finfo(dtype).bits // 8
     s, b, h, f, a = seq_len, micro_batch, shape.hidden, shape.intermediate, shape.heads
     m = 1 if device != "cpu" else e
@@ -203,6 +204,9 @@ def activation_bytes(
         "held": held,
         "loss": loss,
         "backward": backward,
+        # At the end of backward (the input embedding's turn): what lies outside the
+        # layers and the fp32 gradient of the embedding's output.
+        "end": outside + s * b * h * 4,
         "total": max(held + loss, backward),
     }
 
@@ -311,10 +315,15 @@ def _working_buffers(
 
     # The pool: buffers are keyed by (elements, dtype) and kept for the run.
     keys: dict[tuple[int, int], int] = {}
+    # The units whose gradient reduction (in backward) uses a size; the other sizes serve
+    # the optimizer step, after backward.
+    users: dict[tuple[int, int], set[int]] = {}
 
-    def need(numel: int, itemsize: int, count: int = 1) -> None:
+    def need(numel: int, itemsize: int, count: int = 1, unit: UnitPlan | None = None) -> None:
         if numel > 0:
             keys[numel, itemsize] = max(keys.get((numel, itemsize), 0), count)
+            if unit is not None:
+                users.setdefault((numel, itemsize), set()).add(unit.index)
 
     def same(predicate) -> int:
         return sum(1 for u in units if predicate(u))
@@ -324,12 +333,12 @@ def _working_buffers(
         if not u.trainable or u.numel == 0:
             continue
         if world > 1:
-            need(u.padded, _F32)  # the whole fp32 gradient, reduce-scattered
+            need(u.padded, _F32, unit=u)  # the whole fp32 gradient, reduce-scattered
             queued = _buffers_writing(u.shard * _F32) if grads_disk else 1
-            need(u.shard, _F32, min(queued, same(lambda v, n=u.shard: v.shard == n)))
+            need(u.shard, _F32, min(queued, same(lambda v, n=u.shard: v.shard == n)), u)
         elif grads_disk:
             count = _buffers_writing(u.padded * _F32)
-            need(u.padded, _F32, min(count, same(lambda v, n=u.padded: v.padded == n)))
+            need(u.padded, _F32, min(count, same(lambda v, n=u.padded: v.padded == n)), u)
         if grads_disk:
             need(min(_GRAD_CHUNK, u.shard), _F32)  # reading gradients for the norm
     for u in units:
@@ -352,9 +361,22 @@ def _working_buffers(
     if kept is not None:
         # The engine's host pool keeps only these sizes; a one-off size (an embedding's
         # gradient) exists only while in use, so at most the largest adds to the kept ones.
-        transient = [b for (n, size), b in held.items() if n * size not in kept]
-        pool = sum(b for (n, size), b in held.items() if n * size in kept)
-        pool += max(transient, default=0)
+        # A one-off size that only units ahead of the repeated blocks reduce with (a tied
+        # input embedding), or only the optimizer step uses, is in use at the end of
+        # backward or after it, when the activations are gone ("pool_late", set against
+        # them in _rows); others may meet the activation peak.
+        blocks = [u.index for u in units if u.padded * _F32 in kept]
+        first_block = min(blocks, default=-1)
+
+        def late(key) -> bool:  # the root unit (index 0) may reduce as backward starts
+            return all(0 < i < first_block for i in users.get(key, ()))
+
+        transient = [b for key, b in held.items() if key[0] * key[1] not in kept]
+        early = max((b for key, b in held.items() if key[0] * key[1] not in kept
+                     and not late(key)), default=0)  # fmt: skip
+        pool = sum(b for (n, size), b in held.items() if n * size in kept) + early
+        if max(transient, default=0) > early:
+            out["pool_late"] = {"device": max(transient) - early}
     else:
         pool = sum(held.values())
     if pool:
@@ -815,6 +837,11 @@ def _rows(
     act_tier = "host" if device == "cpu" else "device"
     for tier, n in transient.items():
         add("buffers", tier, max(0, n - slack) if tier == act_tier else n)
+    # Buffers of the end of backward: what the activations left by then makes room.
+    end_slack = act["total"] - act["end"] if act is not None else 0
+    for tier, n in work.get("pool_late", {}).items():
+        tier = "host" if device == "cpu" and tier == "device" else tier
+        add("buffers", tier, max(0, n - end_slack) if tier == act_tier else n)
     return rows, {**kinds, **work}
 
 
