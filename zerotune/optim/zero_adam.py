@@ -372,9 +372,9 @@ class _OverlappedStep:
 
     def _job(self, unit):
         # Gradients spilled to NVMe must be on disk before the pipeline reads them back.
-        for entry in unit._pending_writes:
-            if not entry[0].done():
-                yield entry[0]
+        for handle in unit.pending_write_handles():
+            if not handle.done():
+                yield handle
         unit.wait_writes()
         items = [(unit, c0, c1) for c0, c1 in self.opt.store.chunks(unit)]
         yield from self.opt.store.pipeline(items, self.opt._update_chunk)

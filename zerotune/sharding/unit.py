@@ -249,6 +249,10 @@ class Unit:
         self._point_params(self.flat)
         self.state = UnitState.GATHERED
 
+    def pending_write_handles(self) -> list:
+        """The I/O handles of this unit's NVMe writes still queued (oldest first)."""
+        return [entry[0] for entry in self._pending_writes]
+
     def wait_writes(self) -> None:
         """Finish this unit's NVMe writes in flight and give their buffers back."""
         for entry in self._pending_writes:
