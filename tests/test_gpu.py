@@ -50,6 +50,7 @@ CASES = [
     ("gpt2", {"stage": 3}, 2, True),
     ("odd", {"stage": 3}, 2, True),
     ("gpt2_ckpt", {"stage": 3}, 2, False),
+    ("gpt2", {"stage": 1, "offload_optimizer": "cpu"}, 2, False),
     ("gpt2", {"stage": 3, "offload_optimizer": "cpu"}, 2, False),
     ("gpt2", {"stage": 2, "offload_optimizer": "cpu"}, 2, True),
     ("gpt2", {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}, 2, False),
@@ -225,3 +226,70 @@ def test_estimate_of_device_memory_matches_the_measured_peak(config):
     )
     engine.close()
     assert warnings == [], warnings
+
+
+def test_a_device_named_without_its_index_keeps_the_shards():
+    """``device="cuda"`` is ``cuda:<current>``: a shard in device memory is not mistaken for
+    a host shard (whose gathered copy is freed after use)."""
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32)
+    engine = zerotune.zero_init(cfg, {"stage": 3}, device="cuda")
+    assert engine.device == torch.device("cuda", torch.cuda.current_device())
+    ids = batches("gpt2", 1)[0].cuda()
+    with torch.no_grad():
+        first = float(loss_of(engine, ids))
+        second = float(loss_of(engine, ids))
+    assert first == second
+    engine.close()
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_checkpoint_round_trip_and_export_with_offloaded_shards(offload, tmp_path):
+    """Save after two steps, load into a fresh engine (parameter shards on the host or on
+    NVMe), same weights and next loss; the HF export has the same weights."""
+    from zerotune.checkpoint import export_hf, load_checkpoint, save_checkpoint
+
+    config = {"stage": 3, "offload_param": offload, "offload_optimizer": offload}
+    if offload == "nvme":
+        config["nvme_path"] = str(tmp_path / "swap")
+        os.makedirs(config["nvme_path"])
+
+    def trained(steps):
+        engine = zerotune.shard(build("gpt2").cuda(), config)
+        opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+        for ids in batches("gpt2", steps):
+            engine.backward(loss_of(engine, ids.cuda()))
+            opt.step()
+        return engine, opt
+
+    engine, opt = trained(2)
+    save_checkpoint(engine, str(tmp_path / "ckpt"), step=2)
+    weights = engine.full_state_dict()
+    ids = batches("gpt2", 3)[2].cuda()
+    engine.backward(loss_of(engine, ids))
+    opt.step()
+    after = engine.full_state_dict()
+    engine.close()
+
+    fresh, opt2 = trained(0)
+    assert load_checkpoint(fresh, str(tmp_path / "ckpt")).step == 2
+    got = fresh.full_state_dict()
+    for name, w in weights.items():
+        assert torch.equal(got[name], w), name
+    fresh.backward(loss_of(fresh, ids))
+    opt2.step()
+    for name, w in fresh.full_state_dict().items():
+        assert torch.equal(w, after[name]), name
+    fresh.close()
+    from safetensors.torch import load_file
+
+    out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype="fp32")
+    exported = {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            exported.update(load_file(os.path.join(out, f)))
+    for name, w in weights.items():
+        if name in exported:
+            assert torch.equal(exported[name], w), name
+    assert "transformer.wte.weight" in exported

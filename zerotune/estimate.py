@@ -313,17 +313,25 @@ def _working_buffers(
             )
             out["gather_cache"] = {"host": keep}
 
-    # The pool: buffers are keyed by (elements, dtype) and kept for the run.
-    keys: dict[tuple[int, int], int] = {}
+    # The pools: buffers are keyed by (elements, dtype) and kept for the run. On an
+    # accelerator, buffers that meet NVMe come from the engine's pinned host pool.
+    keys: dict[tuple[int, int, str], int] = {}
     # The units whose gradient reduction (in backward) uses a size; the other sizes serve
     # the optimizer step, after backward.
-    users: dict[tuple[int, int], set[int]] = {}
+    users: dict[tuple[int, int, str], set[int]] = {}
 
-    def need(numel: int, itemsize: int, count: int = 1, unit: UnitPlan | None = None) -> None:
+    def need(
+        numel: int,
+        itemsize: int,
+        count: int = 1,
+        unit: UnitPlan | None = None,
+        tier: str = "device",
+    ) -> None:
         if numel > 0:
-            keys[numel, itemsize] = max(keys.get((numel, itemsize), 0), count)
+            key = (numel, itemsize, "device" if device == "cpu" else tier)
+            keys[key] = max(keys.get(key, 0), count)
             if unit is not None:
-                users.setdefault((numel, itemsize), set()).add(unit.index)
+                users.setdefault(key, set()).add(unit.index)
 
     def same(predicate) -> int:
         return sum(1 for u in units if predicate(u))
@@ -335,12 +343,15 @@ def _working_buffers(
         if world > 1:
             need(u.padded, _F32, unit=u)  # the whole fp32 gradient, reduce-scattered
             queued = _buffers_writing(u.shard * _F32) if grads_disk else 1
-            need(u.shard, _F32, min(queued, same(lambda v, n=u.shard: v.shard == n)), u)
+            same_shard = same(lambda v, n=u.shard: v.shard == n)
+            need(u.shard, _F32, min(queued, same_shard), u)
+            if grads_disk and device != "cpu":
+                need(u.shard, _F32, min(queued, same_shard), u, tier="host")  # for the file
         elif grads_disk:
             count = _buffers_writing(u.padded * _F32)
-            need(u.padded, _F32, min(count, same(lambda v, n=u.padded: v.padded == n)), u)
+            need(u.padded, _F32, min(count, same(lambda v, n=u.padded: v.padded == n)), u, "host")
         if grads_disk:
-            need(min(_GRAD_CHUNK, u.shard), _F32)  # reading gradients for the norm
+            need(min(_GRAD_CHUNK, u.shard), _F32, tier="host")  # gradients read for the step
     for u in units:
         if u.persistent and world > 1 and u.numel:
             need(u.shard, e)  # refresh: the updated shard, all-gathered
@@ -353,8 +364,8 @@ def _working_buffers(
             # Updated shards on their way to NVMe (none when the parameter file holds the
             # fp32 master: the step writes it there itself).
             count = min(_buffers_writing(u.shard * e), same(lambda v, n=u.shard: v.shard == n))
-            need(u.shard, e, count)
-    held = {(n, size): n * size * count for (n, size), count in keys.items()}
+            need(u.shard, e, count, tier="host")
+    held = {key: key[0] * key[1] * count for key, count in keys.items()}
     kept = pool_keep_sizes(
         [(u.padded, u.shard) for u in units if u.trainable and u.numel], config, world, device
     )
@@ -374,36 +385,37 @@ def _working_buffers(
         transient = [b for key, b in held.items() if key[0] * key[1] not in kept]
         early = max((b for key, b in held.items() if key[0] * key[1] not in kept
                      and not late(key)), default=0)  # fmt: skip
-        pool = sum(b for (n, size), b in held.items() if n * size in kept) + early
+        pool = sum(b for key, b in held.items() if key[0] * key[1] in kept) + early
         if max(transient, default=0) > early:
             out["pool_late"] = {"device": max(transient) - early}
+        if pool:
+            out["pool"] = {"device": pool}
     else:
-        pool = sum(held.values())
-    if pool:
-        out["pool"] = {"device": pool}
+        for key, b in held.items():
+            out.setdefault("pool", {}).setdefault(key[2], 0)
+            out["pool"][key[2]] += b
     lowp = config.torch_dtype != torch.float32
     grads_to_host = config.offload_optimizer != "none" or (not lowp and host_shards)
     if device != "cpu" and grads_to_host:
-        # Gradients copied to the host, into pinned buffers kept for the run, one per size:
-        # the whole gradient in the compute dtype at world size 1 (Unit._gradients_to_host;
-        # converted to fp32 for an NVMe file), this rank's fp32 shard beyond. At world size
-        # 1 two units' copies are in flight at once: a size that recurs has two buffers.
-        sizes = []
-        for u in units:
-            if u.trainable and u.numel:
-                if world == 1:
-                    sizes.append(u.padded * e)
-                    if grads_disk and e != _F32:
-                        sizes.append(u.padded * _F32)
-                else:
-                    sizes.append(u.shard * _F32)
-        second = max(recurring_sizes(sizes), default=0) if world == 1 else 0
-        out["host_copies"] = {"host": sum(set(sizes)) + second}
-        if world == 1 and not grads_disk:
-            # The first micro-batch converts each unit's gradient into an fp32 device buffer
-            # (two units in flight), kept by the device pool.
-            fp32 = [u.padded * _F32 for u in units if u.trainable and u.numel]
-            out["host_copies"]["device"] = sum(set(fp32)) + max(recurring_sizes(fp32), default=0)
+        # Gradients on their way to the host, in buffers the pools keep for the run, one per
+        # size and two units in flight at world size 1 (Unit._gradients_to_host): an fp32
+        # shard in memory through fp32 device buffers (two per unit with accumulation: the
+        # shard is brought over and added on the device); an NVMe file or a low-precision
+        # shard through pinned buffers in the compute dtype (the fp32 ones for the file are
+        # the pool's, above). Beyond world size 1, this rank's fp32 shard, pinned.
+        trained = [u for u in units if u.trainable and u.numel]
+        direct = not grads_disk and config.torch_grad_dtype == torch.float32
+        copies: dict[str, int] = {}
+        if world == 1 and direct:
+            fp32 = [u.padded * _F32 for u in trained]
+            copies["device"] = 2 * (sum(set(fp32)) + max(recurring_sizes(fp32), default=0))
+        elif world == 1:
+            staged = [u.padded * e for u in trained]
+            copies["host"] = sum(set(staged)) + max(recurring_sizes(staged), default=0)
+        elif not grads_disk:
+            copies["host"] = sum({u.shard * _F32 for u in trained})
+        if copies:
+            out["host_copies"] = copies
 
     # Parameter gradients between backward and their reduction (stages 2-3; stage 1 keeps
     # them all, see full_grads): one unit at a time, except a parameter used by several

@@ -319,9 +319,12 @@ def _gather_master(engine, unit) -> torch.Tensor | None:
     master = engine.unit_state(unit)["master"]
     if engine.world == 1:
         return master
+    # The collective runs where the engine computes (NCCL takes no host tensors): a
+    # master offloaded to the host travels through the device.
+    master = master.to(engine.device)
     full = None
     if engine.rank == 0:
-        full = torch.empty(unit.padded_numel, dtype=torch.float32, device=master.device)
+        full = torch.empty(unit.padded_numel, dtype=torch.float32, device=engine.device)
         parts = list(full.split(unit.shard_numel))
     else:
         parts = None

@@ -122,10 +122,12 @@ class GatherCache:
 def _pinned_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Pinned host memory whose first byte is 4 KiB aligned (these buffers also carry NVMe
     reads and writes; the pinned allocator does not promise the alignment)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(numel * itemsize + 4096, dtype=torch.uint8, pin_memory=True)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if raw.data_ptr() % 4096:
+        raw = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
     skip = -raw.data_ptr() % 4096
-    return raw[skip : skip + numel * itemsize].view(dtype)
+    return raw[skip : skip + nbytes].view(dtype)
 
 
 class BufferPool:

@@ -99,6 +99,11 @@ class ZeroEngine(nn.Module):
             params = list(model.parameters())
             device = params[0].device if params else torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type != "cpu" and self.device.index is None:
+            # "cuda" and "cuda:0" compare unequal: name the index, so that device checks
+            # (is this shard on the host?) hold.
+            dm = getattr(torch, self.device.type)
+            self.device = torch.device(self.device.type, dm.current_device())
         self._prepare_unit = prepare_unit
         # Large linears become tiles before units are formed (see [Note: tiling]); the map
         # lets optimizer groups built from the untiled model find the tiles.
@@ -143,8 +148,8 @@ class ZeroEngine(nn.Module):
         self._overlap = None  # the optimizer's overlapped step, during its backward
         # Units whose gradients are being copied to the host (at most the newest one).
         self._host_copies: list[Unit] = []
-        if self.device.type != "cpu":
-            dm = getattr(torch, self.device.type)
+        dm = getattr(torch, self.device.type, None)
+        if self.device.type != "cpu" and hasattr(dm, "Stream"):
             copy_stream = dm.Stream(device=self.device)
             for unit in self.units:
                 unit.copy_stream = copy_stream
@@ -552,6 +557,8 @@ class ZeroEngine(nn.Module):
         for unit in self.units:
             if unit.has_pending_grads() or unit.unreduced is not None:
                 unit.reduce_grads(sync=True)
+        # Stage 1 reduces here, after backward: those copies to the host finish now too.
+        self._finish_host_copies()
 
     def after_step(self) -> None:
         for unit in self.units:
@@ -602,9 +609,10 @@ class ZeroEngine(nn.Module):
         if "master" in state:
             master = state["master"].reshape(-1).to(unit.dtype)
             if unit.param_extent is not None:
-                staged = self.pool.acquire(unit.shard_numel, unit.dtype)  # aligned for the file
+                # A host buffer, aligned for the file.
+                staged = self.host_pool.acquire(unit.shard_numel, unit.dtype)
                 staged.copy_(master)
-                unit.store_shard(staged, give_back=self.pool.release)
+                unit.store_shard(staged, give_back=self.host_pool.release)
                 unit.wait_writes()
             elif unit.shard is not unit.master:
                 unit.shard.copy_(master)
@@ -630,6 +638,8 @@ class ZeroEngine(nn.Module):
         if optimizer is not None:
             report["optimizer"] = optimizer.state_bytes()
         report["pool"] = self.pool.allocated_bytes
+        if self.host_pool is not self.pool:
+            report["host_pool"] = self.host_pool.allocated_bytes  # pinned, on the host
         report["staging"] = self.staging.allocated if self.staging is not None else 0
         report["nvme"] = self.swap.total_bytes if self.swap is not None else 0
         report["gathered_now"] = self.pool.gathered.now
