@@ -23,9 +23,9 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
-import sys
 import time
+
+from _variants import answer_as_variant, run_variants
 
 VARIANTS = ["plain", "zerotune", "zerotune-optim-cpu", "zerotune-both-cpu"]
 
@@ -113,17 +113,9 @@ def run_variant(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     args = parse()
-    if args.variant:
-        print(json.dumps(run_variant(args)))
+    if answer_as_variant(args, run_variant):
         return
-    results = {}
-    for name in args.variants.split(","):
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", name]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"{name} run failed:\n{out.stderr[-3000:]}")
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    results = run_variants(__file__, args.variants.split(","))
     print(
         f"model {args.model}, {args.dtype}, {args.accum} x {args.batch} x {args.seq} tokens a "
         f"step, median of {args.steps} steps after {args.warmup} warm-up"

@@ -32,9 +32,10 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+from _variants import answer_as_variant, run_variants
 
 
 def parse() -> argparse.Namespace:
@@ -174,8 +175,7 @@ def _page_cache_bytes() -> int:
 
 def main() -> None:
     args = parse()
-    if args.variant:
-        print(json.dumps(run_variant(args)))
+    if answer_as_variant(args, run_variant):
         return
     if "nvme" in (args.offload, args.offload_activations) and not args.nvme_path:
         sys.exit("--offload nvme / --offload-activations nvme need --nvme-path (a local folder)")
@@ -185,14 +185,7 @@ def main() -> None:
     if args.offload_activations != "none":
         variants.append("zerotune-kept-checkpoints")
     variants.append("zerotune")
-    results = {}
-    for name in variants:
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", name]
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"{name} run failed:\n{out.stderr[-3000:]}")
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    results = run_variants(__file__, variants)
 
     print(
         f"model {args.model}, seq {args.seq}, batch {args.batch}, {args.dtype}, "

@@ -347,15 +347,7 @@ class Unit:
         if self.world == 1 and sync and self.unreduced is None:
             self._add_into_shard_directly()
             return
-        flat = self.pool.acquire(self.padded_numel, torch.float32)
-        for s in self.slots:
-            region = flat[s.offset : s.offset + s.numel]
-            if s.param.grad is not None and s.trainable:
-                region.copy_(s.param.grad.reshape(-1))
-            else:
-                region.zero_()
-            s.param.grad = None
-        flat[self.numel :].zero_()
+        flat = self._take_grads(self.pool)
         if not sync:
             if self.unreduced is None:
                 self.unreduced = flat.clone()
@@ -374,6 +366,18 @@ class Unit:
             return
         self._accumulate(self._grad_buffer(), out)
         self.pool.release(out)
+
+    def _take_grads(self, pool: BufferPool) -> torch.Tensor:
+        """Every parameter's gradient in its region of an fp32 buffer from ``pool`` (zeros
+        where there is none and in the padding); the parameters' gradients are dropped."""
+        flat = pool.acquire(self.padded_numel, torch.float32)
+        for s in self.slots:
+            g = s.param.grad
+            region = flat[s.offset : s.offset + s.numel]
+            region.copy_(g.reshape(-1)) if g is not None and s.trainable else region.zero_()
+            s.param.grad = None
+        flat[self.numel :].zero_()
+        return flat
 
     def _grad_buffer(self) -> torch.Tensor:
         if self.grad_extent is not None:
@@ -396,14 +400,7 @@ class Unit:
             self._gradients_to_host()
             return
         if self.grad_extent is not None:
-            flat = self.host_pool.acquire(self.padded_numel, torch.float32)
-            for s in self.slots:
-                g = s.param.grad
-                region = flat[s.offset : s.offset + s.numel]
-                region.copy_(g.reshape(-1)) if g is not None and s.trainable else region.zero_()
-                s.param.grad = None
-            flat[self.numel :].zero_()
-            self._accumulate_nvme(flat)
+            self._accumulate_nvme(self._take_grads(self.host_pool))
             return
         self._grad_buffer()
         first = self.grad_is_zero
@@ -433,13 +430,7 @@ class Unit:
         current = dm.current_stream(self.device)
         stream = self.copy_stream or current
         if self.grad_extent is None and self.grad_dtype == torch.float32:
-            flat = self.pool.acquire(self.padded_numel, torch.float32)
-            for s in self.slots:
-                g = s.param.grad
-                region = flat[s.offset : s.offset + s.numel]
-                region.copy_(g.reshape(-1)) if g is not None and s.trainable else region.zero_()
-                s.param.grad = None
-            flat[self.numel :].zero_()
+            flat = self._take_grads(self.pool)
             shard = self._grad_buffer()
             held = [flat]  # back to the pool once the copies are done
             if not self.grad_is_zero:
