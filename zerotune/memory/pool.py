@@ -119,17 +119,6 @@ class GatherCache:
             self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
 
 
-def _pinned_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Pinned host memory whose first byte is 4 KiB aligned (these buffers also carry NVMe
-    reads and writes; the pinned allocator does not promise the alignment)."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    if raw.data_ptr() % 4096:
-        raw = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
-    skip = -raw.data_ptr() % 4096
-    return raw[skip : skip + nbytes].view(dtype)
-
-
 class BufferPool:
     def __init__(self, device: torch.device | str = "cpu", pin: bool = False):
         self.device = torch.device(device)
@@ -157,13 +146,12 @@ class BufferPool:
         if reused:
             buf = free.pop()
             self.free_bytes -= buf.numel() * buf.element_size()
-        elif self.device.type == "cpu" and not self.pin:
-            # 4 KiB aligned: these buffers also carry NVMe reads and writes.
+        elif self.device.type == "cpu":
+            # 4 KiB aligned (pinned with an accelerator): these buffers also carry NVMe
+            # reads and writes.
             from .aio import aligned_empty
 
-            buf = aligned_empty(numel, dtype)
-        elif self.pin:
-            buf = _pinned_aligned(numel, dtype)
+            buf = aligned_empty(numel, dtype, pin=self.pin)
         else:
             buf = torch.empty(numel, dtype=dtype, device=self.device)
         if not reused:

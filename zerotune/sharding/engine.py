@@ -146,8 +146,8 @@ class ZeroEngine(nn.Module):
         self.pool.keep_sizes = pool_keep_sizes(trainable, config, self.world, self.device.type)
         self._sync = True
         self._overlap = None  # the optimizer's overlapped step, during its backward
-        # Units whose gradients are being copied to the host (at most the newest one).
-        self._host_copies: list[Unit] = []
+        # The unit whose gradients are on their way to the host (finished after the next).
+        self._copying: Unit | None = None
         dm = getattr(torch, self.device.type, None)
         if self.device.type != "cpu" and hasattr(dm, "Stream"):
             copy_stream = dm.Stream(device=self.device)
@@ -512,9 +512,9 @@ class ZeroEngine(nn.Module):
         if unit._host_copy is not None:
             # Its gradients are on their way to the host: finish the previous unit's now
             # (its copies ran while this unit's backward did), this one's after the next.
-            if self._host_copies and self._host_copies[-1] is not unit:
-                self._host_copies.pop().finish_host_copy()
-            self._host_copies.append(unit)
+            if self._copying is not None and self._copying is not unit:
+                self._copying.finish_host_copy()
+            self._copying = unit
         if self._overlap is not None and self._sync:
             unit.finish_host_copy()
             self._overlap.launch(unit)  # its gradient shard is final: update it now
@@ -545,7 +545,7 @@ class ZeroEngine(nn.Module):
 
     # ------------------------------------------------------------------------- training
     def _finish_host_copies(self) -> None:
-        self._host_copies.clear()
+        self._copying = None
         for unit in self.units:
             unit.finish_host_copy()
 
