@@ -382,12 +382,11 @@ def _working_buffers(
         def late(key) -> bool:  # the root unit (index 0) may reduce as backward starts
             return all(0 < i < first_block for i in users.get(key, ()))
 
-        transient = [b for key, b in held.items() if key[0] * key[1] not in kept]
-        early = max((b for key, b in held.items() if key[0] * key[1] not in kept
-                     and not late(key)), default=0)  # fmt: skip
-        pool = sum(b for key, b in held.items() if key[0] * key[1] in kept) + early
-        if max(transient, default=0) > early:
-            out["pool_late"] = {"device": max(transient) - early}
+        one_off = {key: b for key, b in held.items() if key[0] * key[1] not in kept}
+        early = max((b for key, b in one_off.items() if not late(key)), default=0)
+        pool = sum(held.values()) - sum(one_off.values()) + early
+        if max(one_off.values(), default=0) > early:
+            out["pool_late"] = {"device": max(one_off.values()) - early}
         if pool:
             out["pool"] = {"device": pool}
     else:
