@@ -301,8 +301,22 @@ def run_overlapped(rank, world, nvme_root, configs):
                 dist.all_reduce(total)
             losses.append(float(total) / world)
         weights = engine.full_state_dict()
+        grad_file = engine.swap.files.get("grad") if engine.swap is not None else None
+        held_peak = engine.memory_report()["grads_held_peak"]
         engine.close()
-        out.append({"losses": losses, "weights": weights, "early": early})
+        out.append(
+            {
+                "losses": losses,
+                "weights": weights,
+                "early": early,
+                "grad_file_bytes": sum(
+                    u.shard_numel * 4 for u in engine.units if u.grad_extent is not None
+                )
+                if grad_file is not None
+                else 0,
+                "held_peak": held_peak,
+            }
+        )
     return out
 
 
@@ -326,6 +340,48 @@ def test_overlapped_step_matches_plain_adamw(world, tmp_path):
             np.testing.assert_allclose(
                 np.asarray(res["weights"][name]), w.numpy(), rtol=1e-5, atol=2e-5, err_msg=name
             )
+
+
+def test_overlapped_step_runs_updates_queued_while_writes_drain(tmp_path, monkeypatch):
+    """The step's pipeline runs across units, and units are queued while it waits: reads
+    report done at once and writes only once waited, so the pipeline is caught draining
+    its writes with nothing queued, units are queued meanwhile, and ``step()`` closes the
+    queue. Every unit must still be updated (an early version returned there and lost
+    them): same losses and weights as plain AdamW, at world size 1, with gradients in
+    memory and with gradients on NVMe (then held in memory for the update: the gradient
+    file is written only by the first micro-batch)."""
+    import numpy as np
+    from harness import train_reference
+
+    from zerotune.memory import aio
+
+    monkeypatch.setattr(aio.IOHandle, "done", lambda self: self._impl is None or self._op == "read")
+    written = {"grad": 0}
+    real_write = aio.SwapFile.write
+
+    def counting_write(self, tensor, offset):
+        if self.path.name.startswith("grad"):
+            written["grad"] += tensor.numel() * tensor.element_size()
+        return real_write(self, tensor, offset)
+
+    monkeypatch.setattr(aio.SwapFile, "write", counting_write)
+    ref = train_reference("gpt2", clip=None)
+    configs = [dict(OVERLAP_CONFIGS[0]), dict(OVERLAP_CONFIGS[0], grad_host_bytes=2**30)]
+    for config in configs:
+        written["grad"] = 0
+        (res,) = run_overlapped(0, 1, str(tmp_path), [config])
+        np.testing.assert_allclose(res["losses"], ref["losses"], rtol=1e-5, err_msg=str(config))
+        for name, w in ref["weights"].items():
+            np.testing.assert_allclose(
+                np.asarray(res["weights"][name]), w.numpy(), rtol=1e-5, atol=2e-5, err_msg=name
+            )
+        if config["grad_host_bytes"] == 0:  # gradients on NVMe
+            assert res["grad_file_bytes"] > 0
+            # one micro-batch of every step wrote its gradients; the last was held
+            assert written["grad"] == len(ref["losses"]) * res["grad_file_bytes"], written
+            assert res["held_peak"] > 0
+        else:
+            assert written["grad"] == 0 and res["held_peak"] == 0
 
 
 def test_overlapped_step_refuses_what_it_cannot_do(tmp_path):

@@ -35,6 +35,8 @@ class WriteQueue:
     def add(self, owner: list, handle, buf, give_back) -> None:
         entry = [handle, buf, give_back, False]
         owner.append(entry)
+        while self._entries and self._entries[0][3]:  # finished by their unit meanwhile
+            self._entries.popleft()
         self._entries.append(entry)
         self._bytes += buf.numel() * buf.element_size()
         while len(self._entries) > 1 and (
@@ -47,10 +49,15 @@ class WriteQueue:
         if done:
             return
         entry[3] = True
+        entry[1] = None  # the queue may hold the entry a while longer: not its buffer
         self._bytes -= buf.numel() * buf.element_size()
         handle.wait()
         if give_back is not None:
             give_back(buf)
+
+    def in_flight(self) -> int:
+        """Writes added and not finished yet."""
+        return sum(not entry[3] for entry in self._entries)
 
 
 class ByteCounter:
@@ -127,6 +134,7 @@ class BufferPool:
         self.gathered = ByteCounter()  # gathered parameter storage held by the units
         self.gather_cache = GatherCache.create(self.device)
         self.writes = WriteQueue()  # NVMe writes of gradient and parameter shards in flight
+        self.held_grads = ByteCounter()  # gradient shards kept for an overlapped update
         self.allocations = 0  # buffers created since the pool was made
         self.allocated_bytes = 0  # bytes owned by the pool (free or lent out)
         # Sizes (in bytes) of the buffers kept for reuse once released (None: all of them,
@@ -138,6 +146,19 @@ class BufferPool:
         self.free_bytes = 0
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
+
+    def keep_only(self, sizes: set[int] | None) -> None:
+        """Set ``keep_sizes`` and drop the free buffers of other sizes (those released
+        before, while building the units, when every size was kept)."""
+        self.keep_sizes = sizes
+        if sizes is None:
+            return
+        for (numel, dtype), free in self._free.items():
+            nbytes = numel * dtype.itemsize
+            if nbytes not in sizes:
+                self.free_bytes -= nbytes * len(free)
+                self.allocated_bytes -= nbytes * len(free)
+                free.clear()
 
     def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer of exactly ``numel`` elements; its contents are undefined."""

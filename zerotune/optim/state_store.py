@@ -41,6 +41,8 @@ from ..memory.swap import ALIGN, round_up
 from .quant8 import MOMENTS, Q8Moments, blocks, quantized, require_bitsandbytes
 
 __all__ = [
+    "IDLE",
+    "Feed",
     "NvmeStore",
     "OptimLayout",
     "ResidentStore",
@@ -172,6 +174,35 @@ def _check_moment_keys(state: dict) -> None:
             raise ValueError(f"{k}.q8 and {k}.absmax go together")
 
 
+IDLE = object()  # yielded by a pipeline whose open feed has nothing to do yet
+
+
+class Feed:
+    """The chunks ``(unit, c0, c1)`` a pipeline updates, in order. An open feed may be given
+    more while its pipeline runs (the overlapped step adds each unit as backward finishes
+    it); the pipeline ends when the feed is closed and empty."""
+
+    def __init__(self, items=(), closed: bool = True) -> None:
+        self.items: deque = deque(items)
+        self.closed = closed
+
+    @classmethod
+    def of(cls, feed) -> Feed:
+        return feed if isinstance(feed, Feed) else cls(feed)
+
+    def take(self):
+        return self.items.popleft() if self.items else None
+
+
+def _gate(unit):
+    """Wait (yielding each handle not done yet) for the unit's writes in flight: gradients
+    spilled to NVMe must be on disk before the step reads them back."""
+    for handle in unit.pending_write_handles():
+        if not handle.done():
+            yield handle
+    unit.wait_writes()
+
+
 class ResidentStore:
     def __init__(self, units, bits: int = 32):
         self.moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -193,10 +224,16 @@ class ResidentStore:
             return [(0, n)]
         return [(c0, min(c0 + _Q8_CHUNK, n)) for c0 in range(0, n, _Q8_CHUNK)]
 
-    def pipeline(self, items, update):
-        """``run`` as a generator (it has nothing to wait for: it yields nothing)."""
-        self.run(items, update)
-        yield from ()
+    def pipeline(self, feed, update):
+        """``run`` over a :class:`Feed`, as a generator: it waits for nothing but the
+        units' own writes and for more work (``IDLE``)."""
+        feed = Feed.of(feed)
+        while (item := feed.take()) is not None or not feed.closed:
+            if item is None:
+                yield IDLE
+                continue
+            yield from _gate(item[0])
+            self.run([item], update)
 
     def run(self, items, update) -> None:
         for unit, c0, c1 in items:
@@ -362,7 +399,8 @@ class NvmeStore:
     # ----------------------------------------------------------------------- the step
     def _start(self, item):
         unit, c0, c1 = item
-        grad_disk = unit.grad_extent is not None
+        held = unit.held_grad
+        grad_disk = unit.grad_extent is not None and held is None
         n = c1 - c0
         if self._q8(unit):
             state_bytes = round_up(record_bytes(n))
@@ -377,33 +415,59 @@ class NvmeStore:
             dst = buf[state_bytes : state_bytes + n * _F32]
             handles.append(g.file.read(dst, g.offset + c0 * _F32))
             self.bytes_read += n * _F32
-        return item, buf, state_bytes, pieces, handles
+            grad = dst.view(torch.float32)
+        else:
+            grad = (held if held is not None else unit.grad_shard)[c0:c1]
+        return item, buf, state_bytes, pieces, handles, grad
 
     def run(self, items, update) -> None:
         for handle in self.pipeline(items, update):
             handle.wait()
 
-    def pipeline(self, items, update):
-        """``run`` as a generator: before waiting for an I/O handle that is not done yet it
-        yields it, so a caller can do other work and resume later (see [Note: overlapped
-        step] in zero_adam.py); resuming waits for that handle."""
+    def pipeline(self, feed, update):
+        """``run`` over a :class:`Feed`, as a generator: before waiting for an I/O handle
+        that is not done yet it yields it, so a caller can do other work and resume later
+        (see [Note: overlapped step] in zero_adam.py); resuming waits for that handle. The
+        pipeline runs across units: the next unit's first chunk is read while this unit's
+        last one is updated. An open feed with nothing in it yields ``IDLE`` once the writes
+        in flight are done."""
+        feed = Feed.of(feed)
         writes: deque = deque()
-        upcoming = self._start(items[0]) if items else None
-        for k in range(len(items)):
-            current, upcoming = (
-                upcoming,
-                (self._start(items[k + 1]) if k + 1 < len(items) else None),
-            )
-            (unit, c0, c1), buf, state_bytes, pieces, handles = current
+        gated: set[int] = set()
+
+        def start_next():
+            item = feed.take()
+            if item is None:
+                return None
+            if item[0].index not in gated:  # its gradients must be on disk first
+                yield from _gate(item[0])
+                gated.add(item[0].index)
+            return self._start(item)
+
+        upcoming = None
+        while True:
+            if upcoming is None:
+                upcoming = yield from start_next()
+                if upcoming is None:
+                    while writes:
+                        yield from self._pending(writes[0][0])
+                        self._finish(writes.popleft())
+                    if feed.items:
+                        continue  # given more while the writes finished
+                    if feed.closed:
+                        return
+                    yield IDLE
+                    continue
+            current = upcoming
+            upcoming = yield from start_next()
+            (unit, c0, c1), buf, state_bytes, pieces, handles, grad = current
             for h in handles:
                 if not h.done():
                     yield h
                 h.wait()
+            if upcoming is None:  # work may have come in while this chunk was read
+                upcoming = yield from start_next()
             n = c1 - c0
-            if unit.grad_extent is not None:
-                grad = buf[state_bytes : state_bytes + n * _F32].view(torch.float32)
-            else:
-                grad = unit.grad_shard[c0:c1]
             if self._q8(unit):
                 master, q8 = _record_views(buf, n)
                 work = q8.dequantize()
@@ -414,6 +478,9 @@ class NvmeStore:
                 stride = state_bytes // 3 // _F32
                 master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
                 update(unit, c0, c1, master, m, v, grad)
+            del grad
+            if c1 == unit.shard_numel:
+                unit.drop_held_grad()  # its last chunk is updated
             hs = [file.write(part, off) for part, file, off in pieces]
             self.bytes_written += state_bytes
             if self.master_in_param_file(unit):
@@ -422,9 +489,6 @@ class NvmeStore:
             while len(writes) > 1:
                 yield from self._pending(writes[0][0])
                 self._finish(writes.popleft())
-        while writes:
-            yield from self._pending(writes[0][0])
-            self._finish(writes.popleft())
 
     @staticmethod
     def _pending(handles):

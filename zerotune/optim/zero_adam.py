@@ -28,6 +28,12 @@ transfers proceed in the aio threads during backward compute, and the C++ Adam r
 thread between layers. ``step()`` then finishes what is still in flight and updates the units
 whose gradients became final only at the end of backward. The updates are the same as
 ``step()``'s (same chunks, same kernel, same step counts), so results are identical.
+The launched units feed one pipeline for the whole backward (``state_store.Feed``): the
+next unit's first chunk is read while the last chunk of the one before is updated. A
+gradient shard bound for NVMe is not written and read back when its update follows:
+the engine keeps it in memory (``Unit.held_grad``) while the held shards fit in the write
+queue's budget, or when it is a one-parameter unit's (an embedding's) own ``.grad``, and
+the update reads it there (``_hold_grads`` in engine.py).
 It needs what an early update cannot undo or rescale: no global-norm clipping (the norm needs
 every gradient first), no fp16 loss scaling (an overflow anywhere must skip every update),
 stage 2 or 3 (stage 1 keeps whole gradients until the step) and a synchronized backward.
@@ -36,7 +42,6 @@ stage 2 or 3 (stage 1 keeps whole gradients until the step) and a synchronized b
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -44,6 +49,7 @@ import torch
 
 from .. import dist as zdist
 from .cpu_adam import adam_update, fallback_adam_update
+from .state_store import IDLE, Feed
 
 __all__ = ["StepInfo", "ZeroAdamW"]
 
@@ -355,8 +361,9 @@ class _OverlappedStep:
     def __init__(self, opt: ZeroAdamW) -> None:
         self.opt = opt
         self.launched: set[int] = set()
-        self._jobs: deque = deque()  # generators, oldest first (staging holds one at a time)
-        self._waiting = None  # the I/O handle the oldest job waits for
+        self._feed = Feed(closed=False)  # chunks of launched units, in launch order
+        self._job = None  # the store's pipeline over the feed (one for the whole backward)
+        self._waiting = None  # the I/O handle it waits for, or IDLE
 
     def launch(self, unit) -> None:
         """``unit``'s gradient shard is final: queue its update and start what can start."""
@@ -367,29 +374,28 @@ class _OverlappedStep:
         self.launched.add(unit.index)
         for seg in segs:
             opt.state[seg.key]["step"] += 1
-        self._jobs.append(self._job(unit))
+        self._feed.items.extend((unit, c0, c1) for c0, c1 in opt.store.chunks(unit))
+        if self._job is None:
+            self._job = opt.store.pipeline(self._feed, opt._update_chunk)
         self.pump()
-
-    def _job(self, unit):
-        # Gradients spilled to NVMe must be on disk before the pipeline reads them back.
-        for handle in unit.pending_write_handles():
-            if not handle.done():
-                yield handle
-        unit.wait_writes()
-        items = [(unit, c0, c1) for c0, c1 in self.opt.store.chunks(unit)]
-        yield from self.opt.store.pipeline(items, self.opt._update_chunk)
 
     def pump(self, block: bool = False) -> None:
         """Advance the queued updates until one must wait for I/O (or, with ``block``, to
-        the end)."""
-        while self._jobs:
-            if self._waiting is not None and not block and not self._waiting.done():
+        the end) or nothing is queued."""
+        while self._job is not None:
+            waiting = self._waiting
+            if waiting is IDLE:
+                if not self._feed.items and not self._feed.closed:
+                    return
+            elif waiting is not None and not block and not waiting.done():
                 return
             try:
-                self._waiting = next(self._jobs[0])  # resuming waits for the last handle
+                self._waiting = next(self._job)  # resuming waits for the last handle
             except StopIteration:
-                self._jobs.popleft()
-                self._waiting = None
+                self._job = self._waiting = None
 
     def finish(self) -> None:
+        self._feed.closed = True
         self.pump(block=True)
+        if self._feed.items:  # an update lost would be silent: refuse instead
+            raise RuntimeError("overlapped step: the pipeline ended with updates still queued")

@@ -143,7 +143,7 @@ class ZeroEngine(nn.Module):
                 self.prefetcher.budget,
             )
         trainable = [(u.padded_numel, u.shard_numel) for u in self.units if u.trainable and u.numel]
-        self.pool.keep_sizes = pool_keep_sizes(trainable, config, self.world, self.device.type)
+        self.pool.keep_only(pool_keep_sizes(trainable, config, self.world, self.device.type))
         self._sync = True
         self._overlap = None  # the optimizer's overlapped step, during its backward
         # The unit whose gradients are on their way to the host (finished after the next).
@@ -287,6 +287,9 @@ class ZeroEngine(nn.Module):
         """(start, stop, gradient values) over this rank's gradient shard of ``unit``."""
         if unit.grad_extent is None:
             yield 0, unit.shard_numel, unit.grad_shard
+            return
+        if unit.held_grad is not None:
+            yield 0, unit.shard_numel, unit.held_grad
             return
         unit.wait_writes()
         step = 1 << 22
@@ -508,7 +511,7 @@ class ZeroEngine(nn.Module):
 
     def post_backward(self, unit: Unit) -> None:
         unit.grads_ready = 0
-        unit.reduce_grads(sync=self._sync)
+        unit.reduce_grads(sync=self._sync, hold=self._hold_grads(unit))
         if unit._host_copy is not None:
             # Its gradients are on their way to the host: finish the previous unit's now
             # (its copies ran while this unit's backward did), this one's after the next.
@@ -523,6 +526,19 @@ class ZeroEngine(nn.Module):
             self._unpin(unit)
             for dep in unit.deps:
                 self._unpin(dep)
+
+    def _hold_grads(self, unit: Unit) -> bool:
+        """Whether ``unit``'s final gradient shard skips its NVMe file: in an overlapped
+        step its update follows soon, and while the held shards stay within the write
+        queue's budget (or none is held) writing and reading them back is only a cost. A
+        unit of one parameter is held anyway: its gradient is the parameter's own tensor,
+        which a write would keep alive until written."""
+        if self._overlap is None or not self._sync or unit.grad_extent is None:
+            return False
+        held = self.host_pool.held_grads.now
+        if held == 0 or (self.world == 1 and unit.one_parameter):
+            return True
+        return held + unit.shard_numel * 4 <= self.pool.writes.limit_bytes
 
     def post_backward_final(self) -> None:
         """End of a backward pass: reduce what is pending, release everything."""
@@ -642,6 +658,7 @@ class ZeroEngine(nn.Module):
             report["host_pool"] = self.host_pool.allocated_bytes  # pinned, on the host
         report["staging"] = self.staging.allocated if self.staging is not None else 0
         report["nvme"] = self.swap.total_bytes if self.swap is not None else 0
+        report["grads_held_peak"] = self.host_pool.held_grads.peak
         report["gathered_now"] = self.pool.gathered.now
         report["gathered_peak"] = self.pool.gathered.peak
         cache = self.pool.gather_cache

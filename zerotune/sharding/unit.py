@@ -142,6 +142,10 @@ class Unit:
         # NVMe tiers (see memory/swap.py): set by the engine when offloading.
         self.param_extent = None  # the compute-dtype shard lives here instead of ``shard``
         self.grad_extent = None  # the gradient shard lives here instead of ``grad_shard``
+        # The final gradient shard kept in memory for an overlapped update instead of a
+        # round trip through ``grad_extent`` (see [Note: overlapped step] in zero_adam.py).
+        self.held_grad: torch.Tensor | None = None
+        self._held_pooled = True  # it came from host_pool (else: a parameter's own .grad)
         self._read = None  # (handle, staging tensor or None) of a parameter read in flight
         self._send = None  # a device copy of a host shard that a gather in flight sends
         # Gradients on their way to the host: (buffer, event, straight into the shard)
@@ -334,18 +338,19 @@ class Unit:
     def has_pending_grads(self) -> bool:
         return any(s.param.grad is not None for s in self.slots)
 
-    def reduce_grads(self, sync: bool = True) -> None:
+    def reduce_grads(self, sync: bool = True, hold: bool = False) -> None:
         """Move the parameters' gradients into this rank's gradient shard (averaged over ranks).
 
         With ``sync=False`` (inside ``no_sync()``) the full gradient is accumulated locally and
-        reduced together with the next synchronized backward.
+        reduced together with the next synchronized backward. With ``hold`` a gradient shard
+        bound for NVMe stays in memory (``held_grad``) for an update that follows at once.
         """
         if not self.trainable:
             for s in self.slots:
                 s.param.grad = None
             return
         if self.world == 1 and sync and self.unreduced is None:
-            self._add_into_shard_directly()
+            self._add_into_shard_directly(hold)
             return
         flat = self._take_grads(self.pool)
         if not sync:
@@ -362,7 +367,7 @@ class Unit:
         zdist.reduce_scatter_avg(out, flat, group=self.group)
         self.pool.release(flat)
         if self.grad_extent is not None:
-            self._accumulate_nvme(out)
+            self._accumulate_nvme(out, hold)
             return
         self._accumulate(self._grad_buffer(), out)
         self.pool.release(out)
@@ -379,6 +384,30 @@ class Unit:
         flat[self.numel :].zero_()
         return flat
 
+    @property
+    def one_parameter(self) -> bool:
+        """One parameter fills the flat buffer (an embedding at world size 1)."""
+        return len(self.slots) == 1 and self.padded_numel == self.numel
+
+    def _whole_grad(self) -> torch.Tensor | None:
+        """The gradient of a ``one_parameter`` unit, taken as the flat gradient itself when
+        it is a contiguous fp32 host tensor: no copy, and no second buffer of the largest
+        size at the end of backward."""
+        if not self.one_parameter:
+            return None
+        s = self.slots[0]
+        g = s.param.grad
+        if (
+            not s.trainable
+            or g is None
+            or g.dtype != torch.float32
+            or g.device.type != "cpu"
+            or not g.is_contiguous()
+        ):
+            return None
+        s.param.grad = None
+        return g.view(-1)
+
     def _grad_buffer(self) -> torch.Tensor:
         if self.grad_extent is not None:
             raise RuntimeError("the gradient shard of this unit is on NVMe")
@@ -390,7 +419,7 @@ class Unit:
             )
         return self.grad_shard
 
-    def _add_into_shard_directly(self) -> None:
+    def _add_into_shard_directly(self, hold: bool = False) -> None:
         # World 1: the shard is the whole flat buffer; no collective and no staging copy on
         # the device. Gradients bound for the host (NVMe, or an optimizer on the host) are
         # copied parameter by parameter into a (pinned) host buffer.
@@ -400,7 +429,11 @@ class Unit:
             self._gradients_to_host()
             return
         if self.grad_extent is not None:
-            self._accumulate_nvme(self._take_grads(self.host_pool))
+            whole = self._whole_grad() if hold else None
+            if whole is not None:
+                self._accumulate_nvme(whole, hold, pooled=False)
+            else:
+                self._accumulate_nvme(self._take_grads(self.host_pool), hold)
             return
         self._grad_buffer()
         first = self.grad_is_zero
@@ -488,10 +521,13 @@ class Unit:
         self.host_pool.release(staged)
         self._accumulate_nvme(flat)
 
-    def _accumulate_nvme(self, values: torch.Tensor) -> None:
-        """Add ``values`` (fp32, a pool buffer this call takes over) to the gradient shard on
-        NVMe: the first micro-batch is written while backward goes on; later ones read,
-        add and write."""
+    def _accumulate_nvme(
+        self, values: torch.Tensor, hold: bool = False, pooled: bool = True
+    ) -> None:
+        """Add ``values`` (fp32, a pool buffer this call takes over, or with ``hold`` and not
+        ``pooled`` a parameter's own gradient) to the gradient shard on NVMe: the first
+        micro-batch is written while backward goes on; later ones read, add and write. With
+        ``hold`` the sum stays in memory as ``held_grad`` instead of being written."""
         if self.grad_dtype != torch.float32:
             raise RuntimeError("gradient shards on NVMe are fp32")
         if values.device.type != "cpu":
@@ -505,6 +541,12 @@ class Unit:
             self.grad_extent.file.read(old, self.grad_extent.offset).wait()
             values.add_(old)
             self.host_pool.release(old)
+        if hold:
+            self.held_grad = values  # the overlapped update reads it from memory
+            self._held_pooled = pooled
+            self.host_pool.held_grads.add(values.numel() * values.element_size())
+            self.grad_is_zero = False
+            return
         handle = self.grad_extent.file.write(values, self.grad_extent.offset)
         self.pool.writes.add(self._pending_writes, handle, values, self.host_pool.release)
         self.grad_is_zero = False
@@ -523,8 +565,17 @@ class Unit:
         else:
             dst.add_(src)
 
+    def drop_held_grad(self) -> None:
+        """Give back the gradient shard held for an overlapped update (once it is done)."""
+        held, self.held_grad = self.held_grad, None
+        if held is not None:
+            self.host_pool.held_grads.sub(held.numel() * held.element_size())
+            if self._held_pooled:
+                self.host_pool.release(held)
+
     def zero_grad(self) -> None:
         self.finish_host_copy()  # its buffer goes back only once the copy is done
+        self.drop_held_grad()
         self.grad_is_zero = True
         self.unreduced = None
         for s in self.slots:
