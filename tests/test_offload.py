@@ -348,8 +348,8 @@ def test_overlapped_step_runs_updates_queued_while_writes_drain(tmp_path, monkey
     its writes with nothing queued, units are queued meanwhile, and ``step()`` closes the
     queue. Every unit must still be updated (an early version returned there and lost
     them): same losses and weights as plain AdamW, at world size 1, with gradients in
-    memory and with gradients on NVMe (then held in memory for the update: the gradient
-    file is written only by the first micro-batch)."""
+    memory and with gradients on NVMe (then final shards are held in memory for their
+    update where they can be: fewer gradient-file writes than two micro-batches')."""
     import numpy as np
     from harness import train_reference
 
@@ -377,8 +377,10 @@ def test_overlapped_step_runs_updates_queued_while_writes_drain(tmp_path, monkey
             )
         if config["grad_host_bytes"] == 0:  # gradients on NVMe
             assert res["grad_file_bytes"] > 0
-            # one micro-batch of every step wrote its gradients; the last was held
-            assert written["grad"] == len(ref["losses"]) * res["grad_file_bytes"], written
+            # the first micro-batch of every step wrote its gradients; of the last, shards
+            # held for their update (one at a time, and the embedding's) were not written
+            once = len(ref["losses"]) * res["grad_file_bytes"]
+            assert once <= written["grad"] < 2 * once, (written, once)
             assert res["held_peak"] > 0
         else:
             assert written["grad"] == 0 and res["held_peak"] == 0

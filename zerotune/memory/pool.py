@@ -143,6 +143,7 @@ class BufferPool:
         # once a step (an embedding's gradient) does not stay resident through the whole
         # step (see plan.pool_keep_sizes).
         self.keep_sizes: set[int] | None = None
+        self.keep_per_size = 0  # with keep_sizes: at most this many free buffers per size
         self.free_bytes = 0
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
@@ -151,6 +152,9 @@ class BufferPool:
         """Set ``keep_sizes`` and drop the free buffers of other sizes (those released
         before, while building the units, when every size was kept)."""
         self.keep_sizes = sizes
+        # As many of one size as can be busy at once: the writes in flight, one filling
+        # and one held for an overlapped update (sharding/engine.py _hold_grads).
+        self.keep_per_size = self.writes.limit + 2
         if sizes is None:
             return
         for (numel, dtype), free in self._free.items():
@@ -185,8 +189,11 @@ class BufferPool:
     def release(self, buf: torch.Tensor) -> None:
         nbytes = buf.numel() * buf.element_size()
         self.in_use_bytes -= nbytes
-        if self.keep_sizes is not None and nbytes not in self.keep_sizes:
+        free = self._free[(buf.numel(), buf.dtype)]
+        if self.keep_sizes is not None and (
+            nbytes not in self.keep_sizes or len(free) >= self.keep_per_size
+        ):
             self.allocated_bytes -= nbytes  # dropped: its memory goes back
             return
         self.free_bytes += nbytes
-        self._free[(buf.numel(), buf.dtype)].append(buf)
+        free.append(buf)

@@ -31,9 +31,9 @@ whose gradients became final only at the end of backward. The updates are the sa
 The launched units feed one pipeline for the whole backward (``state_store.Feed``): the
 next unit's first chunk is read while the last chunk of the one before is updated. A
 gradient shard bound for NVMe is not written and read back when its update follows:
-the engine keeps it in memory (``Unit.held_grad``) while the held shards fit in the write
-queue's budget, or when it is a one-parameter unit's (an embedding's) own ``.grad``, and
-the update reads it there (``_hold_grads`` in engine.py).
+the engine keeps it in memory (``Unit.held_grad``) when no other shard is held, or when
+it is a one-parameter unit's (an embedding's) own ``.grad``, and the update reads it
+there (``_hold_grads`` in engine.py).
 It needs what an early update cannot undo or rescale: no global-norm clipping (the norm needs
 every gradient first), no fp16 loss scaling (an overflow anywhere must skip every update),
 stage 2 or 3 (stage 1 keeps whole gradients until the step) and a synchronized backward.

@@ -529,16 +529,16 @@ class ZeroEngine(nn.Module):
 
     def _hold_grads(self, unit: Unit) -> bool:
         """Whether ``unit``'s final gradient shard skips its NVMe file: in an overlapped
-        step its update follows soon, and while the held shards stay within the write
-        queue's budget (or none is held) writing and reading them back is only a cost. A
+        step its update follows soon, and writing and reading it back is only a cost. One
+        shard is held at a time (more would add their buffers to the backward peak); a
         unit of one parameter is held anyway: its gradient is the parameter's own tensor,
         which a write would keep alive until written."""
         if self._overlap is None or not self._sync or unit.grad_extent is None:
             return False
+        # One shard at a time (a unit's update follows its backward closely), and an
+        # embedding's own .grad (no extra buffer).
         held = self.host_pool.held_grads.now
-        if held == 0 or (self.world == 1 and unit.one_parameter):
-            return True
-        return held + unit.shard_numel * 4 <= self.pool.writes.limit_bytes
+        return held == 0 or (self.world == 1 and unit.one_parameter)
 
     def post_backward_final(self) -> None:
         """End of a backward pass: reduce what is pending, release everything."""
