@@ -311,6 +311,10 @@ def test_keep_last_rotation_and_interrupted_leftovers(tmp_path):
     leftover = tmp_path / "step-00000000"
     leftover.mkdir(parents=True)
     (leftover / "rank-00000-of-00002.safetensors").write_bytes(b"partial")
+    # A removal killed after its rank files were gone leaves the renamed, hidden folder.
+    cut_short = tmp_path / ".removing-step-00000000"
+    cut_short.mkdir()
+    (cut_short / "config.json").write_text("{}")
     for step in range(1, 5):
         save_checkpoint(engine, tmp_path, step=step, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [

@@ -324,15 +324,28 @@ def _prepare_folder(root: Path, folder: Path) -> None:
     fsync_dir(root)
 
 
+_TRASH = ".removing-"  # a checkpoint being removed (hidden: find_checkpoints skips it)
+
+
 def _remove_checkpoint(folder: Path) -> None:
     # The marker goes first: a removal cut short leaves an incomplete folder, never a
-    # "complete" one with files missing.
+    # "complete" one with files missing. Then the folder is renamed to a hidden name and
+    # removed: a removal cut short after its manifest and rank files were gone would
+    # otherwise leave a folder that no longer looks like a checkpoint and is never removed
+    # (the next rotation removes leftover hidden ones).
     (folder / MARKER).unlink(missing_ok=True)
     fsync_dir(folder)
-    shutil.rmtree(folder, ignore_errors=True)
+    trash = folder.with_name(_TRASH + folder.name)
+    try:
+        folder.rename(trash)
+    except OSError:
+        trash = folder
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _rotate(root: Path, keep_last: int, current: Path) -> None:
+    for left in root.glob(_TRASH + "*"):  # removals cut short by a kill
+        shutil.rmtree(left, ignore_errors=True)
     found = find_checkpoints(root)
     names = [p for p, _ in found]
     at = names.index(current) if current in names else len(found)
