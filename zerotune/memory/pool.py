@@ -55,10 +55,6 @@ class WriteQueue:
         if give_back is not None:
             give_back(buf)
 
-    def in_flight(self) -> int:
-        """Writes added and not finished yet."""
-        return sum(not entry[3] for entry in self._entries)
-
 
 class ByteCounter:
     """Bytes held now and at most, for one kind of memory."""

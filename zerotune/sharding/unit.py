@@ -431,7 +431,7 @@ class Unit:
         if self.grad_extent is not None:
             whole = self._whole_grad() if hold else None
             if whole is not None:
-                self._accumulate_nvme(whole, hold, pooled=False)
+                self._accumulate_nvme(whole, hold=True, pooled=False)
             else:
                 self._accumulate_nvme(self._take_grads(self.host_pool), hold)
             return
