@@ -182,6 +182,52 @@ def test_bad_nvme_path():
         )
 
 
+def test_stale_swap_folders_are_removed_at_start_and_live_ones_kept(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from harness import build
+
+    import zerotune
+
+    host = socket.gethostname()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()[0]
+
+    def run_folder(name, owners):
+        folder = tmp_path / name
+        (folder / "rank0").mkdir(parents=True)
+        (folder / "rank0" / "param.swap").write_bytes(b"x" * 4096)
+        for i, text in enumerate(owners):
+            (folder / f"owner-rank{i}").write_text(text)
+        return folder
+
+    gone = run_folder("zerotune-gone", [f"{host} {dead}\n", f"{host} {dead}\n"])
+    live = run_folder("zerotune-live", [f"{host} {dead}\n", f"{host} {os.getpid()}\n"])
+    remote = run_folder("zerotune-remote", [f"another-host {dead}\n"])
+    unreadable = run_folder("zerotune-unreadable", [""])  # counts as alive, never guessed dead
+    engine = zerotune.shard(
+        build("gpt2"), {"stage": 3, "offload_param": "nvme", "nvme_path": str(tmp_path)}
+    )
+    own = engine.swap.run_dir
+    assert not gone.exists()
+    assert live.exists() and remote.exists() and unreadable.exists()
+    assert (own / "owner-rank0").read_text().split() == [host, str(os.getpid())]
+    assert not list(own.glob(".partial*"))
+    engine.close()
+    assert not own.exists()  # removed at a clean exit
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "zerotune-live",
+        "zerotune-remote",
+        "zerotune-unreadable",
+    ]
+
+
 # ------------------------------------------------------------ reused gather buffers
 def test_lend_storage_points_views_at_the_lent_buffer():
     import torch

@@ -115,7 +115,7 @@ class SwapSpace:
             raise ConfigError(f"nvme_path {self.root} is not writable by this user")
         rank = zdist.get_rank(group)
         run_id = _shared_run_id(group)
-        _remove_stale_runs(self.root)
+        _remove_stale_runs(self.root, keep=run_id)
         layout = {k: _layout(v) for k, v in sizes.items() if v}
         need = sum(total for _, total in layout.values())
         free = shutil.disk_usage(self.root).free
@@ -130,7 +130,12 @@ class SwapSpace:
         self.dir = self.run_dir / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.run_dir, 0o700)
-        (self.run_dir / f"owner-rank{rank}").write_text(f"{socket.gethostname()} {os.getpid()}\n")
+        # written under another name and renamed, so that another rank's stale-run sweep never
+        # reads a half-written owner file
+        owner = self.run_dir / f"owner-rank{rank}"
+        partial = self.run_dir / f".partial-owner-rank{rank}"
+        partial.write_text(f"{socket.gethostname()} {os.getpid()}\n")
+        os.replace(partial, owner)
         self.files = {}
         self.extents: dict[tuple[str, int], Extent] = {}
         try:
@@ -195,17 +200,23 @@ def _shared_run_id(group) -> str:
     return run_id
 
 
-def _remove_stale_runs(root: Path) -> None:
+def _remove_stale_runs(root: Path, keep: str) -> None:
+    """Remove run folders whose every owner process on this host is gone (never ``keep``, this
+    run's own folder; an owner file that cannot be read counts as alive)."""
     host = socket.gethostname()
     for run in root.glob("zerotune-*"):
+        if run.name == keep:
+            continue
         owners = list(run.glob("owner-rank*"))
         alive = False
         for owner in owners:
             try:
                 owner_host, pid = owner.read_text().split()
+                pid = int(pid)
             except (OSError, ValueError):
-                continue
-            if owner_host != host or _pid_alive(int(pid)):
+                alive = True
+                break
+            if owner_host != host or _pid_alive(pid):
                 alive = True
         if owners and not alive:
             log.warning("zerotune: removing stale swap folder %s (its run is gone)", run)
