@@ -67,11 +67,12 @@ class Server:
         script = tmp / "server.py"
         script.write_text(SERVER)
         tests = str(Path(__file__).parent)
+        self.stderr = tmp / "server.err"
         self.proc = subprocess.Popen(
             [sys.executable, str(script), tests],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.stderr.open("w"),
             text=True,
             bufsize=1,
         )
@@ -82,14 +83,25 @@ class Server:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.put(line.split())
+        self.lines.put(["<server exited>"])
 
     def expect(self, word: str, timeout: float = 60) -> tuple[list[str], list[list[str]]]:
-        """Lines up to (and including) the first starting with ``word``."""
+        """Lines up to (and including) the first starting with ``word``; fails after ``timeout``
+        seconds without a line (a trainer that makes progress may take longer in all: the
+        uninterrupted runs train and save dozens of steps, slow on a loaded machine)."""
         seen = []
-        deadline = time.monotonic() + timeout
         while True:
-            line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                tail = seen[-3:]
+                raise AssertionError(
+                    f"no output for {timeout} s waiting for {word!r}; last: {tail}"
+                ) from None
             seen.append(line)
+            if line == ["<server exited>"]:
+                err = self.stderr.read_text()[-2000:]
+                raise AssertionError(f"the server exited waiting for {word!r}:\n{err}")
             if line and line[0] == "error":
                 raise AssertionError(f"trainer failed: {line}")
             if line and line[0] == word:
