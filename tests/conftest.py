@@ -188,7 +188,9 @@ class OddNet(torch.nn.Module):
     ):
         super().__init__()
         # mode "twice": the first block runs twice per forward; "switch": every other forward
-        # runs the blocks in reverse order (another path through the units).
+        # runs the blocks in reverse order (another path through the units); "tied_twice":
+        # the head has no parameter of its own (its weight is the embedding's) and runs
+        # twice, on the embedding's output too.
         self.mode = mode
         self.calls = 0
         self.emb = torch.nn.Embedding(vocab, width)
@@ -199,7 +201,9 @@ class OddNet(torch.nn.Module):
             for _ in range(blocks)
         )
         self.norm = torch.nn.LayerNorm(width)
-        self.head = torch.nn.Linear(width, vocab)
+        self.head = torch.nn.Linear(width, vocab, bias=mode != "tied_twice")
+        if mode == "tied_twice":
+            self.head.weight = self.emb.weight
         self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, width))
 
     def forward(self, input_ids, labels=None):
@@ -213,6 +217,8 @@ class OddNet(torch.nn.Module):
         for block in blocks:
             h = h + block(h)
         logits = self.head(self.norm(h) * self.gain)
+        if self.mode == "tied_twice":
+            logits = logits + self.head(self.emb(input_ids))
         loss = None
         if labels is not None:
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())

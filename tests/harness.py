@@ -21,7 +21,8 @@ def build(model_name: str):
     """Test models by name: gpt2 (tied embeddings), gpt2_ckpt / gpt2_ckpt_reentrant
     (activation checkpointing), gpt2_frozen (a whole block and the position embedding
     frozen), odd (non-HF, odd sizes), odd_twice (a module called twice per forward),
-    odd_switch (another unit order every other forward)."""
+    odd_switch (another unit order every other forward), odd_tied_twice (a head without
+    parameters of its own, tied to the embedding, run twice)."""
     if model_name == "gpt2":
         return tiny_gpt2(seed=0)
     if model_name in ("gpt2_ckpt", "gpt2_ckpt_reentrant"):

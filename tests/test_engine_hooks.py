@@ -17,6 +17,7 @@ CASES = {
     "frozen": ("gpt2_frozen", 3, 2, False),
     "switch": ("odd_switch", 3, 1, False),
     "small_prefetch": ("gpt2", 3, 1, False),
+    "tied_twice": ("odd_tied_twice", 3, 2, False),
 }
 
 
@@ -117,3 +118,65 @@ def test_buffers_are_reused_and_gathered_memory_is_freed():
     assert all(a == allocations[1] for a in allocations[2:]), allocations
     assert allocations[0][2] == 0
     assert largest <= allocations[0][3]
+
+
+def test_tied_head_and_embeddings_hold_no_weights_through_backward():
+    """The tied head lets go of the embedding's weight once its own backward is done, and
+    the embeddings are not gathered for theirs (it reads no weight): through the blocks'
+    backward and at its end, neither embedding is gathered."""
+    import torch
+    from harness import batches, build, loss_of
+
+    import zerotune
+    from zerotune.sharding.unit import UnitState
+
+    engine = zerotune.shard(build("gpt2"), {"stage": 3})
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    seen = []
+    post_backward = engine.post_backward
+
+    def record(unit):
+        gathered = {u.name for u in engine.units if u.state is not UnitState.SHARDED}
+        seen.append((unit.name, gathered))
+        post_backward(unit)
+
+    engine.post_backward = record
+    gathers = []  # units gathered from their shards (a prefetch or on demand)
+
+    def counting(unit, gather):
+        def wrapped(**kw):
+            if unit.state is UnitState.SHARDED:
+                gathers.append(unit.name)
+            gather(**kw)
+
+        return wrapped
+
+    for unit in engine.units:
+        unit.gather = counting(unit, unit.gather)
+    for ids in batches("gpt2", 2):
+        seen.clear()
+        gathers.clear()
+        loss_of(engine, ids).backward()
+        opt.step()
+        opt.zero_grad()
+    names = [name for name, _ in seen]
+    assert names[-2:] == ["transformer.wpe", "transformer.wte"] or names[-2:] == [
+        "transformer.wte",
+        "transformer.wpe",
+    ], names
+    blocks = [(n, g) for n, g in seen if n.startswith("transformer.h.")]
+    assert len(blocks) == 2
+    for name, gathered in seen:
+        assert "transformer.wte" not in gathered and "transformer.wpe" not in gathered, (
+            name,
+            gathered,
+        )
+    # In the second step's forward and backward: wte for the embedding and for the head in
+    # forward, once more for the head's backward; wpe once; never for an embedding's backward.
+    assert gathers.count("transformer.wte") == 3, gathers
+    assert gathers.count("transformer.wpe") == 1, gathers
+    params = dict(engine.module.named_parameters())
+    # Released as usual after backward: no placeholder is left behind.
+    assert params["transformer.wte.weight"].shape == (0,)
+    assert params["transformer.wpe.weight"].shape == (0,)
+    assert torch.isfinite(loss_of(engine, batches("gpt2", 1)[0])).item()

@@ -69,6 +69,7 @@ from torch import nn
 from .. import dist as zdist
 from ..config import ConfigError
 from ..memory.pool import ByteCounter
+from .hooks import in_backward
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -86,10 +87,6 @@ _MARK = "_zerotune_offload_wrapper"
 
 def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class _Saved:
@@ -286,7 +283,7 @@ class CheckpointOffload:
     def checkpoint(self, checkpoint_fn, function, *args, **kwargs):
         """Run ``checkpoint_fn(function, *args, **kwargs)`` with its saved inputs offloaded."""
         self._calls += 1
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or in_backward():
             return checkpoint_fn(function, *args, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return checkpoint_fn(function, *args, **kwargs)
@@ -305,7 +302,7 @@ class CheckpointOffload:
             module._gradient_checkpointing_func = wrapper
 
     def _pre_forward(self, module, args) -> None:
-        if _in_backward():
+        if in_backward():
             return
         self._wrap_layers()
         self._calls = 0
@@ -315,7 +312,7 @@ class CheckpointOffload:
                     self.extents.merge()
 
     def _post_forward(self, module, args, output) -> None:
-        if _in_backward() or not torch.is_grad_enabled() or not module.training:
+        if in_backward() or not torch.is_grad_enabled() or not module.training:
             return
         if self._calls == 0:
             raise ConfigError(

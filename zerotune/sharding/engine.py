@@ -23,7 +23,7 @@ from ..memory.host import prefer_mmap_for_large_buffers, release_free_memory
 from ..memory.pool import BufferPool
 from ..optim.scaling import DynamicLossScaler
 from .external import ExternalParams, ShardedParameterError
-from .hooks import install_hooks
+from .hooks import in_backward, install_hooks
 from .plan import (
     UnitPlan,
     assign_params,
@@ -214,6 +214,17 @@ class ZeroEngine(nn.Module):
             unit.pins = 0
             unit.backward_active = False
             unit.deps = []
+            # An embedding's backward reads only the indices and the gradient, never the
+            # weight: such a unit is not gathered for backward (see pre_backward).
+            unit.weightless_backward = (
+                isinstance(module, nn.Embedding)
+                and type(module).forward is nn.Embedding.forward
+                and len(unit.slots) == 1
+            )
+            # Units owning no trainable parameter (a tied head) get no gradient hook: their
+            # backward is over once the gradients of their inputs exist (see
+            # inputs_backward_done); ``input_waits`` counts those still to come this pass.
+            unit.input_waits = 0
             self._place(unit)  # to its tiers now: the next unit's construction needs the room
             units.append(unit)
         # Dependencies: parameters that a unit's modules hold but another unit owns (tied
@@ -447,7 +458,7 @@ class ZeroEngine(nn.Module):
     def _unpin(self, unit: Unit) -> None:
         unit.pins = max(unit.pins - 1, 0)
         if unit.pins == 0:
-            unit.release()
+            unit.release(placeholders=in_backward())
 
     def _make_room(self, unit: Unit) -> None:
         limit = self.config.max_live_bytes
@@ -463,7 +474,7 @@ class ZeroEngine(nn.Module):
         # Drop units gathered ahead that nobody holds yet, newest prediction first.
         for other in reversed(self.units):
             if other.pins == 0 and not other.persistent and other.state is not UnitState.SHARDED:
-                other.release()
+                other.release(placeholders=in_backward())
                 live -= other.gathered_bytes
                 if live + unit.gathered_bytes <= limit:
                     return
@@ -503,6 +514,12 @@ class ZeroEngine(nn.Module):
             self.prefetcher.start_pass("backward")
         if self._overlap is not None:
             self._overlap.pump()
+        if unit.weightless_backward and not unit.deps:
+            # Nothing to gather: an embedding's backward needs no weight, only the shape
+            # its gradient is stored under.
+            if unit.state is UnitState.SHARDED:
+                unit.release(placeholders=True)
+            return
         unit.backward_active = True
         self._use("backward", unit)
         self._pin(unit)
@@ -521,6 +538,16 @@ class ZeroEngine(nn.Module):
         if self._overlap is not None and self._sync:
             unit.finish_host_copy()
             self._overlap.launch(unit)  # its gradient shard is final: update it now
+        self._end_backward_pins(unit)
+
+    def inputs_backward_done(self, unit: Unit) -> None:
+        """The gradients of every input of ``unit``'s forward calls exist: its backward is
+        over. Only units without trainable parameters wait for this (the others end with
+        their gradients): a tied head releases its weight here instead of holding it (the
+        embedding's whole matrix) to the end of backward."""
+        self._end_backward_pins(unit)
+
+    def _end_backward_pins(self, unit: Unit) -> None:
         if unit.backward_active:
             unit.backward_active = False
             self._unpin(unit)
@@ -550,6 +577,7 @@ class ZeroEngine(nn.Module):
         self._finish_host_copies()
         for unit in self.units:
             unit.grads_ready = 0
+            unit.input_waits = 0
             unit.backward_active = False
             unit.pins = 0
             unit.release()

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .engine import ZeroEngine
     from .unit import Unit
 
-__all__ = ["install_hooks", "tensors_in"]
+__all__ = ["in_backward", "install_hooks", "tensors_in"]
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -50,7 +50,8 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return found
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread now."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -60,7 +61,9 @@ def install_hooks(engine: ZeroEngine) -> list:
     for unit in engine.units:
         handles.append(unit.module.register_forward_pre_hook(_pre_forward_hook(engine, unit)))
         handles.append(
-            unit.module.register_forward_hook(_post_forward_hook(engine, unit), always_call=True)
+            unit.module.register_forward_hook(
+                _post_forward_hook(engine, unit), always_call=True, with_kwargs=True
+            )
         )
         if engine.config.stage >= 2:
             for slot in unit.slots:
@@ -82,22 +85,46 @@ def _pre_forward_hook(engine: ZeroEngine, unit: Unit):
 
 
 def _post_forward_hook(engine: ZeroEngine, unit: Unit):
-    def hook(module, args, output):
+    def hook(module, args, kwargs, output):
         active = engine.external.active
         if active and active[-1] is unit:
             active.pop()
         engine.external.on_output(unit, tensors_in(output))
-        if _in_backward():
+        if in_backward():
             engine.forward_in_backward_done(unit)
             return None
         if torch.is_grad_enabled():
+            hooked = False
             for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(_pre_backward_hook(engine, unit))
+                    hooked = True
+            if hooked and unit.n_trainable == 0:
+                _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
         engine.post_forward(unit)
         return None
 
     return hook
+
+
+def _wait_for_input_grads(engine: ZeroEngine, unit: Unit, inputs: list[torch.Tensor]) -> None:
+    """Call ``engine.inputs_backward_done(unit)`` once the gradient of every input of every
+    forward call of ``unit`` this pass exists. A call with an input autograd will not reach
+    (none needs a gradient) keeps one wait open: the unit then ends with the backward pass."""
+    waiting = [t for t in inputs if t.requires_grad]
+    if not waiting:
+        unit.input_waits += 1  # never met this pass
+        return
+    unit.input_waits += len(waiting)
+
+    def hook(grad):
+        unit.input_waits -= 1
+        if unit.input_waits == 0:
+            engine.inputs_backward_done(unit)
+        return None
+
+    for t in waiting:
+        t.register_hook(hook)
 
 
 def _pre_backward_hook(engine: ZeroEngine, unit: Unit):

@@ -138,6 +138,7 @@ class Unit:
         self.unreduced: torch.Tensor | None = None  # full-size grads kept under no_sync()
 
         self.state = UnitState.SHARDED
+        self._placeholders = False  # released parameters keep their shapes (see release)
         self._work = None
         # NVMe tiers (see memory/swap.py): set by the engine when offloading.
         self.param_extent = None  # the compute-dtype shard lives here instead of ``shard``
@@ -291,12 +292,20 @@ class Unit:
         handle = self.param_extent.file.write(values, self.param_extent.offset)
         self.pool.writes.add(self._pending_writes, handle, values, give_back)
 
-    def release(self) -> None:
-        """Drop the gathered parameters (no-op for persistent units)."""
-        if self.persistent or self.state is UnitState.SHARDED:
+    def release(self, placeholders: bool = False) -> None:
+        """Drop the gathered parameters (no-op for persistent units). With ``placeholders``
+        (during backward) each parameter keeps its shape over one shared element instead of
+        becoming empty: autograd stores a gradient only into a parameter of the gradient's
+        shape, and a released unit may still receive one (an embedding's backward reads no
+        weight, so its unit is never gathered for it). Without, placeholders go too."""
+        if self.persistent:
+            return
+        if self.state is UnitState.SHARDED:
+            if placeholders != self._placeholders:
+                self._placeholder_params() if placeholders else self._empty_params()
             return
         self.wait()
-        self._empty_params()
+        self._placeholder_params() if placeholders else self._empty_params()
         if self.world > 1 or self.param_extent is not None or self.shard.device != self.device:
             self._free_storage()
         self.state = UnitState.SHARDED
@@ -329,10 +338,18 @@ class Unit:
     def _point_params(self, flat: torch.Tensor) -> None:
         for s in self.slots:
             s.param.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+        self._placeholders = False
 
     def _empty_params(self) -> None:
         for s in self.slots:
             s.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._placeholders = False
+
+    def _placeholder_params(self) -> None:
+        one = torch.zeros((), dtype=self.dtype, device=self.device)
+        for s in self.slots:
+            s.param.data = one.expand(s.shape)
+        self._placeholders = True
 
     # ------------------------------------------------------------------------------ grads
     def has_pending_grads(self) -> bool:
