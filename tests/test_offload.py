@@ -285,10 +285,9 @@ def test_nvme_gathers_reuse_buffers_after_the_first_step(tmp_path):
     from zerotune.sharding.plan import gather_cache_bytes
 
     model = tiny_gpt2(seed=0, layers=4)
-    engine = zerotune.shard(
-        model,
-        {"stage": 3, "offload_param": "nvme", "nvme_path": str(tmp_path), "prefetch_bytes": 0},
-    )
+    config = {"stage": 3, "offload_param": "nvme", "nvme_path": str(tmp_path)}
+    # Gathers read the file here (mapping it needs no buffer: see the test below).
+    engine = zerotune.shard(model, {**config, "prefetch_bytes": 0, "map_param_file": False})
     opt = zerotune.ZeroAdamW(engine, lr=1e-3)
     cache = engine.pool.gather_cache
     sizes = [u.gathered_bytes for u in engine.units if not u.persistent and u.numel]
@@ -304,6 +303,49 @@ def test_nvme_gathers_reuse_buffers_after_the_first_step(tmp_path):
     assert made[0] >= 2 and made[1:] == [0, 0], made
     report = engine.memory_report()
     assert 0 < report["gather_cache"] <= cache.keep_bytes
+    engine.close()
+
+
+def test_nvme_gathers_map_the_parameter_file(tmp_path):
+    """At world size 1 on a CPU a gather maps the parameter file's pages (copy-on-write):
+    no gather buffer is ever made or kept, the mapping shows what the optimizer wrote,
+    a write into a gathered parameter never reaches the file, the mapping goes with the
+    release, and training equals the read path bit for bit."""
+    import torch
+    from conftest import tiny_gpt2
+
+    import zerotune
+
+    def run(mapped: bool):
+        model = tiny_gpt2(seed=0, layers=4)
+        config = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"}
+        root = tmp_path / str(mapped)
+        root.mkdir()
+        engine = zerotune.shard(model, {**config, "nvme_path": str(root), "map_param_file": mapped})
+        opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+        made = _made_per_step(engine, opt, lambda: engine.pool.gather_cache.allocations)
+        return engine, made, engine.full_state_dict()
+
+    engine, made, weights = run(True)
+    _, made_read, weights_read = run(False)
+    assert made == [0, 0, 0] and made_read[0] > 0, (made, made_read)
+    assert engine.pool.gather_cache.keep_bytes == 0
+    assert engine.memory_report()["gather_cache"] == 0
+    for name, w in weights_read.items():
+        assert torch.equal(weights[name], w), name
+    block = next(u for u in engine.units if u.name == "transformer.h.0")
+    assert block.map_params
+    pid_maps = "/proc/self/maps"
+    swap_path = str(block.param_extent.file.path)
+    with engine.gathered([block]):
+        assert sum(swap_path in line for line in open(pid_maps)) == 1
+        p = block.slots[0].param
+        expected = weights[block.slots[0].name]
+        assert torch.equal(p.data, expected)  # the master the optimizer wrote
+        p.data.add_(1.0)  # a private page now; the file keeps the master
+    assert sum(swap_path in line for line in open(pid_maps)) == 0  # unmapped on release
+    with engine.gathered([block]):
+        assert torch.equal(block.slots[0].param.data, expected)
     engine.close()
 
 

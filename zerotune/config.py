@@ -105,6 +105,10 @@ class ZeroConfig:
     staging_bytes: the pool of host buffers NVMe reads and writes go through (allocated once,
         part of the memory report); must hold three units' optimizer state.
     aio_threads / aio_block_bytes / aio_queue_depth: the asynchronous I/O engine.
+    map_param_file: with parameters on NVMe, one process, a CPU device: a gather maps the
+        parameter file's pages (copy-on-write) instead of copying them into a buffer. Off,
+        gathers read the file: slower, but a disk error then raises an exception where a
+        mapping ends the process with SIGBUS.
     optim_state_bits: 32 keeps Adam's two moments in fp32; 8 keeps them blockwise-quantized
         in 8 bits (bitsandbytes' dynamic code, one fp32 absmax per 256 elements) on whatever
         tier holds the optimizer state. The fp32 master copy is unchanged.
@@ -130,6 +134,7 @@ class ZeroConfig:
     aio_threads: int = 4
     aio_block_bytes: int = 2**20
     aio_queue_depth: int = 16
+    map_param_file: bool = True
     loss_scale_init: float = 2.0**16
     loss_scale_window: int = 1000
     loss_scale_min: float = 1.0
@@ -183,6 +188,9 @@ class ZeroConfig:
                 "nvme_path is set but none of offload_param, offload_optimizer, "
                 "offload_activations is 'nvme'"
             )
+        for name in ("auto_external_params", "map_param_file"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.loss_scale_init <= 0 or self.loss_scale_min <= 0:
             raise ConfigError("loss scales must be positive")
         if self.loss_scale_window < 1:

@@ -289,23 +289,29 @@ def _working_buffers(
 
     sharded = [u for u in units if needs_copy(u)]
     if sharded:
-        # A unit others depend on (a tied embedding) stays pinned by its user from the head's
-        # backward until its own; the unit in use and the prefetch window come on top.
-        shared = [u for u in sharded if any(u.index in v.deps for v in units)]
-        pinned = sum(u.gathered_bytes for u in shared)
-        current = max((u.gathered_bytes for u in sharded if u not in shared), default=0)
-        others = sum(u.gathered_bytes for u in sharded) - pinned - current
+        # The unit in use with the units it depends on (a tied head with the embedding: the
+        # head lets go of it when its backward is done), and the prefetch window on top.
+        in_memory = {u.index for u in sharded}
+
+        def with_deps(u: UnitPlan) -> int:
+            return u.gathered_bytes + sum(
+                by_index[d].gathered_bytes for d in u.deps if d in in_memory
+            )
+
+        current = max(with_deps(u) for u in units if u.index in in_memory or u.deps)
+        others = sum(u.gathered_bytes for u in sharded) - current
         ahead = min(config.prefetch_bytes, max(others, 0)) if config.stage == 3 else 0
-        gathered = pinned + current + ahead
+        gathered = current + ahead
         if config.max_live_bytes > 0:
-            gathered = min(gathered, max(config.max_live_bytes, pinned + current))
+            gathered = min(gathered, max(config.max_live_bytes, current))
         out["gathered"] = {"device": gathered}
         if param_disk and (world > 1 or device != "cpu"):
             # Reads land in a host buffer of the shard's size, freed once the unit is used
             # (at world size 1 on a CPU they land in the gather buffer itself).
             largest = max(u.shard * u.itemsize for u in sharded)
             out["nvme_reads"] = {"host": largest + ahead // world}
-        if device == "cpu":
+        mapped = world == 1 and config.map_param_file  # NVMe gathers map the file's pages
+        if device == "cpu" and not mapped:
             # Emptied gather buffers kept for reuse (memory/pool.py GatherCache).
             keep = gather_cache_bytes(
                 [u.gathered_bytes for u in sharded],

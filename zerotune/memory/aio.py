@@ -216,6 +216,37 @@ class SwapFile:
         """Start filling ``tensor`` with the file's bytes from ``offset``; returns at once."""
         return self._submit(False, tensor, offset)
 
+    def map(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The file's bytes ``[offset, offset + nbytes)`` as a uint8 tensor over a private
+        (copy-on-write) mapping: reads are served from the page cache without a copy, writes
+        into the tensor never reach the file, and the mapping goes when the last tensor
+        using it does. Buffered files only (O_DIRECT writes bypass the pages a mapping
+        shows). Readahead of the range starts at once. A region past the file's end is
+        refused here; a disk error while a page is read through the mapping ends the
+        process with SIGBUS (there is no call to raise from), unlike ``read``."""
+        if self._closed:
+            raise ValueError(f"map of a closed swap file {self.path}")
+        if self.direct:
+            raise ValueError(f"map of {self.path}: the file is opened with O_DIRECT")
+        if offset < 0 or offset % mmap.ALLOCATIONGRANULARITY or nbytes <= 0:
+            raise ValueError(f"map of {self.path}: bad region ({offset}, {nbytes})")
+        end = os.fstat(self._fd).st_size
+        if offset + nbytes > end:
+            raise OSError(
+                errno.EIO,
+                f"{self.path}: cannot map {nbytes} bytes at offset {offset}, the file ends at "
+                f"{end} (truncated?)",
+            )
+        view = mmap.mmap(
+            self._fd,
+            nbytes,
+            flags=mmap.MAP_PRIVATE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            offset=offset,
+        )
+        view.madvise(mmap.MADV_WILLNEED)
+        return torch.frombuffer(view, dtype=torch.uint8)
+
     def close(self) -> None:
         """Wait for every request, stop the workers and close the file (it stays on disk)."""
         if self._closed:

@@ -114,6 +114,11 @@ class GatherCache:
         self._lend(flat, buf, nbytes)
         return buf
 
+    def lend_mapped(self, flat: torch.Tensor, mapped: torch.Tensor) -> None:
+        """Point ``flat``'s (empty) storage at a file mapping (``SwapFile.map``); emptying
+        the storage drops the mapping. Nothing to give back."""
+        self._lend(flat, mapped, mapped.numel())
+
     def give_back(self, buf: torch.Tensor) -> None:
         n = buf.numel()
         if self.kept_bytes + n <= self.keep_bytes:

@@ -139,6 +139,7 @@ class ZeroEngine(nn.Module):
                     if not u.persistent
                     and u.numel > 0
                     and (u.world > 1 or u.param_extent is not None)
+                    and not u.map_params
                 ],
                 self.prefetcher.budget,
             )
@@ -278,7 +279,15 @@ class ZeroEngine(nn.Module):
         if self.swap is None:
             return
         if ("param", unit.index) in self.swap.extents:
-            unit.offload_params(self.swap.extent("param", unit.index))
+            extent = self.swap.extent("param", unit.index)
+            unit.offload_params(extent)
+            unit.map_params = (
+                cfg.map_param_file
+                and unit.world == 1
+                and self.device.type == "cpu"
+                and not extent.file.direct
+                and self.pool.gather_cache is not None
+            )
         if ("grad", unit.index) in self.swap.extents:
             unit.grad_extent = self.swap.extent("grad", unit.index)
         if ("optim", unit.index) in self.swap.extents:

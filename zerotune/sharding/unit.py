@@ -142,6 +142,8 @@ class Unit:
         self._work = None
         # NVMe tiers (see memory/swap.py): set by the engine when offloading.
         self.param_extent = None  # the compute-dtype shard lives here instead of ``shard``
+        # Gathers map param_extent's pages instead of reading them (set by the engine).
+        self.map_params = False
         self.grad_extent = None  # the gradient shard lives here instead of ``grad_shard``
         # The final gradient shard kept in memory for an overlapped update instead of a
         # round trip through ``grad_extent`` (see [Note: overlapped step] in zero_adam.py).
@@ -212,6 +214,15 @@ class Unit:
         # size 1 when its storage is a lent (aligned) buffer, else into a read buffer that
         # the all-gather (a copy at world size 1) then sends.
         self.wait_writes()
+        if self.map_params:
+            # Map the file's pages (page cache) as the flat buffer: no copy, no buffer of
+            # our own; the readahead the mapping starts is the prefetch.
+            self._alloc_storage(
+                self.param_extent.file.map(self.param_extent.offset, self.gathered_bytes)
+            )
+            self._point_params(self.flat)
+            self.state = UnitState.GATHERED
+            return
         self._alloc_storage()
         if self.world == 1 and self._lent is not None:
             tmp = None
@@ -319,9 +330,11 @@ class Unit:
         zdist.all_gather_into(self.full, send, group=self.group)
         self.pool.release(send)
 
-    def _alloc_storage(self) -> None:
+    def _alloc_storage(self, mapped: torch.Tensor | None = None) -> None:
         cache = self.pool.gather_cache
-        if cache is not None:
+        if mapped is not None:
+            cache.lend_mapped(self.flat, mapped)
+        elif cache is not None:
             self._lent = cache.lend(self.flat, self.gathered_bytes)
         else:
             self.flat.untyped_storage().resize_(self.gathered_bytes)
