@@ -114,9 +114,9 @@ class GatherCache:
         self._lend(flat, buf, nbytes)
         return buf
 
-    def lend_mapped(self, flat: torch.Tensor, mapped: torch.Tensor) -> None:
-        """Point ``flat``'s (empty) storage at a file mapping (``SwapFile.map``); emptying
-        the storage drops the mapping. Nothing to give back."""
+    def lend_unmanaged(self, flat: torch.Tensor, mapped: torch.Tensor) -> None:
+        """Point ``flat``'s storage at a buffer the cache does not keep (a file mapping from
+        ``SwapFile.map``, a private copy of one); emptying the storage drops it."""
         self._lend(flat, mapped, mapped.numel())
 
     def give_back(self, buf: torch.Tensor) -> None:

@@ -265,6 +265,18 @@ class Unit:
         self._point_params(self.flat)
         self.state = UnitState.GATHERED
 
+    def keep_private(self) -> None:
+        """The optimizer is about to change this unit's master in place in the parameter
+        file. A gathered unit mapping that file would see the change in the pages it has
+        not written (autograd may still read them): it gets a copy of its own first. The
+        overlapped step updates a unit after its backward, so it is normally released."""
+        if not self.map_params or self.state is UnitState.SHARDED:
+            return
+        self.wait()
+        own = aligned_empty(self.gathered_bytes, torch.uint8)
+        own.copy_(self.flat.view(torch.uint8))
+        self.pool.gather_cache.lend_unmanaged(self.flat, own)  # the mapping goes
+
     def pending_write_handles(self) -> list:
         """The I/O handles of this unit's NVMe writes still queued (oldest first)."""
         return [entry[0] for entry in self._pending_writes]
@@ -300,6 +312,7 @@ class Unit:
             if give_back is not None:
                 give_back(values)
             return
+        self.keep_private()
         handle = self.param_extent.file.write(values, self.param_extent.offset)
         self.pool.writes.add(self._pending_writes, handle, values, give_back)
 
@@ -333,7 +346,7 @@ class Unit:
     def _alloc_storage(self, mapped: torch.Tensor | None = None) -> None:
         cache = self.pool.gather_cache
         if mapped is not None:
-            cache.lend_mapped(self.flat, mapped)
+            cache.lend_unmanaged(self.flat, mapped)
         elif cache is not None:
             self._lent = cache.lend(self.flat, self.gathered_bytes)
         else:
