@@ -216,16 +216,14 @@ class SwapFile:
         """Start filling ``tensor`` with the file's bytes from ``offset``; returns at once."""
         return self._submit(False, tensor, offset)
 
-    def map(self, offset: int, nbytes: int, shared: bool = False) -> torch.Tensor:
-        """The file's bytes ``[offset, offset + nbytes)`` as a uint8 tensor over a mapping:
-        reads are served from the page cache without a copy, and the mapping goes when the
-        last tensor using it does. Private (copy-on-write) by default: writes into the
-        tensor never reach the file; ``shared``: they are the file's (written back by the
-        kernel like a buffered write). ``offset`` must be page-aligned. Buffered files only
-        (O_DIRECT writes bypass the pages a mapping shows). Readahead of the range starts at
-        once. A region past the file's end is refused here; a disk error while a page is
-        read through the mapping ends the process with SIGBUS (there is no call to raise
-        from), unlike ``read``."""
+    def map(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The file's bytes ``[offset, offset + nbytes)`` as a uint8 tensor over a private
+        (copy-on-write) mapping: reads are served from the page cache without a copy, writes
+        into the tensor never reach the file, and the mapping goes when the last tensor
+        using it does. Buffered files only (O_DIRECT writes bypass the pages a mapping
+        shows). Readahead of the range starts at once. A region past the file's end is
+        refused here; a disk error while a page is read through the mapping ends the
+        process with SIGBUS (there is no call to raise from), unlike ``read``."""
         if self._closed:
             raise ValueError(f"map of a closed swap file {self.path}")
         if self.direct:
@@ -242,7 +240,7 @@ class SwapFile:
         view = mmap.mmap(
             self._fd,
             nbytes,
-            flags=mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE,
+            flags=mmap.MAP_PRIVATE,
             prot=mmap.PROT_READ | mmap.PROT_WRITE,
             offset=offset,
         )

@@ -291,14 +291,6 @@ def master_in_param_file(layout: OptimLayout, unit) -> bool:
     return layout.master_in_param_file(unit.numel, unit.param_extent is not None, itemsize)
 
 
-def _map_fp32(file, offset: int, n: int) -> torch.Tensor:
-    """``n`` fp32 values at ``offset`` of a buffered swap file, as a shared mapping (the
-    mapping starts at the page holding ``offset``)."""
-    start = offset - offset % 4096
-    skip = offset - start
-    return file.map(start, skip + n * _F32, shared=True)[skip:].view(torch.float32)
-
-
 def _fp32_locations(swap, layout: OptimLayout, unit, c0: int) -> list[tuple[object, int]]:
     """(file, offset) of element ``c0`` of the unit's master, exp_avg and exp_avg_sq."""
     optim = swap.files["optim"]
@@ -416,17 +408,8 @@ class NvmeStore:
             state_bytes = 3 * round_up(n * _F32)
         buf = self.staging.acquire(state_bytes + (n * _F32 if grad_disk else 0))
         pieces = self._pieces(unit, c0, c1, buf)
-        mapped = None
-        if unit.map_params and self.master_in_param_file(unit):
-            # The master chunk is updated in place in the parameter file's pages (a shared
-            # mapping): no read into staging, no write back (see map_param_file).
-            _, file, off = pieces.pop(0)
-            mapped = _map_fp32(file, off, n)
-            state_bytes_moved = state_bytes - round_up(n * _F32)
-        else:
-            state_bytes_moved = state_bytes
         handles = [file.read(part, off) for part, file, off in pieces]
-        self.bytes_read += state_bytes_moved
+        self.bytes_read += state_bytes
         if grad_disk:
             g = unit.grad_extent
             dst = buf[state_bytes : state_bytes + n * _F32]
@@ -435,7 +418,7 @@ class NvmeStore:
             grad = dst.view(torch.float32)
         else:
             grad = (held if held is not None else unit.grad_shard)[c0:c1]
-        return item, buf, state_bytes, pieces, handles, grad, mapped
+        return item, buf, state_bytes, pieces, handles, grad
 
     def run(self, items, update) -> None:
         for handle in self.pipeline(items, update):
@@ -477,7 +460,7 @@ class NvmeStore:
                     continue
             current = upcoming
             upcoming = yield from start_next()
-            (unit, c0, c1), buf, state_bytes, pieces, handles, grad, mapped = current
+            (unit, c0, c1), buf, state_bytes, pieces, handles, grad = current
             for h in handles:
                 if not h.done():
                     yield h
@@ -494,17 +477,15 @@ class NvmeStore:
                 f32 = buf.view(torch.float32)
                 stride = state_bytes // 3 // _F32
                 master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
-                if mapped is not None:
-                    unit.keep_private()  # a gathered unit must not see the new master
-                    master = mapped
                 update(unit, c0, c1, master, m, v, grad)
-            moved = state_bytes - (round_up(n * _F32) if mapped is not None else 0)
-            del grad, mapped
+            del grad
             if c1 == unit.shard_numel:
                 unit.drop_held_grad()  # its last chunk is updated
+            if self.master_in_param_file(unit):
+                unit.keep_private()  # a unit mapping that file must not see the change
             hs = [file.write(part, off) for part, file, off in pieces]
-            self.bytes_written += moved
-            if self.master_in_param_file(unit) and not unit.map_params:
+            self.bytes_written += state_bytes
+            if self.master_in_param_file(unit):
                 unit.param_file_writes.append(hs[0])  # a gather must wait for it
             writes.append((hs, buf))
             while len(writes) > 1:

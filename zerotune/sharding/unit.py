@@ -266,10 +266,11 @@ class Unit:
         self.state = UnitState.GATHERED
 
     def keep_private(self) -> None:
-        """The optimizer is about to change this unit's master in place in the parameter
-        file. A gathered unit mapping that file would see the change in the pages it has
-        not written (autograd may still read them): it gets a copy of its own first. The
-        overlapped step updates a unit after its backward, so it is normally released."""
+        """The parameter file's bytes of this unit are about to change (the optimizer
+        writes the new master or parameters). A gathered unit mapping that file would see
+        the change in the pages it has not written (autograd may still read them): it
+        gets a copy of its own first. The overlapped step updates a unit after its
+        backward, so it is normally released by then."""
         if not self.map_params or self.state is UnitState.SHARDED:
             return
         self.wait()
