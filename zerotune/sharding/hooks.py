@@ -13,6 +13,14 @@ falls to zero (persistent units never release).
   (``register_post_accumulate_grad_hook``), the gradient is reduce-scattered into U's gradient
   shard and U (and what it pinned) is unpinned. A parameter used by two units has one
   gradient accumulator, so it is reduced once, after all its uses.
+* A unit owning no trainable parameter (a tied output head) has no gradient to wait for:
+  its backward ends once the gradients of every input of its forward calls exist (tensor
+  hooks on those inputs), and it unpins then, so a tied head lets go of the embedding's
+  weight right after its own backward instead of at the end of the pass.
+* An ``nn.Embedding`` unit is not gathered for its own backward (it reads indices, not the
+  weight). During backward a released parameter keeps its shape over one shared element
+  (``Unit.release(placeholders=True)``): autograd stores a gradient only into a parameter of
+  the gradient's shape.
 * final callback (end of the backward pass): reduces whatever gradients are still pending
   (parameters that got no gradient this pass), releases every unit and resets the pins.
 
