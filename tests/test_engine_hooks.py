@@ -180,3 +180,38 @@ def test_tied_head_and_embeddings_hold_no_weights_through_backward():
     assert params["transformer.wte.weight"].shape == (0,)
     assert params["transformer.wpe.weight"].shape == (0,)
     assert torch.isfinite(loss_of(engine, batches("gpt2", 1)[0])).item()
+
+
+def test_a_parameterless_unit_fed_a_leaf_puts_no_hook_on_it():
+    """A hook on a leaf tensor outlives the backward pass: a head without parameters of its
+    own fed a leaf (prompt-tuning style) keeps its weight to the end of backward instead of
+    hooking the leaf again every step; its gradients are plain PyTorch's."""
+    import torch
+
+    import zerotune
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(11, 6)
+            self.head = torch.nn.Linear(6, 11, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(x).square().mean()
+
+    torch.manual_seed(0)
+    plain = Tied()
+    torch.manual_seed(0)
+    engine = zerotune.shard(Tied(), {"stage": 3, "unit_modules": ["Embedding", "Linear"]})
+    head = next(u for u in engine.units if u.name == "head")
+    assert head.n_trainable == 0 and [d.name for d in head.deps] == ["emb"]
+    x = torch.randn(3, 6, requires_grad=True)
+    for _ in range(3):
+        x.grad = None
+        engine(x).backward()
+        assert not x._backward_hooks, x._backward_hooks
+    expected = torch.autograd.grad(plain(x), x)[0]
+    x.grad = None
+    engine(x).backward()
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)

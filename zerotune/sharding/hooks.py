@@ -117,10 +117,11 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
 
 def _wait_for_input_grads(engine: ZeroEngine, unit: Unit, inputs: list[torch.Tensor]) -> None:
     """Call ``engine.inputs_backward_done(unit)`` once the gradient of every input of every
-    forward call of ``unit`` this pass exists. A call with an input autograd will not reach
-    (none needs a gradient) keeps one wait open: the unit then ends with the backward pass."""
+    forward call of ``unit`` this pass exists. A call without an input that needs a gradient,
+    or with a leaf one (a hook on a leaf outlives the pass), keeps one wait open: the unit
+    then ends with the backward pass."""
     waiting = [t for t in inputs if t.requires_grad]
-    if not waiting:
+    if not waiting or any(t.grad_fn is None for t in waiting):
         unit.input_waits += 1  # never met this pass
         return
     unit.input_waits += len(waiting)
