@@ -215,3 +215,67 @@ def test_a_parameterless_unit_fed_a_leaf_puts_no_hook_on_it():
     x.grad = None
     engine(x).backward()
     torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_a_unit_with_a_frozen_norm_keeps_it_until_its_inputs_have_gradients(offload, tmp_path):
+    """A block whose LayerNorm is frozen and whose linears train: the linears' gradients are
+    complete before the norm's backward runs (it reads the norm's weight), so the block
+    stays gathered until its input's gradient exists. Gradients equal plain PyTorch's."""
+    import torch
+    from torch import nn
+
+    import zerotune
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+            self.base = nn.Linear(8, 8)
+            self.extra = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            h = self.ln(x)
+            return x + self.base(h) + self.extra(h)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+        def forward(self, x):
+            x = self.inp(x)
+            for b in self.blocks:
+                x = b(x)
+            return x.square().mean()
+
+    def make():
+        torch.manual_seed(0)
+        net = Net()
+        with torch.no_grad():
+            for b in net.blocks:
+                b.ln.weight.uniform_(0.5, 1.5)
+                b.ln.requires_grad_(False)
+        return net
+
+    x = torch.randn(4, 8)
+    plain = make()
+    plain(x).backward()
+    config = {"stage": 3, "unit_modules": ["Block"]}
+    if offload == "nvme":
+        config.update(offload_param="nvme", nvme_path=str(tmp_path))
+    engine = zerotune.shard(make(), config)
+    assert all(u.waits_for_inputs for u in engine.units if u.name.startswith("blocks."))
+    for _ in range(2):
+        engine.zero_grad()
+        engine(x).backward()
+        expected = dict(plain.named_parameters())
+        for unit in engine.units:
+            for s in unit.slots:
+                if s.trainable:
+                    got = unit.grad_shard[s.offset : s.offset + s.numel]
+                    torch.testing.assert_close(
+                        got, expected[s.name].grad.reshape(-1), rtol=0, atol=0
+                    )
+    engine.close()

@@ -542,6 +542,8 @@ class NvmeStore:
             self._write_records(unit, state)
             return
         keys = ("master", *MOMENTS)
+        if "master" in state and self.master_in_param_file(unit):
+            unit.keep_private()  # a unit mapping that file must not see the change
         for c0, c1 in self.chunks(unit):
             nbytes = round_up((c1 - c0) * _F32)
             held = self.staging.acquire(nbytes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 from collections.abc import Iterator
 
 import torch
@@ -23,7 +24,7 @@ from ..memory.host import prefer_mmap_for_large_buffers, release_free_memory
 from ..memory.pool import BufferPool
 from ..optim.scaling import DynamicLossScaler
 from .external import ExternalParams, ShardedParameterError
-from .hooks import in_backward, install_hooks
+from .hooks import install_hooks
 from .plan import (
     UnitPlan,
     assign_params,
@@ -222,10 +223,14 @@ class ZeroEngine(nn.Module):
                 and type(module).forward is nn.Embedding.forward
                 and len(unit.slots) == 1
             )
-            # Units owning no trainable parameter (a tied head) get no gradient hook: their
-            # backward is over once the gradients of their inputs exist (see
-            # inputs_backward_done); ``input_waits`` counts those still to come this pass.
+            # A unit owning frozen parameters (a tied head owns none that train) is done
+            # with its weights only once the gradients of its inputs exist too: a frozen
+            # weight's backward node may run after the trainable gradients are complete
+            # (see inputs_backward_done); ``input_waits`` counts those still to come this
+            # pass; ``grads_final`` / ``inputs_final``: each is complete.
+            unit.waits_for_inputs = unit.n_trainable < len(unit.slots) or unit.n_trainable == 0
             unit.input_waits = 0
+            unit.grads_final = unit.inputs_final = False
             self._place(unit)  # to its tiers now: the next unit's construction needs the room
             units.append(unit)
         # Dependencies: parameters that a unit's modules hold but another unit owns (tied
@@ -287,6 +292,7 @@ class ZeroEngine(nn.Module):
                 and self.device.type == "cpu"
                 and not extent.file.direct
                 and self.pool.gather_cache is not None
+                and extent.offset % mmap.ALLOCATIONGRANULARITY == 0  # 4 KiB extents, 64 KiB pages
             )
         if ("grad", unit.index) in self.swap.extents:
             unit.grad_extent = self.swap.extent("grad", unit.index)
@@ -467,7 +473,7 @@ class ZeroEngine(nn.Module):
     def _unpin(self, unit: Unit) -> None:
         unit.pins = max(unit.pins - 1, 0)
         if unit.pins == 0:
-            unit.release(placeholders=in_backward())
+            unit.release()
 
     def _make_room(self, unit: Unit) -> None:
         limit = self.config.max_live_bytes
@@ -483,7 +489,7 @@ class ZeroEngine(nn.Module):
         # Drop units gathered ahead that nobody holds yet, newest prediction first.
         for other in reversed(self.units):
             if other.pins == 0 and not other.persistent and other.state is not UnitState.SHARDED:
-                other.release(placeholders=in_backward())
+                other.release()
                 live -= other.gathered_bytes
                 if live + unit.gathered_bytes <= limit:
                     return
@@ -547,14 +553,21 @@ class ZeroEngine(nn.Module):
         if self._overlap is not None and self._sync:
             unit.finish_host_copy()
             self._overlap.launch(unit)  # its gradient shard is final: update it now
-        self._end_backward_pins(unit)
+        unit.grads_final = True
+        self._end_backward_if_done(unit)
 
     def inputs_backward_done(self, unit: Unit) -> None:
-        """The gradients of every input of ``unit``'s forward calls exist: its backward is
-        over. Only units without trainable parameters wait for this (the others end with
-        their gradients): a tied head releases its weight here instead of holding it (the
-        embedding's whole matrix) to the end of backward."""
-        self._end_backward_pins(unit)
+        """The gradients of every input of ``unit``'s forward calls exist. Units owning
+        frozen parameters wait for this as well as for their trainable gradients before
+        they let go of their weights: a tied head (nothing of its own trains) releases
+        the embedding's whole matrix here instead of holding it to the end of backward."""
+        unit.inputs_final = True
+        self._end_backward_if_done(unit)
+
+    def _end_backward_if_done(self, unit: Unit) -> None:
+        grads = unit.grads_final or unit.n_trainable == 0
+        if grads and (unit.inputs_final or not unit.waits_for_inputs):
+            self._end_backward_pins(unit)
 
     def _end_backward_pins(self, unit: Unit) -> None:
         if unit.backward_active:
@@ -587,6 +600,7 @@ class ZeroEngine(nn.Module):
         for unit in self.units:
             unit.grads_ready = 0
             unit.input_waits = 0
+            unit.grads_final = unit.inputs_final = False
             unit.backward_active = False
             unit.pins = 0
             unit.release()

@@ -13,10 +13,13 @@ falls to zero (persistent units never release).
   (``register_post_accumulate_grad_hook``), the gradient is reduce-scattered into U's gradient
   shard and U (and what it pinned) is unpinned. A parameter used by two units has one
   gradient accumulator, so it is reduced once, after all its uses.
-* A unit owning no trainable parameter (a tied output head) has no gradient to wait for:
-  its backward ends once the gradients of every input of its forward calls exist (tensor
-  hooks on those inputs), and it unpins then, so a tied head lets go of the embedding's
-  weight right after its own backward instead of at the end of the pass.
+* A unit owning frozen parameters unpins only once the gradients of every input of its
+  forward calls exist too (tensor hooks on those inputs): a frozen weight's backward node
+  (a frozen LayerNorm before trainable linears) may run after the trainable gradients are
+  complete. A unit owning no trainable parameter (a tied output head) waits for that alone,
+  so a tied head lets go of the embedding's weight right after its own backward instead of
+  at the end of the pass. An input that needs no gradient (or is a leaf) keeps the unit
+  pinned to the end of the pass.
 * An ``nn.Embedding`` unit is not gathered for its own backward (it reads indices, not the
   weight). During backward a released parameter keeps its shape over one shared element
   (``Unit.release(placeholders=True)``): autograd stores a gradient only into a parameter of
@@ -107,7 +110,7 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
                 if t.requires_grad:
                     t.register_hook(_pre_backward_hook(engine, unit))
                     hooked = True
-            if hooked and unit.n_trainable == 0:
+            if hooked and unit.waits_for_inputs:
                 _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
         engine.post_forward(unit)
         return None
@@ -117,9 +120,9 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
 
 def _wait_for_input_grads(engine: ZeroEngine, unit: Unit, inputs: list[torch.Tensor]) -> None:
     """Call ``engine.inputs_backward_done(unit)`` once the gradient of every input of every
-    forward call of ``unit`` this pass exists. A call without an input that needs a gradient,
-    or with a leaf one (a hook on a leaf outlives the pass), keeps one wait open: the unit
-    then ends with the backward pass."""
+    forward call of ``unit`` this pass exists (units owning frozen parameters). A call
+    without an input that needs a gradient, or with a leaf one (a hook on a leaf outlives
+    the pass), keeps one wait open: the unit then ends with the backward pass."""
     waiting = [t for t in inputs if t.requires_grad]
     if not waiting or any(t.grad_fn is None for t in waiting):
         unit.input_waits += 1  # never met this pass

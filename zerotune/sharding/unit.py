@@ -144,6 +144,7 @@ class Unit:
         self.param_extent = None  # the compute-dtype shard lives here instead of ``shard``
         # Gathers map param_extent's pages instead of reading them (set by the engine).
         self.map_params = False
+        self._mapped = False  # flat's storage is such a mapping now
         self.grad_extent = None  # the gradient shard lives here instead of ``grad_shard``
         # The final gradient shard kept in memory for an overlapped update instead of a
         # round trip through ``grad_extent`` (see [Note: overlapped step] in zero_adam.py).
@@ -220,6 +221,7 @@ class Unit:
             self._alloc_storage(
                 self.param_extent.file.map(self.param_extent.offset, self.gathered_bytes)
             )
+            self._mapped = True
             self._point_params(self.flat)
             self.state = UnitState.GATHERED
             return
@@ -271,12 +273,12 @@ class Unit:
         the change in the pages it has not written (autograd may still read them): it
         gets a copy of its own first. The overlapped step updates a unit after its
         backward, so it is normally released by then."""
-        if not self.map_params or self.state is UnitState.SHARDED:
+        if not self._mapped or self.state is UnitState.SHARDED:
             return
-        self.wait()
         own = aligned_empty(self.gathered_bytes, torch.uint8)
         own.copy_(self.flat.view(torch.uint8))
         self.pool.gather_cache.lend_unmanaged(self.flat, own)  # the mapping goes
+        self._mapped = False
 
     def pending_write_handles(self) -> list:
         """The I/O handles of this unit's NVMe writes still queued (oldest first)."""
@@ -319,10 +321,11 @@ class Unit:
 
     def release(self, placeholders: bool = False) -> None:
         """Drop the gathered parameters (no-op for persistent units). With ``placeholders``
-        (during backward) each parameter keeps its shape over one shared element instead of
-        becoming empty: autograd stores a gradient only into a parameter of the gradient's
-        shape, and a released unit may still receive one (an embedding's backward reads no
-        weight, so its unit is never gathered for it). Without, placeholders go too."""
+        each parameter keeps its shape over one shared element instead of becoming empty:
+        autograd stores a gradient only into a parameter of the gradient's shape, and an
+        embedding's unit is not gathered for its backward (it reads no weight). Only there:
+        a node that reads a weight finds an empty tensor and fails loudly instead of
+        computing with zeros. Without, placeholders go too."""
         if self.persistent:
             return
         if self.state is UnitState.SHARDED:
@@ -355,6 +358,7 @@ class Unit:
         self.pool.gathered.add(self.gathered_bytes)
 
     def _free_storage(self) -> None:
+        self._mapped = False
         if self.flat.untyped_storage().nbytes():
             self.flat.untyped_storage().resize_(0)
             self.pool.gathered.sub(self.gathered_bytes)
