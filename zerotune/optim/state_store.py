@@ -481,11 +481,12 @@ class NvmeStore:
             del grad
             if c1 == unit.shard_numel:
                 unit.drop_held_grad()  # its last chunk is updated
-            if self.master_in_param_file(unit):
+            in_param_file = self.master_in_param_file(unit)
+            if in_param_file:
                 unit.keep_private()  # a unit mapping that file must not see the change
             hs = [file.write(part, off) for part, file, off in pieces]
             self.bytes_written += state_bytes
-            if self.master_in_param_file(unit):
+            if in_param_file:
                 unit.param_file_writes.append(hs[0])  # a gather must wait for it
             writes.append((hs, buf))
             while len(writes) > 1:

@@ -532,8 +532,7 @@ class ZeroEngine(nn.Module):
         if unit.weightless_backward and not unit.deps:
             # Nothing to gather: an embedding's backward needs no weight, only the shape
             # its gradient is stored under.
-            if unit.state is UnitState.SHARDED:
-                unit.release(placeholders=True)
+            unit.keep_shapes()
             return
         unit.backward_active = True
         self._use("backward", unit)

@@ -21,9 +21,9 @@ falls to zero (persistent units never release).
   at the end of the pass. An input that needs no gradient (or is a leaf) keeps the unit
   pinned to the end of the pass.
 * An ``nn.Embedding`` unit is not gathered for its own backward (it reads indices, not the
-  weight). During backward a released parameter keeps its shape over one shared element
-  (``Unit.release(placeholders=True)``): autograd stores a gradient only into a parameter of
-  the gradient's shape.
+  weight); its parameter keeps its shape over one shared element meanwhile
+  (``Unit.keep_shapes``): autograd stores a gradient only into a parameter of the
+  gradient's shape.
 * final callback (end of the backward pass): reduces whatever gradients are still pending
   (parameters that got no gradient this pass), releases every unit and resets the pins.
 

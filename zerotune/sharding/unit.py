@@ -138,7 +138,7 @@ class Unit:
         self.unreduced: torch.Tensor | None = None  # full-size grads kept under no_sync()
 
         self.state = UnitState.SHARDED
-        self._placeholders = False  # released parameters keep their shapes (see release)
+        self._placeholders = False  # released parameters keep their shapes (keep_shapes)
         self._work = None
         # NVMe tiers (see memory/swap.py): set by the engine when offloading.
         self.param_extent = None  # the compute-dtype shard lives here instead of ``shard``
@@ -319,21 +319,30 @@ class Unit:
         handle = self.param_extent.file.write(values, self.param_extent.offset)
         self.pool.writes.add(self._pending_writes, handle, values, give_back)
 
-    def release(self, placeholders: bool = False) -> None:
-        """Drop the gathered parameters (no-op for persistent units). With ``placeholders``
-        each parameter keeps its shape over one shared element instead of becoming empty:
-        autograd stores a gradient only into a parameter of the gradient's shape, and an
-        embedding's unit is not gathered for its backward (it reads no weight). Only there:
-        a node that reads a weight finds an empty tensor and fails loudly instead of
-        computing with zeros. Without, placeholders go too."""
+    def keep_shapes(self) -> None:
+        """Point each parameter of this released unit at one shared element expanded to its
+        shape: autograd stores a gradient only into a parameter of the gradient's shape, and
+        an embedding's unit is not gathered for its backward (it reads no weight). Only
+        there: elsewhere a node reading a released weight finds an empty tensor and fails
+        loudly instead of computing with zeros. ``release`` empties them again."""
+        if self.persistent or self.state is not UnitState.SHARDED:
+            return
+        one = torch.zeros((), dtype=self.dtype, device=self.device)
+        for s in self.slots:
+            s.param.data = one.expand(s.shape)
+        self._placeholders = True
+
+    def release(self) -> None:
+        """Drop the gathered parameters (no-op for persistent units); placeholders left by
+        ``keep_shapes`` go too."""
         if self.persistent:
             return
         if self.state is UnitState.SHARDED:
-            if placeholders != self._placeholders:
-                self._placeholder_params() if placeholders else self._empty_params()
+            if self._placeholders:
+                self._empty_params()
             return
         self.wait()
-        self._placeholder_params() if placeholders else self._empty_params()
+        self._empty_params()
         if self.world > 1 or self.param_extent is not None or self.shard.device != self.device:
             self._free_storage()
         self.state = UnitState.SHARDED
@@ -375,12 +384,6 @@ class Unit:
         for s in self.slots:
             s.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self._placeholders = False
-
-    def _placeholder_params(self) -> None:
-        one = torch.zeros((), dtype=self.dtype, device=self.device)
-        for s in self.slots:
-            s.param.data = one.expand(s.shape)
-        self._placeholders = True
 
     # ------------------------------------------------------------------------------ grads
     def has_pending_grads(self) -> bool:
