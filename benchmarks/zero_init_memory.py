@@ -36,6 +36,7 @@ if mode == "zero":
     largest = max(u.gathered_bytes for u in engine.units)
     params = sum(u.numel for u in engine.units)
     rank = dist.get_rank()
+    dist.destroy_process_group()
 else:
     model = AutoModelForCausalLM.from_config(cfg)
     shards = largest = 0

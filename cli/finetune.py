@@ -635,6 +635,9 @@ def _run(options: dict) -> None:
     finally:
         if job.temp_nvme is not None and _TEMP_NVME_ENV not in os.environ:
             shutil.rmtree(job.temp_nvme, ignore_errors=True)
+        from zerotune.dist import shutdown
+
+        shutdown()  # see its docstring: a live gloo group can abort the exit of a rank
 
 
 def _since_start() -> float:

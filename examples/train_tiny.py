@@ -72,4 +72,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        zdist.shutdown()  # a gloo group alive at exit can abort the process

@@ -107,8 +107,11 @@ else:
     model = AutoModelForCausalLM.from_config(cfg)
     shards = largest = 0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-if mode == "zero" and dist.get_rank() != 0:
-    sys.exit(0)
+if mode == "zero":
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank != 0:
+        sys.exit(0)
 print(json.dumps({"base": base, "peak": peak, "shards": shards, "largest": largest}))
 """
 

@@ -117,4 +117,9 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    finally:
+        from zerotune.dist import shutdown
+
+        shutdown()

@@ -13,6 +13,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "init_from_env",
+    "shutdown",
     "all_gather_into",
     "reduce_scatter_avg",
     "all_reduce_sum",
@@ -49,6 +50,15 @@ def init_from_env(backend: str | None = None) -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     return True
+
+
+def shutdown() -> None:
+    """Destroy the default process group, if any. A process that exits with a gloo group
+    still alive can abort in the group's C++ teardown ("terminate called without an active
+    exception", exit -6) while its peers go away; every process that ends with one should
+    call this first, on error paths too."""
+    if is_initialized():
+        dist.destroy_process_group()
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op=False):
