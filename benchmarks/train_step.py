@@ -56,7 +56,7 @@ def parse() -> argparse.Namespace:
         help="parameters and optimizer state both on this tier",
     )
     ap.add_argument("--nvme-path", default=None, help="folder for swap files (--offload nvme)")
-    ap.add_argument("--staging", default="256MiB", help="NVMe staging buffers")
+    ap.add_argument("--staging", default="128MiB", help="NVMe staging buffers")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_8bit"])
     ap.add_argument(
         "--offload-activations",

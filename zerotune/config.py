@@ -130,7 +130,7 @@ class ZeroConfig:
     offload_optimizer: str = "none"
     nvme_path: str | None = None
     grad_host_bytes: int = 2**30
-    staging_bytes: int = 256 * 2**20
+    staging_bytes: int = 128 * 2**20
     aio_threads: int = 4
     aio_block_bytes: int = 2**20
     aio_queue_depth: int = 16
