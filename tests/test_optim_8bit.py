@@ -329,23 +329,70 @@ def test_config_errors(monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------- one update, element-wise
+def test_cpu_quantizer_picks_the_nearest_code_and_dequantizes_exactly():
+    """The C++ quantizer (csrc/adam/quant8.cpp): each element's code is the nearest one to
+    value / absmax of its block (checked against all 256), absmax is the block's largest
+    magnitude, a zero block stays zero, a block with a NaN dequantizes to NaN, and
+    dequantizing is code[q] * absmax exactly; magnitudes over nine decades, a short last
+    block, values exactly on the codes."""
+    from zerotune.ops import load_op
+    from zerotune.optim.quant8 import BLOCK, MOMENTS, code
+
+    assert load_op("adam") is not None and hasattr(load_op("adam"), "quantize_blockwise")
+    g = torch.Generator().manual_seed(0)
+    n = BLOCK * 40 + 17
+    for name in MOMENTS:
+        table = code(name, "cpu")
+        scale = 10.0 ** -torch.randint(0, 9, (n // BLOCK + 1,), generator=g).float()
+        x = torch.randn(n, generator=g) * scale.repeat_interleave(BLOCK)[:n]
+        if name == "exp_avg_sq":
+            x = x.abs()
+        x[BLOCK : 2 * BLOCK] = 0.0  # a zero block
+        x[2 * BLOCK : 3 * BLOCK] = table[torch.randint(0, 256, (BLOCK,), generator=g)]
+        x[2 * BLOCK] = 1.0  # absmax 1: the values are exactly codes
+        q8 = Q8Moments.zeros(n, "cpu")
+        q8.quantize({name: x})
+        q, absmax = q8.q[name], q8.absmax[name]
+        per = absmax.repeat_interleave(BLOCK)[:n]
+        blocks_max = torch.stack([x[i : i + BLOCK].abs().max() for i in range(0, n, BLOCK)])
+        assert torch.equal(absmax, blocks_max)
+        y = torch.where(per > 0, x / torch.where(per > 0, per, 1.0), 0.0)
+        best = (y[:, None] - table[None, :]).abs().min(1).values
+        ours = (y - table[q.long()]).abs()
+        assert bool((ours <= best + 1e-7 * best.clamp_min(1e-30) + 1e-12).all()), name
+        assert torch.equal(table[q[2 * BLOCK : 3 * BLOCK].long()], x[2 * BLOCK : 3 * BLOCK])
+        deq = q8.dequantize()[name]
+        assert torch.equal(deq, table[q.long()] * per)
+        assert not deq[BLOCK : 2 * BLOCK].any()
+        x[5] = float("nan")
+        q8.quantize({name: x})
+        deq = q8.dequantize()[name]
+        assert deq[:BLOCK].isnan().all() and not deq[BLOCK:].isnan().any()
+
+
 def test_one_update_matches_bitsandbytes_8bit_kernel():
-    """zerotune's dequantize -> Adam kernel -> quantize equals bitsandbytes' own CPU
-    ``optimizer_update_8bit_blockwise`` (AdamW8bit's step) on one shard, step after step:
-    the same codes and absmax values up to float rounding in the Adam arithmetic."""
+    """zerotune's dequantize -> Adam kernel -> quantize against bitsandbytes' own CPU
+    ``optimizer_update_8bit_blockwise`` (AdamW8bit's step) on one shard, from the same state
+    at every step: the same parameters and absmax values up to float rounding in the Adam
+    arithmetic, and codes equal to bitsandbytes' for 95% of elements and never farther from
+    the value than its: ours are the nearest codes, its CPU search is approximate (a few %
+    one code off, and some tiny exp_avg_sq values several codes up; see [Note: nearest
+    code by table] in csrc/adam/quant8.cpp)."""
     import bitsandbytes.functional as bnbf
 
     from zerotune.optim.cpu_adam import adam_update
-    from zerotune.optim.quant8 import code
+    from zerotune.optim.quant8 import BLOCK, code
 
     n = 5000  # not a multiple of 256: a short last block
     g = torch.Generator().manual_seed(0)
     ours_p = torch.randn(n, generator=g)
-    theirs_p = ours_p.clone()
     ours = Q8Moments.zeros(n, "cpu")
     theirs = Q8Moments.zeros(n, "cpu")
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    far = 0
     for step in range(1, 11):
+        theirs.copy_(ours)
+        theirs_p = ours_p.clone()
         grad = torch.randn(n, generator=g) * (1 + step % 3)
         work = ours.dequantize()
         adam_update(ours_p, grad, work["exp_avg"], work["exp_avg_sq"], step=step, **hyper)
@@ -359,6 +406,12 @@ def test_one_update_matches_bitsandbytes_8bit_kernel():
         torch.testing.assert_close(ours_p, theirs_p, rtol=1e-5, atol=1e-6)
         for k in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(ours.absmax[k], theirs.absmax[k], rtol=1e-5, atol=0)
-            # A value on the edge between two codes may round either way.
+            y = work[k] / ours.absmax[k].repeat_interleave(BLOCK)[:n]
+            table = code(k, "cpu")
+            ours_err = (y - table[ours.q[k].long()]).abs()
+            theirs_err = (y - table[theirs.q[k].long()]).abs()
+            assert bool((ours_err <= theirs_err + 1e-7).all()), (step, k)
             differ = (ours.q[k].int() - theirs.q[k].int()).abs()
-            assert differ.max() <= 1 and (differ > 0).float().mean() < 0.01, (step, k)
+            assert (differ > 0).float().mean() < 0.05, (step, k)
+            far += int((differ > 1).sum())
+    assert far > 0  # bitsandbytes' approximate search shows on this data

@@ -595,6 +595,12 @@ int max_threads() {
 #endif
 }
 
+// csrc/adam/quant8.cpp
+void quantize_blockwise(const at::Tensor& x, const at::Tensor& code, at::Tensor absmax,
+                        at::Tensor q);
+void dequantize_blockwise(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code,
+                          at::Tensor out);
+
 }  // namespace zerotune_adam
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -612,4 +618,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_simd_level", &za::set_simd_level,
         "Lower the SIMD level (auto, avx512, avx2, scalar); for tests and debugging");
   m.def("max_threads", &za::max_threads, "OpenMP max threads");
+  m.def("quantize_blockwise", &za::quantize_blockwise,
+        "8-bit blockwise quantization to the nearest code (blocks of 256, fp32 absmax)",
+        pybind11::arg("x"), pybind11::arg("code"), pybind11::arg("absmax"), pybind11::arg("q"));
+  m.def("dequantize_blockwise", &za::dequantize_blockwise,
+        "out = code[q] * absmax of the element's block of 256", pybind11::arg("q"),
+        pybind11::arg("absmax"), pybind11::arg("code"), pybind11::arg("out"));
 }
