@@ -333,8 +333,9 @@ def test_cpu_quantizer_picks_the_nearest_code_and_dequantizes_exactly():
     """The C++ quantizer (csrc/adam/quant8.cpp): each element's code is the nearest one to
     value / absmax of its block (checked against all 256), absmax is the block's largest
     magnitude, a zero block stays zero, a block with a NaN dequantizes to NaN, and
-    dequantizing is code[q] * absmax exactly; magnitudes over nine decades, a short last
-    block, values exactly on the codes."""
+    dequantizing is code[q] * absmax exactly; magnitudes over nine decades, a block of
+    denormals (absmax ~1e-40, no finite reciprocal), a short last block, values exactly on
+    the codes and on either side of the midpoints between them."""
     from zerotune.ops import load_op
     from zerotune.optim.quant8 import BLOCK, MOMENTS, code
 
@@ -350,16 +351,25 @@ def test_cpu_quantizer_picks_the_nearest_code_and_dequantizes_exactly():
         x[BLOCK : 2 * BLOCK] = 0.0  # a zero block
         x[2 * BLOCK : 3 * BLOCK] = table[torch.randint(0, 256, (BLOCK,), generator=g)]
         x[2 * BLOCK] = 1.0  # absmax 1: the values are exactly codes
+        mids = ((table[:-1].double() + table[1:].double()) / 2).float()
+        near = torch.cat([mids, mids.nextafter(torch.tensor(2.0)), mids.nextafter(-mids - 2)])
+        x[3 * BLOCK : 3 * BLOCK + near.numel()] = near  # midpoints and their neighbours
+        x[3 * BLOCK + near.numel() : 6 * BLOCK] = 0.0
+        x[3 * BLOCK] = 1.0
+        x[6 * BLOCK : 7 * BLOCK] = torch.randn(BLOCK, generator=g).abs() * 1e-40
         q8 = Q8Moments.zeros(n, "cpu")
         q8.quantize({name: x})
         q, absmax = q8.q[name], q8.absmax[name]
         per = absmax.repeat_interleave(BLOCK)[:n]
         blocks_max = torch.stack([x[i : i + BLOCK].abs().max() for i in range(0, n, BLOCK)])
         assert torch.equal(absmax, blocks_max)
-        y = torch.where(per > 0, x / torch.where(per > 0, per, 1.0), 0.0)
-        best = (y[:, None] - table[None, :]).abs().min(1).values
-        ours = (y - table[q.long()]).abs()
-        assert bool((ours <= best + 1e-7 * best.clamp_min(1e-30) + 1e-12).all()), name
+        y = torch.where(per > 0, x / torch.where(per > 0, per, 1.0), 0.0).double()
+        distance = (y[:, None] - table.double()[None, :]).abs()
+        best = distance.min(1).values
+        ours = (y - table.double()[q.long()]).abs()
+        assert torch.equal(ours, best), name  # the nearest code, exactly
+        on_tie = distance.eq(best[:, None]).float().argmax(1)  # ties: the lower code
+        assert torch.equal(q.long()[ours == best], on_tie[ours == best]), name
         assert torch.equal(table[q[2 * BLOCK : 3 * BLOCK].long()], x[2 * BLOCK : 3 * BLOCK])
         deq = q8.dequantize()[name]
         assert torch.equal(deq, table[q.long()] * per)

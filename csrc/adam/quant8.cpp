@@ -56,7 +56,14 @@ inline float float_of(uint32_t b) {
 CodeTable make_table(const float* code) {
   CodeTable t;
   std::copy(code, code + 256, t.code.begin());
-  for (int i = 0; i < 255; ++i) t.mid[i] = (t.code[i] + t.code[i + 1]) * 0.5f;
+  for (int i = 0; i < 255; ++i) {
+    // The largest float not above the exact midpoint: then "mid < y" holds exactly for the
+    // floats y above the midpoint (fp32 (a + b) / 2 can round up past it).
+    const double exact = (static_cast<double>(t.code[i]) + t.code[i + 1]) / 2;
+    float m = static_cast<float>(exact);
+    if (static_cast<double>(m) > exact) m = std::nextafter(m, -INFINITY);
+    t.mid[i] = m;
+  }
   t.start.resize(kBuckets);
   for (uint32_t key = 0; key < static_cast<uint32_t>(kBuckets); ++key) {
     uint32_t lo = key << kShift;
@@ -116,9 +123,11 @@ void quantize_blockwise(const at::Tensor& x, const at::Tensor& code, at::Tensor 
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "quant8: x must be contiguous fp32 on the CPU");
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.numel() == n,
-              "quant8: q must be contiguous uint8 of x's size");
-  TORCH_CHECK(absmax.scalar_type() == at::kFloat && absmax.is_contiguous() &&
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.is_contiguous() &&
+                  q.numel() == n,
+              "quant8: q must be contiguous uint8 of x's size on the CPU");
+  TORCH_CHECK(absmax.device().is_cpu() && absmax.scalar_type() == at::kFloat &&
+                  absmax.is_contiguous() &&
                   absmax.numel() == nblocks,
               "quant8: absmax must be contiguous fp32, one per block of 256");
   const CodeTable& t = table_for(code.data_ptr<float>());
@@ -145,8 +154,9 @@ void quantize_blockwise(const at::Tensor& x, const at::Tensor& code, at::Tensor 
       continue;
     }
     ap[b] = amax;
-    const float inv = 1.0f / amax;
-    for (int64_t i = lo; i < hi; ++i) qp[i] = nearest(t, xp[i] * inv);
+    // A division, not a multiplication by 1 / amax: exact for every value, and an absmax
+    // below ~3e-39 (a moment decayed for hundreds of steps) has no finite reciprocal.
+    for (int64_t i = lo; i < hi; ++i) qp[i] = nearest(t, xp[i] / amax);
   }
 }
 
@@ -158,10 +168,10 @@ void dequantize_blockwise(const at::Tensor& q, const at::Tensor& absmax, const a
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.is_contiguous(),
               "quant8: q must be contiguous uint8 on the CPU");
-  TORCH_CHECK(absmax.scalar_type() == at::kFloat && absmax.is_contiguous() &&
-                  absmax.numel() == nblocks,
+  TORCH_CHECK(absmax.device().is_cpu() && absmax.scalar_type() == at::kFloat &&
+                  absmax.is_contiguous() && absmax.numel() == nblocks,
               "quant8: absmax must be contiguous fp32, one per block of 256");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == n,
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == n,
               "quant8: out must be contiguous fp32 of q's size");
   const float* c = code.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();

@@ -164,7 +164,7 @@ class Q8Moments:
 
     def dequantize(self) -> dict[str, torch.Tensor]:
         """Both moments (or those held) as new fp32 tensors of ``numel`` elements."""
-        op = _cpu_op(self.q.values())
+        op = _cpu_op([*self.q.values(), *self.absmax.values()])
         if op is not None:
             out = {}
             for k, q in self.q.items():
@@ -182,7 +182,7 @@ class Q8Moments:
     def quantize(self, values: dict[str, torch.Tensor]) -> None:
         """Quantize the fp32 tensors ``values[name]`` (all moments, or some) into these codes
         and absmax values."""
-        op = _cpu_op(values.values())
+        op = _cpu_op([*values.values(), *self.q.values(), *self.absmax.values()])
         if op is not None:
             for k, x in values.items():
                 op.quantize_blockwise(x.contiguous(), code(k, x.device), self.absmax[k], self.q[k])
