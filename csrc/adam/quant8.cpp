@@ -113,6 +113,14 @@ void check_code(const at::Tensor& code) {
   }
 }
 
+// Every tensor the kernels touch: on the CPU, of `type`, contiguous, `numel` elements.
+void check_flat(const at::Tensor& t, at::ScalarType type, int64_t numel, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.is_contiguous() &&
+                  t.numel() == numel,
+              "quant8: ", what, " must be a contiguous CPU tensor of ", c10::toString(type),
+              " with ", numel, " elements");
+}
+
 }  // namespace
 
 // x (fp32, n) -> q (uint8, n) and absmax (fp32, ceil(n / 256)).
@@ -121,15 +129,9 @@ void quantize_blockwise(const at::Tensor& x, const at::Tensor& code, at::Tensor 
   check_code(code);
   const int64_t n = x.numel();
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "quant8: x must be contiguous fp32 on the CPU");
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.is_contiguous() &&
-                  q.numel() == n,
-              "quant8: q must be contiguous uint8 of x's size on the CPU");
-  TORCH_CHECK(absmax.device().is_cpu() && absmax.scalar_type() == at::kFloat &&
-                  absmax.is_contiguous() &&
-                  absmax.numel() == nblocks,
-              "quant8: absmax must be contiguous fp32, one per block of 256");
+  check_flat(x, at::kFloat, n, "x");
+  check_flat(q, at::kByte, n, "q");
+  check_flat(absmax, at::kFloat, nblocks, "absmax (one per block of 256)");
   const CodeTable& t = table_for(code.data_ptr<float>());
   const float* xp = x.data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
@@ -166,13 +168,9 @@ void dequantize_blockwise(const at::Tensor& q, const at::Tensor& absmax, const a
   check_code(code);
   const int64_t n = q.numel();
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.is_contiguous(),
-              "quant8: q must be contiguous uint8 on the CPU");
-  TORCH_CHECK(absmax.device().is_cpu() && absmax.scalar_type() == at::kFloat &&
-                  absmax.is_contiguous() && absmax.numel() == nblocks,
-              "quant8: absmax must be contiguous fp32, one per block of 256");
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == n,
-              "quant8: out must be contiguous fp32 of q's size");
+  check_flat(q, at::kByte, n, "q");
+  check_flat(absmax, at::kFloat, nblocks, "absmax (one per block of 256)");
+  check_flat(out, at::kFloat, n, "out");
   const float* c = code.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* ap = absmax.data_ptr<float>();
