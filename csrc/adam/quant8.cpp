@@ -70,14 +70,12 @@ CodeTable make_table(const float* code) {
     bool negative = (lo >> 31) != 0;
     // the smallest value of the bucket: the largest magnitude when negative
     float smallest = float_of(negative ? (lo | ((1u << kShift) - 1)) : lo);
-    int count = 0;
-    if (std::isnan(smallest)) {
-      count = 0;  // NaN payloads: the scan decides (it stops at once)
-    } else {
-      count = static_cast<int>(std::lower_bound(t.mid.begin(), t.mid.end(), smallest) -
-                               t.mid.begin());
-    }
-    t.start[key] = static_cast<uint8_t>(std::min(count, 255));
+    // NaN payloads start at 0 (the scan stops at once); at most 255 midpoints lie below
+    t.start[key] = std::isnan(smallest)
+                       ? 0
+                       : static_cast<uint8_t>(
+                             std::lower_bound(t.mid.begin(), t.mid.end(), smallest) -
+                             t.mid.begin());
   }
   return t;
 }

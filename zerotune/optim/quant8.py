@@ -11,9 +11,8 @@ bitsandbytes' CPU ``quantize_blockwise`` / ``dequantize_blockwise`` (13-18 again
 4-5 against 16 ms per 7M elements on 2 cores) and exact where bitsandbytes' search is
 approximate (a few % of its codes are one off, some tiny exp_avg_sq values several codes
 up); elsewhere (CUDA), or when the op is not built, bitsandbytes' functions run. Blocks
-count from the start of this
-rank's shard of the unit, so a block may span two parameters of the unit (bitsandbytes
-quantizes each tensor on its own).
+count from the start of this rank's shard of the unit, so a block may span two parameters
+of the unit (bitsandbytes quantizes each tensor on its own).
 
 Which units: those of at least ``MIN_8BIT_NUMEL`` (4096, bitsandbytes' ``min_8bit_size``)
 elements, counted over the whole unit so the choice does not depend on the world size.
@@ -102,8 +101,7 @@ def _cpu_op(tensors):
         return None
     from ..ops import load_op
 
-    op = load_op("adam")
-    return op if op is not None and hasattr(op, "quantize_blockwise") else None
+    return load_op("adam")
 
 
 class Q8Moments:
@@ -185,7 +183,7 @@ class Q8Moments:
         op = _cpu_op([*values.values(), *self.q.values(), *self.absmax.values()])
         if op is not None:
             for k, x in values.items():
-                op.quantize_blockwise(x.contiguous(), code(k, x.device), self.absmax[k], self.q[k])
+                op.quantize_blockwise(x, code(k, x.device), self.absmax[k], self.q[k])
             return
         bnbf = require_bitsandbytes()
         for k, x in values.items():
