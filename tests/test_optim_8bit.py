@@ -77,8 +77,14 @@ def yardstick():
 
 
 def config_for(tier: str, nvme_root=None, bits: int = 8, **extra) -> dict:
-    config = {"stage": 3, "offload_optimizer": tier, "optim_state_bits": bits}
-    if tier == "nvme":
+    """``tier`` none, cpu or nvme for the optimizer; "nvme-both" puts the parameters on
+    NVMe too (then the parameter file holds the fp32 master and the 8-bit chunk records
+    only the moments)."""
+    optim = "nvme" if tier == "nvme-both" else tier
+    config = {"stage": 3, "offload_optimizer": optim, "optim_state_bits": bits}
+    if tier == "nvme-both":
+        config["offload_param"] = "nvme"
+    if optim == "nvme":
         config.update(nvme_path=str(nvme_root), staging_bytes=SMALL_STAGING)
     return {**config, **extra}
 
@@ -88,8 +94,9 @@ def test_losses_track_fp32_within_bitsandbytes_tolerance(yardstick, tmp_path):
     assert yardstick["deviation"] > 1e-5  # 8-bit state visibly differs from fp32
     assert bnb8[-1] < bnb8[0] - 1.0  # and it learns
     losses = {}
-    for tier in ("none", "cpu", "nvme"):
-        result = train_zero(0, 1, "gpt2", config_for(tier, tmp_path), steps=STEPS, clip=None)
+    for tier in ("none", "cpu", "nvme", "nvme-both"):
+        config = config_for(tier, tmp_path)
+        result = train_zero(0, 1, "gpt2", config, steps=STEPS, clip=None)
         losses[tier] = np.array(result["losses"])
         deviation = np.abs(losses[tier] - fp32).max()
         assert deviation <= bound, (tier, deviation, yardstick["deviation"])
@@ -98,6 +105,7 @@ def test_losses_track_fp32_within_bitsandbytes_tolerance(yardstick, tmp_path):
     # The tiers differ only in where the codes live: the same bits come out.
     np.testing.assert_array_equal(losses["cpu"], losses["none"])
     np.testing.assert_array_equal(losses["nvme"], losses["none"])
+    np.testing.assert_array_equal(losses["nvme-both"], losses["none"])
     # And the moments really are 8-bit: fp32 state follows AdamW far more closely.
     exact = np.array(train_zero(0, 1, "gpt2", {"stage": 3}, steps=STEPS, clip=None)["losses"])
     assert np.abs(exact - fp32).max() < 1e-5
@@ -152,11 +160,16 @@ def _proc_wchar() -> int:
         return int(next(line for line in f if line.startswith("wchar:")).split()[1])
 
 
-def nvme_traffic(bits: int, nvme_root) -> dict:
+def nvme_traffic(bits: int, nvme_root, tier: str = "nvme") -> dict:
     """Bytes the optimizer step writes and reads per step, counted by the store and by the
-    kernel (/proc/self/io wchar around ``step()``)."""
-    config = config_for("nvme", nvme_root, bits=bits, staging_bytes="4MiB")
+    kernel (/proc/self/io wchar around ``step()``); bytes of the optim swap file and of the
+    fp32 masters of the units that have optimizer state."""
+    config = config_for(tier, nvme_root, bits=bits, staging_bytes="4MiB")
     engine = zerotune.shard(wide_gpt2(), config)
+    optim = [e for (kind, _), e in engine.swap.extents.items() if kind == "optim"]
+    masters = sum(
+        4 * u.shard_numel for u in engine.units if ("optim", u.index) in engine.swap.extents
+    )
     opt = zerotune.ZeroAdamW(engine, lr=LR)
     store_written, kernel_written, read = [], [], []
     for ids in batches("gpt2", 3):
@@ -168,7 +181,14 @@ def nvme_traffic(bits: int, nvme_root) -> dict:
         read.append(opt.store.bytes_read - r0)
     report = engine.memory_report()
     engine.close()
-    return {"store": store_written, "kernel": kernel_written, "read": read, "nvme": report["nvme"]}
+    return {
+        "store": store_written,
+        "kernel": kernel_written,
+        "read": read,
+        "nvme": report["nvme"],
+        "optim_file": sum(e.nbytes for e in optim),
+        "masters": masters,
+    }
 
 
 def test_nvme_optimizer_traffic_per_step_halves(tmp_path):
@@ -186,6 +206,28 @@ def test_nvme_optimizer_traffic_per_step_halves(tmp_path):
     ratio = q8["kernel"][0] / fp32["kernel"][0]
     assert 0.5 <= ratio <= 0.55, ratio
     assert 0.5 <= q8["nvme"] / fp32["nvme"] <= 0.55  # the swap file shrinks alike
+
+
+def test_with_parameters_on_nvme_8bit_records_hold_only_the_moments(tmp_path):
+    """Both tiers on NVMe: the parameter file holds the fp32 master, so an 8-bit chunk
+    record is codes and absmax only (~2 bytes a parameter through O_DIRECT instead of 6),
+    and the master moves through the page cache as with fp32 moments."""
+    fp32, q8 = nvme_traffic(32, tmp_path, "nvme-both"), nvme_traffic(8, tmp_path, "nvme-both")
+    numel = sum(p.numel() for p in wide_gpt2().parameters())
+    for r in (fp32, q8):
+        assert len(set(r["store"])) == 1 and r["read"] == r["store"]
+        # Every step moves the whole optim extent plus each master once, nothing more.
+        assert r["store"][0] == r["optim_file"] + r["masters"], r
+        for store, kernel in zip(r["store"], r["kernel"]):
+            assert store <= kernel <= store * 1.02 + 65536, (store, kernel)
+    assert fp32["masters"] == q8["masters"] == 4 * numel
+    assert 8 <= fp32["optim_file"] / numel < 8.5  # two fp32 moments (+ 4 KiB rounding)
+    assert 2 <= q8["optim_file"] / numel < 2.4  # two codes + absmax (+ fp32 small units)
+    # Against the records that carry the master (optimizer alone on NVMe): 4 bytes less a
+    # parameter through O_DIRECT, the same through the kernel in all.
+    alone = nvme_traffic(8, tmp_path)
+    assert alone["optim_file"] - q8["optim_file"] >= 4 * numel * 0.95
+    assert abs(alone["store"][0] - q8["store"][0]) <= 0.02 * alone["store"][0]
 
 
 def optimizer_bytes(bits: int) -> dict:
@@ -231,7 +273,7 @@ def test_estimate_takes_the_option():
 
 
 # ------------------------------------------------------------------------ checkpoints
-@pytest.mark.parametrize("tier", ["none", "nvme"])
+@pytest.mark.parametrize("tier", ["none", "nvme", "nvme-both"])
 def test_checkpoint_resume_is_exact(tmp_path, tier):
     from test_checkpoint import SAVE_AT, resume, save_then_continue
 

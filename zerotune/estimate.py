@@ -786,7 +786,15 @@ def _staging_resident(units: list[UnitPlan], swap: SwapPlan, rank: int) -> int:
         return 0
     layout = swap.layout
     chunks = sum(len(layout.chunks(u.numel, u.shard)) for u in live)
-    per_slot = max(layout.touched_bytes(u.numel, u.shard) for u in live)
+    params = swap.sizes.get("param", {})
+    per_slot = max(
+        layout.touched_bytes(
+            u.numel,
+            u.shard,
+            not layout.master_in_param_file(u.numel, u.index in params, u.itemsize),
+        )
+        for u in live
+    )
     q8 = [u.shard for u in live if layout.quantized(u.numel)]
     dequantized = 2 * _F32 * min(layout.q8_chunk, max(q8)) if q8 else 0
     return min(3, chunks) * min(per_slot, swap.slot_bytes) + dequantized

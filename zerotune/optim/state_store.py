@@ -25,9 +25,13 @@ the update and quantize it back after, so the optimizer sees fp32 moments either
 On NVMe a quantized unit's extent is a sequence of chunk records, one per chunk of
 ``OptimLayout.q8_chunk`` elements, each 4 KiB-aligned and moved in one read and one write:
 ``[master fp32 | exp_avg absmax | exp_avg_sq absmax | exp_avg codes | exp_avg_sq codes]``,
-about 6 bytes per element instead of 12. The fp32 moments of the chunk being updated (8
-bytes per element, made and freed per chunk) count against ``staging_bytes`` with the three
-slots (``OptimLayout.scratch_bytes``).
+about 6 bytes per element instead of 12. When the parameter file holds the master (fp32
+compute, parameters on NVMe) the record has no master: ``[absmax | absmax | codes | codes]``,
+about 2 bytes per element through O_DIRECT, and the master chunk moves through the page
+cache as it does for fp32 moments. In staging the master then takes its own 4 KiB-rounded
+region ahead of the record, so the record's read and write start on an aligned address.
+The fp32 moments of the chunk being updated (8 bytes per element, made and freed per chunk)
+count against ``staging_bytes`` with the three slots (``OptimLayout.scratch_bytes``).
 """
 
 from __future__ import annotations
@@ -66,10 +70,20 @@ def chunk_elements(staging_bytes: int, grad_on_disk: bool) -> int:
     return n
 
 
-def record_bytes(n: int) -> int:
+def record_bytes(n: int, with_master: bool = True) -> int:
     """Bytes of one NVMe chunk record of ``n`` elements of a quantized unit (before 4 KiB
-    rounding): fp32 master, two absmax arrays, two code arrays."""
-    return _F32 * n + 2 * _F32 * blocks(n) + 2 * n
+    rounding): fp32 master (unless the parameter file holds it), two absmax arrays, two
+    code arrays."""
+    return (_F32 * n if with_master else 0) + 2 * _F32 * blocks(n) + 2 * n
+
+
+def record_buffer_bytes(n: int, with_master: bool = True) -> int:
+    """Staging bytes a chunk record of ``n`` elements takes in the step: the record itself,
+    or (master in the parameter file) the master's own 4 KiB-rounded region and then the
+    record, so that the record's O_DIRECT transfer starts on an aligned address."""
+    if with_master:
+        return round_up(record_bytes(n))
+    return round_up(_F32 * n) + round_up(record_bytes(n, False))
 
 
 @dataclass(frozen=True)
@@ -96,7 +110,8 @@ class OptimLayout:
         def slot(c: int) -> int:
             grad = round_up(c * _F32) if grads_on_disk else 0
             # A slot also holds a whole chunk of a unit with fp32 moments (>= one page each).
-            return max(round_up(record_bytes(c)) + grad, kinds * ALIGN)
+            # The split form (master in the parameter file) is the larger of the two.
+            return max(record_buffer_bytes(c, with_master=False) + grad, kinds * ALIGN)
 
         def need(c: int) -> int:
             return 3 * slot(c) + 2 * c * _F32
@@ -126,23 +141,26 @@ class OptimLayout:
     def master_in_param_file(self, unit_numel: int, param_on_disk: bool, itemsize: int) -> bool:
         """Whether the unit's fp32 master lives in the parameter swap file rather than in its
         optim extent: with fp32 compute and the shard on NVMe the two are the same numbers
-        (see [Note: optimizer state stores]). Units with 8-bit moments keep the master in
-        their chunk records."""
-        return param_on_disk and itemsize == _F32 and not self.quantized(unit_numel)
+        (see [Note: optimizer state stores]), whatever the width of the moments."""
+        return param_on_disk and itemsize == _F32
 
     def extent_bytes(self, unit_numel: int, shard: int, with_master: bool = True) -> int:
         """Bytes of the unit's optim extent: three fp32 regions (two when the master is in
-        the parameter file), or the chunk records."""
+        the parameter file), or the chunk records (with or without the master)."""
         if not self.quantized(unit_numel):
             return (3 if with_master else 2) * round_up(shard * _F32)
-        return sum(round_up(record_bytes(c1 - c0)) for c0, c1 in self.chunks(unit_numel, shard))
+        return sum(
+            round_up(record_bytes(c1 - c0, with_master))
+            for c0, c1 in self.chunks(unit_numel, shard)
+        )
 
-    def touched_bytes(self, unit_numel: int, shard: int) -> int:
-        """Bytes of a staging slot that the unit's largest chunk fills."""
+    def touched_bytes(self, unit_numel: int, shard: int, with_master: bool = True) -> int:
+        """Bytes of a staging slot that the unit's largest chunk fills (``with_master``:
+        the master is in the optim extent, not the parameter file)."""
         c0, c1 = self.chunks(unit_numel, shard)[0]
         grad = (c1 - c0) * _F32 if self.grads_on_disk else 0
         if self.quantized(unit_numel):
-            return round_up(record_bytes(c1 - c0)) + grad
+            return record_buffer_bytes(c1 - c0, with_master) + grad
         return 3 * round_up((c1 - c0) * _F32) + grad
 
 
@@ -306,16 +324,19 @@ def _fp32_locations(swap, layout: OptimLayout, unit, c0: int) -> list[tuple[obje
 
 def _record_offset(swap, layout: OptimLayout, unit, c0: int) -> int:
     """File offset of the chunk record starting at element ``c0`` of a quantized unit."""
-    stride = round_up(record_bytes(layout.q8_chunk))
+    stride = round_up(record_bytes(layout.q8_chunk, not master_in_param_file(layout, unit)))
     return swap.extent("optim", unit.index).offset + (c0 // layout.q8_chunk) * stride
 
 
-def _record_views(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, Q8Moments]:
+def _record_views(
+    buf: torch.Tensor, n: int, with_master: bool = True
+) -> tuple[torch.Tensor, Q8Moments]:
     """The fp32 master and quantized moments inside a staging buffer holding a record of
-    ``n`` elements (see [Note: optimizer state stores])."""
+    ``n`` elements, laid out as ``record_buffer_bytes`` says (see [Note: optimizer state
+    stores])."""
     b = blocks(n)
     master = buf[: _F32 * n].view(torch.float32)
-    at = _F32 * n
+    at = _F32 * n if with_master else round_up(_F32 * n)
     absmax, q = {}, {}
     for k in MOMENTS:
         absmax[k] = buf[at : at + _F32 * b].view(torch.float32)
@@ -332,14 +353,16 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
     then on."""
     f = swap.files["optim"]
     q8 = layout.quantized(unit.numel)
+    with_master = not master_in_param_file(layout, unit)
     for c0, c1 in layout.chunks(unit.numel, unit.shard_numel):
         if q8:
-            nbytes = round_up(record_bytes(c1 - c0))
+            nbytes = round_up(record_bytes(c1 - c0, with_master))
             held = staging.acquire(nbytes)
             buf = held[:nbytes]
-            buf.zero_()
-            master, _ = _record_views(buf, c1 - c0)
-            master.copy_(unit.master[c0:c1])
+            buf.zero_()  # zero absmax: the moments start at zero
+            if with_master:
+                master, _ = _record_views(buf, c1 - c0)
+                master.copy_(unit.master[c0:c1])
             f.write(buf, _record_offset(swap, layout, unit, c0)).wait()
             staging.release(held)
             continue
@@ -348,7 +371,7 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
         buf = held[:nbytes]
         f32 = buf.view(torch.float32)
         locations = _fp32_locations(swap, layout, unit, c0)
-        if not master_in_param_file(layout, unit):
+        if with_master:
             f32.zero_()
             f32[: c1 - c0].copy_(unit.master[c0:c1])
             file, off = locations[0]
@@ -387,8 +410,15 @@ class NvmeStore:
         the state takes the first bytes of ``buf``. A master in the parameter file (buffered
         I/O) moves exactly its bytes: the rest of that page belongs to the next extent's."""
         if self._q8(unit):
-            nbytes = round_up(record_bytes(c1 - c0))
-            return [(buf[:nbytes], self._file(), _record_offset(self.swap, self.layout, unit, c0))]
+            n = c1 - c0
+            off = _record_offset(self.swap, self.layout, unit, c0)
+            if not self.master_in_param_file(unit):
+                return [(buf[: round_up(record_bytes(n))], self._file(), off)]
+            head, p = round_up(n * _F32), unit.param_extent
+            return [
+                (buf[: n * _F32], p.file, p.offset + c0 * _F32),
+                (buf[head : head + round_up(record_bytes(n, False))], self._file(), off),
+            ]
         nbytes = round_up((c1 - c0) * _F32)
         out = []
         for k, (file, off) in enumerate(_fp32_locations(self.swap, self.layout, unit, c0)):
@@ -403,13 +433,13 @@ class NvmeStore:
         grad_disk = unit.grad_extent is not None and held is None
         n = c1 - c0
         if self._q8(unit):
-            state_bytes = round_up(record_bytes(n))
+            state_bytes = record_buffer_bytes(n, not self.master_in_param_file(unit))
         else:
             state_bytes = 3 * round_up(n * _F32)
         buf = self.staging.acquire(state_bytes + (n * _F32 if grad_disk else 0))
         pieces = self._pieces(unit, c0, c1, buf)
         handles = [file.read(part, off) for part, file, off in pieces]
-        self.bytes_read += state_bytes
+        self.bytes_read += sum(part.numel() for part, _, _ in pieces)
         if grad_disk:
             g = unit.grad_extent
             dst = buf[state_bytes : state_bytes + n * _F32]
@@ -468,8 +498,9 @@ class NvmeStore:
             if upcoming is None:  # work may have come in while this chunk was read
                 upcoming = yield from start_next()
             n = c1 - c0
+            in_param_file = self.master_in_param_file(unit)
             if self._q8(unit):
-                master, q8 = _record_views(buf, n)
+                master, q8 = _record_views(buf, n, not in_param_file)
                 work = q8.dequantize()
                 update(unit, c0, c1, master, work["exp_avg"], work["exp_avg_sq"], grad)
                 q8.quantize(work)
@@ -481,11 +512,10 @@ class NvmeStore:
             del grad
             if c1 == unit.shard_numel:
                 unit.drop_held_grad()  # its last chunk is updated
-            in_param_file = self.master_in_param_file(unit)
             if in_param_file:
                 unit.keep_private()  # a unit mapping that file must not see the change
             hs = [file.write(part, off) for part, file, off in pieces]
-            self.bytes_written += state_bytes
+            self.bytes_written += sum(part.numel() for part, _, _ in pieces)
             if in_param_file:
                 unit.param_file_writes.append(hs[0])  # a gather must wait for it
             writes.append((hs, buf))
@@ -517,11 +547,12 @@ class NvmeStore:
         if self._q8(unit):
             master = torch.empty(n, dtype=torch.float32)
             q8 = Q8Moments.zeros(n, "cpu")
+            with_master = not self.master_in_param_file(unit)
             for c0, c1 in self.chunks(unit):
-                held = self.staging.acquire(round_up(record_bytes(c1 - c0)))
+                held = self.staging.acquire(record_buffer_bytes(c1 - c0, with_master))
                 for part, file, off in self._pieces(unit, c0, c1, held):
                     file.read(part, off).wait()
-                m, q = _record_views(held, c1 - c0)
+                m, q = _record_views(held, c1 - c0, with_master)
                 master[c0:c1].copy_(m)
                 q8.slice(c0, c1).copy_(q)
                 self.staging.release(held)
@@ -562,19 +593,26 @@ class NvmeStore:
     def _write_records(self, unit, state: dict[str, torch.Tensor]) -> None:
         """Read, patch and write back each chunk record of a quantized unit: fp32 moments
         are quantized per chunk (chunks start on block boundaries, so this equals
-        quantizing the whole shard)."""
+        quantizing the whole shard). A master in the parameter file is written only when
+        given."""
         flat = {k: v.reshape(-1) for k, v in state.items()}
+        with_master = not self.master_in_param_file(unit)
+        if "master" in flat and not with_master:
+            unit.keep_private()  # a unit mapping that file must not see the change
         for c0, c1 in self.chunks(unit):
-            held = self.staging.acquire(round_up(record_bytes(c1 - c0)))
-            ((part, _, off),) = self._pieces(unit, c0, c1, held)
-            self._file().read(part, off).wait()
-            master, q8 = _record_views(held, c1 - c0)
+            held = self.staging.acquire(record_buffer_bytes(c1 - c0, with_master))
+            pieces = self._pieces(unit, c0, c1, held)
+            for part, file, off in pieces:
+                file.read(part, off).wait()
+            master, q8 = _record_views(held, c1 - c0, with_master)
             if "master" in flat:
                 master.copy_(flat["master"][c0:c1])
             given = Q8Moments.from_state(flat, partial=True).slice(c0, c1)
             q8.copy_(given)
             q8.quantize({k: flat[k][c0:c1].float() for k in MOMENTS if k in flat})
-            self._file().write(part, off).wait()
+            for part, file, off in pieces:
+                if file is self._file() or "master" in flat:
+                    file.write(part, off).wait()
             self.staging.release(held)
 
     def nbytes(self) -> int:
