@@ -371,17 +371,45 @@ def test_config_errors(monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------- one update, element-wise
-def test_cpu_quantizer_picks_the_nearest_code_and_dequantizes_exactly():
+def _simd_levels() -> list[str]:
+    from zerotune.ops import load_op
+
+    op = load_op("adam")
+    order = ["scalar", "avx2", "avx512"]
+    return order[: order.index(op.set_simd_level("auto")) + 1] if op is not None else ["scalar"]
+
+
+@pytest.fixture(params=_simd_levels())
+def simd(request):
+    """Each SIMD level of the C++ op this CPU has (the quantizer's AVX2 path serves avx512)."""
+    from zerotune.ops import load_op
+
+    op = load_op("adam")
+    assert op is not None and hasattr(op, "quantize_blockwise")
+    op.set_simd_level(request.param)
+    yield op
+    op.set_simd_level("auto")
+
+
+def _nearest(y: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The nearest code of each value of a sorted table, ties to the lower code: the number
+    of midpoints strictly below the value. In float64 the midpoints of fp32 neighbours are
+    exact and so is the compare (distances would round: a value of 1e-41 is as far from
+    -0.018 as from +0.018 in float64)."""
+    t = table.double()
+    mids = (t[:-1] + t[1:]) / 2
+    return (y.double()[:, None] > mids[None, :]).sum(1)
+
+
+def test_cpu_quantizer_picks_the_nearest_code_and_dequantizes_exactly(simd):
     """The C++ quantizer (csrc/adam/quant8.cpp): each element's code is the nearest one to
     value / absmax of its block (checked against all 256), absmax is the block's largest
     magnitude, a zero block stays zero, a block with a NaN dequantizes to NaN, and
     dequantizing is code[q] * absmax exactly; magnitudes over nine decades, a block of
     denormals (absmax ~1e-40, no finite reciprocal), a short last block, values exactly on
-    the codes and on either side of the midpoints between them."""
-    from zerotune.ops import load_op
+    the codes and on either side of the midpoints between them; at every SIMD level."""
     from zerotune.optim.quant8 import BLOCK, MOMENTS, code
 
-    assert load_op("adam") is not None and hasattr(load_op("adam"), "quantize_blockwise")
     g = torch.Generator().manual_seed(0)
     n = BLOCK * 40 + 17
     for name in MOMENTS:
@@ -420,6 +448,38 @@ def test_cpu_quantizer_picks_the_nearest_code_and_dequantizes_exactly():
         q8.quantize({name: x})
         deq = q8.dequantize()[name]
         assert deq[:BLOCK].isnan().all() and not deq[BLOCK:].isnan().any()
+        x[5] = float("inf")
+        q8.quantize({name: x})
+        assert q8.absmax[name][0].isnan() and not q8.absmax[name][1:].isnan().any()
+
+
+def test_cpu_quantizer_levels_give_the_same_bytes_for_any_table(simd):
+    """Random bit patterns (every finite float, denormals and both zeros; infinities and
+    NaNs excluded) quantized with the dynamic maps and with a table dense enough that a
+    bucket holds several midpoints (the vector path's check and scalar fallback): codes
+    equal to the brute-force nearest, and the same bytes as the scalar level."""
+    from zerotune.optim.quant8 import code
+
+    level = simd.simd_level()
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    x = torch.where(x.isfinite(), x, 0.0)
+    x[::97] *= 1e-30  # blocks whose absmax ranges over many decades
+    dense = torch.sort(torch.cat([torch.linspace(-1, 1, 56), torch.linspace(0.9, 0.95, 200)]))[0]
+    assert (dense[1:] - dense[:-1]).min() < 2**-8  # several midpoints in one bucket
+    for table in (code("exp_avg", "cpu"), code("exp_avg_sq", "cpu"), dense):
+        values = x.abs() if table.min() >= 0 else x
+        n = values.numel()
+        absmax, q = torch.empty(n // 256), torch.empty(n, dtype=torch.uint8)
+        simd.quantize_blockwise(values, table, absmax, q)
+        y = values / absmax.repeat_interleave(256)
+        assert torch.equal(q.long(), _nearest(y, table))
+        simd.set_simd_level("scalar")
+        absmax_s, q_s = torch.empty_like(absmax), torch.empty_like(q)
+        simd.quantize_blockwise(values, table, absmax_s, q_s)
+        assert torch.equal(q, q_s) and torch.equal(absmax, absmax_s)
+        simd.set_simd_level(level)
 
 
 def test_one_update_matches_bitsandbytes_8bit_kernel():

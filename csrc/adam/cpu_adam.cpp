@@ -568,6 +568,8 @@ void stream_probe(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
 
 std::string simd_level() { return simd_name(g_simd); }
 
+bool simd_vector() { return g_simd != Simd::kScalar; }
+
 std::string set_simd_level(const std::string& level) {
   Simd want;
   if (level == "auto") {
