@@ -237,13 +237,15 @@ def engine_bytes(
     if swap is not None:
         out["nvme"] = {"nvme": swap.total_bytes}
         if "optim" in swap.sizes and with_optimizer:
-            # The step pipeline keeps up to three chunks in flight (read, update, write).
-            chunks = sum(
-                len(swap.layout.chunks(u.numel, u.shard))
-                for u in units
-                if u.index in swap.sizes["optim"] and u.has_optimizer_state(rank)
-            )
-            out["staging"] = {"host": min(3, max(chunks, 1)) * swap.slot_bytes}
+            # The step pipeline keeps up to three chunks in flight (read, update, write),
+            # and the fp32 moments of the largest 8-bit chunk in a scratch buffer.
+            live = [
+                u for u in units if u.index in swap.sizes["optim"] and u.has_optimizer_state(rank)
+            ]
+            chunks = sum(len(swap.layout.chunks(u.numel, u.shard)) for u in live)
+            out["staging"] = {
+                "host": min(3, max(chunks, 1)) * swap.slot_bytes + _dequantized_bytes(live, swap)
+            }
     out["padding_elements"] = {"count": sum(u.padded - u.numel for u in units)}
     return out
 
@@ -795,9 +797,13 @@ def _staging_resident(units: list[UnitPlan], swap: SwapPlan, rank: int) -> int:
         )
         for u in live
     )
-    q8 = [u.shard for u in live if layout.quantized(u.numel)]
-    dequantized = 2 * _F32 * min(layout.q8_chunk, max(q8)) if q8 else 0
-    return min(3, chunks) * min(per_slot, swap.slot_bytes) + dequantized
+    return min(3, chunks) * min(per_slot, swap.slot_bytes) + _dequantized_bytes(live, swap)
+
+
+def _dequantized_bytes(live: list[UnitPlan], swap: SwapPlan) -> int:
+    """The NVMe store's scratch: fp32 moments of the largest chunk of an 8-bit unit."""
+    q8 = [u.shard for u in live if swap.layout.quantized(u.numel)]
+    return 2 * _F32 * min(swap.layout.q8_chunk, max(q8)) if q8 else 0
 
 
 def _rows(

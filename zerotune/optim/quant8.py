@@ -160,19 +160,25 @@ class Q8Moments:
             self.q[k].copy_(other.q[k])
             self.absmax[k].copy_(other.absmax[k])
 
-    def dequantize(self) -> dict[str, torch.Tensor]:
-        """Both moments (or those held) as new fp32 tensors of ``numel`` elements."""
-        op = _cpu_op([*self.q.values(), *self.absmax.values()])
+    def dequantize(self, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Both moments (or those held) as fp32 tensors of ``numel`` elements: new ones, or
+        written into ``out`` (contiguous, same device) and returned."""
+        given = list(out.values()) if out is not None else []
+        op = _cpu_op([*self.q.values(), *self.absmax.values(), *given])
         if op is not None:
-            out = {}
+            res = {}
             for k, q in self.q.items():
-                out[k] = torch.empty(q.numel(), dtype=torch.float32)
-                op.dequantize_blockwise(q, self.absmax[k], code(k, q.device), out[k])
-            return out
+                res[k] = out[k] if out is not None else torch.empty(q.numel(), dtype=torch.float32)
+                op.dequantize_blockwise(q, self.absmax[k], code(k, q.device), res[k])
+            return res
         bnbf = require_bitsandbytes()
         return {
             k: bnbf.dequantize_blockwise(
-                q, absmax=self.absmax[k], code=code(k, q.device), blocksize=BLOCK
+                q,
+                absmax=self.absmax[k],
+                code=code(k, q.device),
+                out=out[k] if out is not None else None,
+                blocksize=BLOCK,
             )
             for k, q in self.q.items()
         }

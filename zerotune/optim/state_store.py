@@ -30,8 +30,11 @@ compute, parameters on NVMe) the record has no master: ``[absmax | absmax | code
 about 2 bytes per element through O_DIRECT, and the master chunk moves through the page
 cache as it does for fp32 moments. In staging the master then takes its own 4 KiB-rounded
 region ahead of the record, so the record's read and write start on an aligned address.
-The fp32 moments of the chunk being updated (8 bytes per element, made and freed per chunk)
-count against ``staging_bytes`` with the three slots (``OptimLayout.scratch_bytes``).
+The fp32 moments of the chunk being updated (8 bytes per element) go to a scratch buffer
+each store keeps and reuses (``_Scratch``: memory made and freed per chunk cost page faults
+and zeroing, about as much again as the (de)quantizing); on NVMe it counts against
+``staging_bytes`` with the three slots (``OptimLayout.scratch_bytes``) and in the memory
+report's ``staging``.
 """
 
 from __future__ import annotations
@@ -221,10 +224,30 @@ def _gate(unit):
     unit.wait_writes()
 
 
+class _Scratch:
+    """fp32 moments of the quantized chunk being updated: one buffer, grown to the largest
+    chunk and reused (one chunk is updated at a time)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def moments(self, n: int, device) -> dict[str, torch.Tensor]:
+        buf = self.buf
+        if buf is None or buf.numel() < 2 * n or buf.device != torch.device(device):
+            self.buf = buf = None  # free the old one first
+            self.buf = buf = torch.empty(2 * n, dtype=torch.float32, device=device)
+        half = buf.numel() // 2
+        return {MOMENTS[0]: buf[:n], MOMENTS[1]: buf[half : half + n]}
+
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.numel() * _F32
+
+
 class ResidentStore:
     def __init__(self, units, bits: int = 32):
         self.moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.q8: dict[int, Q8Moments] = {}
+        self.scratch = _Scratch()
         for u in units:
             if quantized(u.numel, bits):
                 self.q8[u.index] = Q8Moments.zeros(u.shard_numel, u.master.device)
@@ -262,7 +285,7 @@ class ResidentStore:
                 update(unit, c0, c1, master, m[c0:c1], v[c0:c1], grad)
                 continue
             part = q8.slice(c0, c1)
-            work = part.dequantize()
+            work = part.dequantize(self.scratch.moments(c1 - c0, master.device))
             update(unit, c0, c1, master, work["exp_avg"], work["exp_avg_sq"], grad)
             part.quantize(work)
 
@@ -386,6 +409,7 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
 class NvmeStore:
     def __init__(self, swap, staging, layout: OptimLayout):
         self.swap, self.staging, self.layout = swap, staging, layout
+        self.scratch = _Scratch()
         self.bytes_read = 0
         self.bytes_written = 0
         if layout.bits == 8:
@@ -501,7 +525,7 @@ class NvmeStore:
             in_param_file = self.master_in_param_file(unit)
             if self._q8(unit):
                 master, q8 = _record_views(buf, n, not in_param_file)
-                work = q8.dequantize()
+                work = q8.dequantize(self.scratch.moments(n, "cpu"))
                 update(unit, c0, c1, master, work["exp_avg"], work["exp_avg_sq"], grad)
                 q8.quantize(work)
             else:
