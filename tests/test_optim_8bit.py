@@ -527,3 +527,69 @@ def test_one_update_matches_bitsandbytes_8bit_kernel():
             assert (differ > 0).float().mean() < 0.05, (step, k)
             far += int((differ > 1).sum())
     assert far > 0  # bitsandbytes' approximate search shows on this data
+
+
+def test_fused_8bit_update_gives_the_bytes_of_three_passes(simd):
+    """The one-pass 8-bit Adam op (csrc/adam/cpu_adam.cpp, [Note: fused 8-bit step]) against
+    dequantize -> ``adam_update`` per segment -> quantize: the same parameters, codes, absmax
+    values and bf16 copy, bit for bit, at every SIMD level; segments with their own
+    hyper-parameters that start and end inside blocks, gaps (padding) between them, a short
+    last block, bf16 gradients, Adam with L2 and no bias correction, a NaN gradient."""
+    from zerotune.optim.cpu_adam import adam_update, adam_update_8bit
+
+    n = 256 * 9 + 77
+    g = torch.Generator().manual_seed(3)
+    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8)
+    segments = [
+        (0, 300, dict(step=3, lr=1e-2, weight_decay=0.1, **hyper)),
+        (300, 1000, dict(step=3, lr=5e-3, weight_decay=0.0, **hyper)),
+        (1100, 2000, dict(step=7, lr=1e-3, weight_decay=0.05, adamw=False, **hyper)),
+        (2000, n - 5, dict(step=1, lr=1e-2, weight_decay=0.0, bias_correction=False, **hyper)),
+    ]
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        start = Q8Moments.zeros(n, "cpu")
+        start.quantize(
+            {"exp_avg": torch.randn(n, generator=g), "exp_avg_sq": torch.rand(n, generator=g)}
+        )
+        param = torch.randn(n, generator=g)
+        grad = torch.randn(n, generator=g).to(grad_dtype)
+        grad[700] = float("nan")  # its block turns NaN in both paths
+        ours, theirs = Q8Moments.zeros(n, "cpu"), Q8Moments.zeros(n, "cpu")
+        ours.copy_(start)
+        theirs.copy_(start)
+        p_ours, p_theirs = param.clone(), param.clone()
+        out_ours, out_theirs = torch.empty(n, dtype=torch.bfloat16), torch.zeros(n).bfloat16()
+        out_ours.copy_(out_theirs)
+        assert adam_update_8bit(p_ours, grad, ours, segments, out_ours)
+        work = theirs.dequantize()
+        for a, b, kw in segments:
+            adam_update(
+                p_theirs[a:b], grad[a:b], work["exp_avg"][a:b], work["exp_avg_sq"][a:b],
+                out_lowp=out_theirs[a:b], **kw,
+            )  # fmt: skip
+        theirs.quantize(work)
+        same = dict(rtol=0, atol=0, equal_nan=True)  # bit for bit, NaN where NaN
+        torch.testing.assert_close(p_ours, p_theirs, **same)
+        torch.testing.assert_close(out_ours, out_theirs, **same)
+        assert p_ours.isnan().sum() == 1  # the NaN gradient's parameter
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours.q[k], theirs.q[k]), k
+            torch.testing.assert_close(ours.absmax[k], theirs.absmax[k], **same)
+            nan = ours.absmax[k].isnan()
+            assert nan[700 // 256] and nan.sum() == 1
+        assert not torch.equal(p_ours, param)  # it did update
+        assert torch.equal(p_ours[1000:1100], param[1000:1100])  # not the gap
+
+
+def test_8bit_training_without_the_fused_op_is_identical(tmp_path, monkeypatch):
+    """With the one-pass op unavailable the optimizer dequantizes each chunk into its reused
+    scratch buffer, updates and quantizes: the same losses, bit for bit, on the CPU tier and
+    with both tiers on NVMe (the chunk records without the master)."""
+    import zerotune.optim.zero_adam as zero_adam
+
+    for tier in ("cpu", "nvme-both"):
+        fused = train_zero(0, 1, "gpt2", config_for(tier, tmp_path), steps=8, clip=None)
+        with monkeypatch.context() as patch:
+            patch.setattr(zero_adam, "adam_update_8bit", lambda *args: False)
+            passes = train_zero(0, 1, "gpt2", config_for(tier, tmp_path), steps=8, clip=None)
+        assert passes["losses"] == fused["losses"], tier

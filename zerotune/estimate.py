@@ -237,15 +237,13 @@ def engine_bytes(
     if swap is not None:
         out["nvme"] = {"nvme": swap.total_bytes}
         if "optim" in swap.sizes and with_optimizer:
-            # The step pipeline keeps up to three chunks in flight (read, update, write),
-            # and the fp32 moments of the largest 8-bit chunk in a scratch buffer.
-            live = [
-                u for u in units if u.index in swap.sizes["optim"] and u.has_optimizer_state(rank)
-            ]
-            chunks = sum(len(swap.layout.chunks(u.numel, u.shard)) for u in live)
-            out["staging"] = {
-                "host": min(3, max(chunks, 1)) * swap.slot_bytes + _dequantized_bytes(live, swap)
-            }
+            # The step pipeline keeps up to three chunks in flight (read, update, write).
+            chunks = sum(
+                len(swap.layout.chunks(u.numel, u.shard))
+                for u in units
+                if u.index in swap.sizes["optim"] and u.has_optimizer_state(rank)
+            )
+            out["staging"] = {"host": min(3, max(chunks, 1)) * swap.slot_bytes}
     out["padding_elements"] = {"count": sum(u.padded - u.numel for u in units)}
     return out
 
@@ -780,8 +778,8 @@ def estimate(
 def _staging_resident(units: list[UnitPlan], swap: SwapPlan, rank: int) -> int:
     """Host bytes the staging slots really occupy: slots are made with ``aligned_empty``
     (not pinned), so only the pages a transfer writes become resident: per slot, one chunk
-    of each streamed kind of the largest unit. With 8-bit moments, plus the fp32 moments
-    of the chunk being updated (made and freed per chunk)."""
+    of each streamed kind of the largest unit. (8-bit moments are updated in one pass per
+    block of 256 by the C++ op: no fp32 moments of a whole chunk.)"""
     live = [u for u in units if u.index in swap.sizes.get("optim", {})]
     live = [u for u in live if u.has_optimizer_state(rank)]
     if not live:
@@ -797,13 +795,7 @@ def _staging_resident(units: list[UnitPlan], swap: SwapPlan, rank: int) -> int:
         )
         for u in live
     )
-    return min(3, chunks) * min(per_slot, swap.slot_bytes) + _dequantized_bytes(live, swap)
-
-
-def _dequantized_bytes(live: list[UnitPlan], swap: SwapPlan) -> int:
-    """The NVMe store's scratch: fp32 moments of the largest chunk of an 8-bit unit."""
-    q8 = [u.shard for u in live if swap.layout.quantized(u.numel)]
-    return 2 * _F32 * min(swap.layout.q8_chunk, max(q8)) if q8 else 0
+    return min(3, chunks) * min(per_slot, swap.slot_bytes)
 
 
 def _rows(

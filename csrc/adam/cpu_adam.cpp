@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -522,6 +523,153 @@ void adam_update(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tens
 }
 
 // ---------------------------------------------------------------------------------
+// Adam over 8-bit moments (see [Note: fused 8-bit step]).
+
+// csrc/adam/quant8.cpp
+void q8_check_flat(const at::Tensor& t, at::ScalarType type, int64_t numel, const char* what);
+const void* q8_table(const at::Tensor& code);
+void q8_quantize_block(const void* table, const float* x, int64_t len, float* absmax,
+                       uint8_t* q, bool vec);
+
+// [Note: fused 8-bit step]
+// With 8-bit moments the update is dequantize -> Adam -> quantize. Done as three passes
+// over a chunk, the fp32 moments go through memory three times (8 bytes per element
+// written, read, written and read again: ~32 bytes per element beyond the update's own).
+// Here each block of 256 is dequantized into two arrays on the stack, updated by the same
+// `adam_range` as fp32 moments (per parameter-group segment that overlaps the block, each
+// with its own coefficients), and quantized back at once, so the moments stay in L1. Each
+// step is the same operation as in the three-pass path, so the bytes are the same (tests
+// compare them at every SIMD level). Elements outside every segment (padding) are
+// dequantized and quantized again like the rest of their block, as the three passes do.
+struct Q8Side {
+  uint8_t* q;
+  float* absmax;
+  const float* code;
+  const void* table;
+};
+
+template <typename G, Lowp O>
+void adam8bit_all(float* p, const G* g, uint16_t* out, int64_t n, const Q8Side& qm,
+                  const Q8Side& qv, const std::vector<int64_t>& bounds,
+                  const std::vector<Coeffs>& coeffs) {
+  constexpr int64_t kBlock = 256, kGroup = 64;  // blocks per work item: 16K elements
+  const Simd simd = g_simd;
+  const bool vec = simd != Simd::kScalar;
+  const int64_t nblocks = (n + kBlock - 1) / kBlock;
+  const int64_t ngroups = (nblocks + kGroup - 1) / kGroup;
+  const int64_t nseg = static_cast<int64_t>(coeffs.size());
+  const int nt = n < kParallelMin ? 1 : team_size();
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
+  for (int64_t gi = 0; gi < ngroups; ++gi) {
+    alignas(64) float m[kBlock];
+    alignas(64) float v[kBlock];
+    int64_t s = 0;
+    for (int64_t b = gi * kGroup; b < std::min(nblocks, (gi + 1) * kGroup); ++b) {
+      const int64_t lo = b * kBlock;
+      const int64_t len = std::min(kBlock, n - lo);
+      const float am = qm.absmax[b], av = qv.absmax[b];
+      for (int64_t i = 0; i < len; ++i) {
+        m[i] = qm.code[qm.q[lo + i]] * am;
+        v[i] = qv.code[qv.q[lo + i]] * av;
+      }
+      while (s < nseg && bounds[2 * s + 1] <= lo) ++s;
+      for (int64_t t = s; t < nseg && bounds[2 * t] < lo + len; ++t) {
+        const int64_t x0 = std::max(lo, bounds[2 * t]);
+        const int64_t x1 = std::min(lo + len, bounds[2 * t + 1]);
+        if (x0 >= x1) continue;
+        adam_range<G, O>(p + x0, g + x0, m + (x0 - lo), v + (x0 - lo), out ? out + x0 : nullptr,
+                         x1 - x0, coeffs[t], simd);
+      }
+      q8_quantize_block(qm.table, m, len, qm.absmax + b, qm.q + lo, vec);
+      q8_quantize_block(qv.table, v, len, qv.absmax + b, qv.q + lo, vec);
+    }
+  }
+}
+
+template <typename G>
+void adam8bit_dispatch(float* p, const G* g, uint16_t* out, Lowp lowp, int64_t n,
+                       const Q8Side& qm, const Q8Side& qv, const std::vector<int64_t>& bounds,
+                       const std::vector<Coeffs>& coeffs) {
+  switch (lowp) {
+    case Lowp::kBF16: return adam8bit_all<G, Lowp::kBF16>(p, g, out, n, qm, qv, bounds, coeffs);
+    case Lowp::kF16: return adam8bit_all<G, Lowp::kF16>(p, g, out, n, qm, qv, bounds, coeffs);
+    default: return adam8bit_all<G, Lowp::kNone>(p, g, nullptr, n, qm, qv, bounds, coeffs);
+  }
+}
+
+// One Adam/AdamW step over a shard whose moments are 8-bit blockwise (codes and absmax of
+// blocks of 256 counted from element 0): param[n], grad[n], q_m/q_v[n] uint8, absmax_m/
+// absmax_v[ceil(n / 256)], code_m/code_v the 256-entry maps. Segment t covers elements
+// [bounds[t][0], bounds[t][1]) with hyper[t] = (step, lr, beta1, beta2, eps, weight_decay,
+// adamw, bias_correction); segments are in order and do not overlap.
+void adam_update_8bit(at::Tensor param, at::Tensor grad, at::Tensor q_m, at::Tensor absmax_m,
+                      const at::Tensor& code_m, at::Tensor q_v, at::Tensor absmax_v,
+                      const at::Tensor& code_v, std::optional<at::Tensor> out,
+                      const at::Tensor& bounds, const at::Tensor& hyper) {
+  const int64_t n = param.numel();
+  const int64_t nblocks = (n + 255) / 256;
+  check_f32(param, "param", n);
+  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == n,
+              "grad must be a contiguous CPU tensor with ", n, " elements");
+  q8_check_flat(q_m, at::kByte, n, "q_m");
+  q8_check_flat(q_v, at::kByte, n, "q_v");
+  q8_check_flat(absmax_m, at::kFloat, nblocks, "absmax_m (one per block of 256)");
+  q8_check_flat(absmax_v, at::kFloat, nblocks, "absmax_v (one per block of 256)");
+  TORCH_CHECK(bounds.device().is_cpu() && bounds.scalar_type() == at::kLong &&
+                  bounds.dim() == 2 && bounds.size(1) == 2,
+              "bounds must be an int64 CPU tensor of shape (segments, 2)");
+  const int64_t nseg = bounds.size(0);
+  TORCH_CHECK(hyper.device().is_cpu() && hyper.scalar_type() == at::kDouble &&
+                  hyper.dim() == 2 && hyper.size(0) == nseg && hyper.size(1) == 8,
+              "hyper must be a float64 CPU tensor of shape (", nseg, ", 8)");
+  const at::Tensor b = bounds.contiguous();
+  const at::Tensor h = hyper.contiguous();
+  std::vector<int64_t> bv(b.data_ptr<int64_t>(), b.data_ptr<int64_t>() + 2 * nseg);
+  std::vector<Coeffs> coeffs;
+  const double* hp = h.data_ptr<double>();
+  for (int64_t t = 0; t < nseg; ++t, hp += 8) {
+    TORCH_CHECK(bv[2 * t] >= (t ? bv[2 * t - 1] : 0) && bv[2 * t] <= bv[2 * t + 1] &&
+                    bv[2 * t + 1] <= n,
+                "segments must be in order, not overlap, and lie in [0, ", n, "]");
+    const int64_t step = static_cast<int64_t>(hp[0]);
+    TORCH_CHECK(step >= 1 && static_cast<double>(step) == hp[0],
+                "step must be an integer >= 1, got ", hp[0]);
+    coeffs.push_back(make_coeffs(step, hp[1], hp[2], hp[3], hp[4], hp[5], hp[6] != 0.0,
+                                 hp[7] != 0.0));  // stream_out stays false: small ranges
+  }
+  Lowp lowp = Lowp::kNone;
+  uint16_t* outp = nullptr;
+  if (out.has_value() && out->defined()) {
+    const at::Tensor& o = *out;
+    TORCH_CHECK(o.device().is_cpu() && o.is_contiguous() && o.numel() == n,
+                "out must be a contiguous CPU tensor with ", n, " elements");
+    TORCH_CHECK(o.scalar_type() == at::kBFloat16 || o.scalar_type() == at::kHalf,
+                "out must be bfloat16 or float16, got ", o.scalar_type());
+    lowp = o.scalar_type() == at::kBFloat16 ? Lowp::kBF16 : Lowp::kF16;
+    outp = reinterpret_cast<uint16_t*>(o.data_ptr());
+  }
+  const Q8Side qm{q_m.data_ptr<uint8_t>(), absmax_m.data_ptr<float>(),
+                  code_m.data_ptr<float>(), q8_table(code_m)};
+  const Q8Side qv{q_v.data_ptr<uint8_t>(), absmax_v.data_ptr<float>(),
+                  code_v.data_ptr<float>(), q8_table(code_v)};
+  if (n == 0) return;
+  float* p = param.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  switch (grad.scalar_type()) {
+    case at::kFloat:
+      return adam8bit_dispatch(p, grad.const_data_ptr<float>(), outp, lowp, n, qm, qv, bv, coeffs);
+    case at::kBFloat16:
+      return adam8bit_dispatch(p, grad.const_data_ptr<c10::BFloat16>(), outp, lowp, n, qm, qv,
+                               bv, coeffs);
+    case at::kHalf:
+      return adam8bit_dispatch(p, grad.const_data_ptr<c10::Half>(), outp, lowp, n, qm, qv, bv,
+                               coeffs);
+    default:
+      TORCH_CHECK(false, "grad must be float32, bfloat16 or float16, got ", grad.scalar_type());
+  }
+}
+
+// ---------------------------------------------------------------------------------
 // Memory-bandwidth probe with Adam's access pattern: 4 fp32 streams read, 3 written
 // in place (p += g; m += g; v += g), same chunking and threads as the update.
 
@@ -620,6 +768,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_simd_level", &za::set_simd_level,
         "Lower the SIMD level (auto, avx512, avx2, scalar); for tests and debugging");
   m.def("max_threads", &za::max_threads, "OpenMP max threads");
+  m.def("adam_update_8bit", &za::adam_update_8bit,
+        "Adam/AdamW step over 8-bit blockwise moments, one pass per block of 256",
+        pybind11::arg("param"), pybind11::arg("grad"), pybind11::arg("q_m"),
+        pybind11::arg("absmax_m"), pybind11::arg("code_m"), pybind11::arg("q_v"),
+        pybind11::arg("absmax_v"), pybind11::arg("code_v"), pybind11::arg("out"),
+        pybind11::arg("bounds"), pybind11::arg("hyper"));
   m.def("quantize_blockwise", &za::quantize_blockwise,
         "8-bit blockwise quantization to the nearest code (blocks of 256, fp32 absmax)",
         pybind11::arg("x"), pybind11::arg("code"), pybind11::arg("absmax"), pybind11::arg("q"));

@@ -214,59 +214,62 @@ void check_code(const at::Tensor& code) {
   }
 }
 
+}  // namespace
+
 // Every tensor the kernels touch: on the CPU, of `type`, contiguous, `numel` elements.
-void check_flat(const at::Tensor& t, at::ScalarType type, int64_t numel, const char* what) {
+void q8_check_flat(const at::Tensor& t, at::ScalarType type, int64_t numel, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.is_contiguous() &&
                   t.numel() == numel,
               "quant8: ", what, " must be a contiguous CPU tensor of ", c10::toString(type),
               " with ", numel, " elements");
 }
 
-}  // namespace
+const void* q8_table(const at::Tensor& code) {
+  check_code(code);
+  return &table_for(code.data_ptr<float>());
+}
+
+void q8_quantize_block(const void* table, const float* x, int64_t len, float* absmax,
+                       uint8_t* q, bool vec) {
+  const CodeTable& t = *static_cast<const CodeTable*>(table);
+#ifdef ZT_Q8_X86
+  const float amax = vec ? block_absmax_avx2(x, len) : block_absmax(x, len);
+#else
+  const float amax = block_absmax(x, len);
+#endif
+  *absmax = amax;
+  if (amax == 0.0f || std::isnan(amax)) {
+    // All zeros: the code nearest to 0. An inf or NaN makes the whole block NaN (absmax
+    // NaN), so a diverged moment stays visible instead of turning into finite codes.
+    std::memset(q, nearest(t, 0.0f), len);
+    return;
+  }
+  // A division, not a multiplication by 1 / amax: exact for every value, and an absmax
+  // below ~3e-39 (a moment decayed for hundreds of steps) has no finite reciprocal.
+#ifdef ZT_Q8_X86
+  if (vec) return quantize_avx2(t, x, len, amax, q);
+#endif
+  quantize_scalar(t, x, len, amax, q);
+}
 
 // x (fp32, n) -> q (uint8, n) and absmax (fp32, ceil(n / 256)).
 void quantize_blockwise(const at::Tensor& x, const at::Tensor& code, at::Tensor absmax,
                         at::Tensor q) {
-  check_code(code);
+  const void* t = q8_table(code);
   const int64_t n = x.numel();
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
-  check_flat(x, at::kFloat, n, "x");
-  check_flat(q, at::kByte, n, "q");
-  check_flat(absmax, at::kFloat, nblocks, "absmax (one per block of 256)");
-  const CodeTable& t = table_for(code.data_ptr<float>());
+  q8_check_flat(x, at::kFloat, n, "x");
+  q8_check_flat(q, at::kByte, n, "q");
+  q8_check_flat(absmax, at::kFloat, nblocks, "absmax (one per block of 256)");
   const float* xp = x.data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* ap = absmax.data_ptr<float>();
-#ifdef ZT_Q8_X86
   const bool vec = simd_vector();
-#endif
   pybind11::gil_scoped_release no_gil;
 #pragma omp parallel for schedule(static) if (nblocks >= 256)
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t lo = b * kBlock;
-    const int64_t len = std::min(lo + kBlock, n) - lo;
-#ifdef ZT_Q8_X86
-    const float amax = vec ? block_absmax_avx2(xp + lo, len) : block_absmax(xp + lo, len);
-#else
-    const float amax = block_absmax(xp + lo, len);
-#endif
-    if (amax == 0.0f || std::isnan(amax)) {
-      // All zeros: the code nearest to 0. An inf or NaN makes the whole block NaN (absmax
-      // NaN), so a diverged moment stays visible instead of turning into finite codes.
-      ap[b] = amax;
-      std::memset(qp + lo, nearest(t, 0.0f), len);
-      continue;
-    }
-    ap[b] = amax;
-    // A division, not a multiplication by 1 / amax: exact for every value, and an absmax
-    // below ~3e-39 (a moment decayed for hundreds of steps) has no finite reciprocal.
-#ifdef ZT_Q8_X86
-    if (vec) {
-      quantize_avx2(t, xp + lo, len, amax, qp + lo);
-      continue;
-    }
-#endif
-    quantize_scalar(t, xp + lo, len, amax, qp + lo);
+    q8_quantize_block(t, xp + lo, std::min(lo + kBlock, n) - lo, ap + b, qp + lo, vec);
   }
 }
 
@@ -276,9 +279,9 @@ void dequantize_blockwise(const at::Tensor& q, const at::Tensor& absmax, const a
   check_code(code);
   const int64_t n = q.numel();
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
-  check_flat(q, at::kByte, n, "q");
-  check_flat(absmax, at::kFloat, nblocks, "absmax (one per block of 256)");
-  check_flat(out, at::kFloat, n, "out");
+  q8_check_flat(q, at::kByte, n, "q");
+  q8_check_flat(absmax, at::kFloat, nblocks, "absmax (one per block of 256)");
+  q8_check_flat(out, at::kFloat, n, "out");
   const float* c = code.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* ap = absmax.data_ptr<float>();

@@ -23,7 +23,7 @@ import torch
 
 from zerotune.ops import load_op
 
-__all__ = ["CPUAdam", "adam_update", "backend", "fallback_adam_update"]
+__all__ = ["CPUAdam", "adam_update", "adam_update_8bit", "backend", "fallback_adam_update"]
 
 _FP32_ONLY = torch.float32
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -101,6 +101,53 @@ def adam_update(
         bool(adamw),
         bool(bias_correction),
     )
+
+
+def adam_update_8bit(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    moments,
+    segments: list[tuple[int, int, dict]],
+    out_lowp: torch.Tensor | None = None,
+) -> bool:
+    """One Adam/AdamW step over 8-bit moments in one pass per block of 256 with the C++ op
+    ([Note: fused 8-bit step] in csrc/adam/cpu_adam.cpp): the same bytes as dequantizing,
+    ``adam_update`` per segment and quantizing again.
+
+    ``moments`` is a ``Q8Moments`` of ``param``'s elements (both moments); ``segments`` are
+    ``(start, stop, kwargs)`` in order, ``kwargs`` ``adam_update``'s (step, lr, beta1,
+    beta2, eps, weight_decay, adamw, bias_correction). Returns False, having done nothing,
+    when the op is not built or a tensor is not on the CPU: the caller then takes the
+    three-pass path.
+    """
+    from .quant8 import MOMENTS, code
+
+    tensors = [param, grad, *moments.q.values(), *moments.absmax.values()]
+    if out_lowp is not None:
+        tensors.append(out_lowp)
+    if not all(t.device.type == "cpu" for t in tensors):
+        return False
+    op = load_op("adam")
+    if op is None:
+        return False
+    rows = []
+    for _, _, kw in segments:
+        step = _as_step(kw["step"])
+        _validate_hyper(step, kw["lr"], kw["beta1"], kw["beta2"], kw["eps"], kw["weight_decay"])
+        rows.append(
+            [step, kw["lr"], kw["beta1"], kw["beta2"], kw["eps"], kw["weight_decay"]]
+            + [float(kw.get("adamw", True)), float(kw.get("bias_correction", True))]
+        )
+    bounds = torch.tensor([[a, b] for a, b, _ in segments], dtype=torch.int64).reshape(-1, 2)
+    hyper = torch.tensor(rows, dtype=torch.float64).reshape(-1, 8)
+    m, v = MOMENTS
+    op.adam_update_8bit(
+        param, grad,
+        moments.q[m], moments.absmax[m], code(m, "cpu"),
+        moments.q[v], moments.absmax[v], code(v, "cpu"),
+        out_lowp, bounds, hyper,
+    )  # fmt: skip
+    return True
 
 
 def _as_step(step: Any) -> Any:
@@ -202,6 +249,12 @@ def _validate(
                 "all tensors must hold the same number of elements"
             )
     _check_no_overlap(named)
+    _validate_hyper(step, lr, beta1, beta2, eps, weight_decay)
+
+
+def _validate_hyper(
+    step: Any, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> None:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"adam_update: step must be an integer >= 1, got {step!r}")
     if not lr >= 0:

@@ -30,11 +30,12 @@ compute, parameters on NVMe) the record has no master: ``[absmax | absmax | code
 about 2 bytes per element through O_DIRECT, and the master chunk moves through the page
 cache as it does for fp32 moments. In staging the master then takes its own 4 KiB-rounded
 region ahead of the record, so the record's read and write start on an aligned address.
-The fp32 moments of the chunk being updated (8 bytes per element) go to a scratch buffer
-each store keeps and reuses (``_Scratch``: memory made and freed per chunk cost page faults
-and zeroing, about as much again as the (de)quantizing); on NVMe it counts against
-``staging_bytes`` with the three slots (``OptimLayout.scratch_bytes``) and in the memory
-report's ``staging``.
+The stores hand the optimizer a chunk's moments as they are (``Q8Moments`` views of the
+codes and absmax values); on the CPU the C++ op updates them in one pass per block of 256
+(see [Note: fused 8-bit step] in csrc/adam/cpu_adam.cpp). Elsewhere (CUDA, or no C++ op)
+the optimizer dequantizes the chunk into a scratch buffer it reuses (``Scratch``), updates
+and quantizes it back; ``OptimLayout.scratch_bytes`` keeps room for that buffer within
+``staging_bytes`` (the estimate counts it only without the C++ op).
 """
 
 from __future__ import annotations
@@ -224,9 +225,10 @@ def _gate(unit):
     unit.wait_writes()
 
 
-class _Scratch:
-    """fp32 moments of the quantized chunk being updated: one buffer, grown to the largest
-    chunk and reused (one chunk is updated at a time)."""
+class Scratch:
+    """fp32 moments of the quantized chunk being updated without the fused op: one buffer,
+    grown to the largest chunk and reused (one chunk is updated at a time; memory made and
+    freed per chunk costs page faults and zeroing, about as much again as the work)."""
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
@@ -247,7 +249,6 @@ class ResidentStore:
     def __init__(self, units, bits: int = 32):
         self.moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.q8: dict[int, Q8Moments] = {}
-        self.scratch = _Scratch()
         for u in units:
             if quantized(u.numel, bits):
                 self.q8[u.index] = Q8Moments.zeros(u.shard_numel, u.master.device)
@@ -282,12 +283,9 @@ class ResidentStore:
             q8 = self.q8.get(unit.index)
             if q8 is None:
                 m, v = self.moments[unit.index]
-                update(unit, c0, c1, master, m[c0:c1], v[c0:c1], grad)
+                update(unit, c0, c1, master, (m[c0:c1], v[c0:c1]), grad)
                 continue
-            part = q8.slice(c0, c1)
-            work = part.dequantize(self.scratch.moments(c1 - c0, master.device))
-            update(unit, c0, c1, master, work["exp_avg"], work["exp_avg_sq"], grad)
-            part.quantize(work)
+            update(unit, c0, c1, master, q8.slice(c0, c1), grad)
 
     def state_specs(self, unit) -> list[tuple[str, torch.dtype, int]]:
         return state_specs(unit, unit.index in self.q8)
@@ -409,7 +407,6 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
 class NvmeStore:
     def __init__(self, swap, staging, layout: OptimLayout):
         self.swap, self.staging, self.layout = swap, staging, layout
-        self.scratch = _Scratch()
         self.bytes_read = 0
         self.bytes_written = 0
         if layout.bits == 8:
@@ -525,14 +522,12 @@ class NvmeStore:
             in_param_file = self.master_in_param_file(unit)
             if self._q8(unit):
                 master, q8 = _record_views(buf, n, not in_param_file)
-                work = q8.dequantize(self.scratch.moments(n, "cpu"))
-                update(unit, c0, c1, master, work["exp_avg"], work["exp_avg_sq"], grad)
-                q8.quantize(work)
+                update(unit, c0, c1, master, q8, grad)
             else:
                 f32 = buf.view(torch.float32)
                 stride = state_bytes // 3 // _F32
                 master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
-                update(unit, c0, c1, master, m, v, grad)
+                update(unit, c0, c1, master, (m, v), grad)
             del grad
             if c1 == unit.shard_numel:
                 unit.drop_held_grad()  # its last chunk is updated

@@ -48,8 +48,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import dist as zdist
-from .cpu_adam import adam_update, fallback_adam_update
-from .state_store import IDLE, Feed
+from .cpu_adam import adam_update, adam_update_8bit, fallback_adam_update
+from .quant8 import Q8Moments
+from .state_store import IDLE, Feed, Scratch
 
 __all__ = ["StepInfo", "ZeroAdamW"]
 
@@ -130,6 +131,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
         live_units = [u for u in engine.units if u.index in self._unit_segments]
         self.store = engine.make_optimizer_store(live_units)
+        self._scratch = Scratch()  # fp32 moments of an 8-bit chunk without the C++ op
         torch_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups
         ]
@@ -315,20 +317,23 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.engine.zero_grad()
         return info
 
-    def _update_chunk(self, unit, c0, c1, master, m, v, grad) -> None:
+    def _update_chunk(self, unit, c0, c1, master, moments, grad) -> None:
+        """Update elements ``[c0, c1)`` of ``unit``'s shard: ``master``, ``grad`` and the
+        moments (a pair of fp32 tensors, or a :class:`Q8Moments`) are that chunk's."""
         if self._factor != 1.0:
             grad.mul_(self._factor)
         if self._norm_sq is not None:
             self._add_sum_of_squares(self._norm_sq, unit, c0, c1, grad)
         target = self.engine.lowp_target(unit)  # compute-dtype shard to refresh, or None
         fused = target is not None and target.dtype != torch.float32 and unit.param_extent is None
-        for seg in self._unit_segments[unit.index]:
+        out = target[c0:c1] if fused else None
+        segments = []  # (start, stop) in the chunk, Adam's arguments
+        for seg in sorted(self._unit_segments[unit.index], key=lambda seg: seg.start):
             a, b = max(seg.start, c0), min(seg.end, c1)
             if a >= b:
                 continue
             group = self.param_groups[seg.group]
             beta1, beta2 = group["betas"]
-            r = slice(a - c0, b - c0)
             kwargs = dict(
                 step=self.state[seg.key]["step"],
                 lr=group["lr"],
@@ -339,14 +344,29 @@ class ZeroAdamW(torch.optim.Optimizer):
                 adamw=group["adamw_mode"],
                 bias_correction=group["bias_correction"],
             )
-            out = target[a:b] if fused else None
-            # The C++ kernel on the CPU; the same math in torch ops on any other device.
-            update = adam_update if master.device.type == "cpu" else fallback_adam_update
-            update(master[r], grad[r], m[r], v[r], out_lowp=out, **kwargs)
+            segments.append((a - c0, b - c0, kwargs))
+        if isinstance(moments, Q8Moments):
+            # One pass per block with the C++ op (see [Note: fused 8-bit step]), or
+            # dequantize, update and quantize the chunk.
+            if not adam_update_8bit(master, grad, moments, segments, out):
+                work = moments.dequantize(self._scratch.moments(c1 - c0, master.device))
+                self._adam(master, grad, (work["exp_avg"], work["exp_avg_sq"]), segments, out)
+                moments.quantize(work)
+        else:
+            self._adam(master, grad, moments, segments, out)
         if target is not None and not fused:
             target[c0:c1].copy_(master)
         if c1 == unit.shard_numel:
             self.engine.lowp_done(unit, target)
+
+    @staticmethod
+    def _adam(master, grad, moments, segments, out) -> None:
+        m, v = moments
+        # The C++ kernel on the CPU; the same math in torch ops on any other device.
+        update = adam_update if master.device.type == "cpu" else fallback_adam_update
+        for a, b, kwargs in segments:
+            lowp = out[a:b] if out is not None else None
+            update(master[a:b], grad[a:b], m[a:b], v[a:b], out_lowp=lowp, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()

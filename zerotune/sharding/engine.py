@@ -707,11 +707,6 @@ class ZeroEngine(nn.Module):
         if self.host_pool is not self.pool:
             report["host_pool"] = self.host_pool.allocated_bytes  # pinned, on the host
         report["staging"] = self.staging.allocated if self.staging is not None else 0
-        from ..optim.state_store import NvmeStore
-
-        if optimizer is not None and isinstance(optimizer.store, NvmeStore):
-            # the fp32 moments of the 8-bit chunk in the update (staging_bytes bounds them)
-            report["staging"] += optimizer.store.scratch.nbytes()
         report["nvme"] = self.swap.total_bytes if self.swap is not None else 0
         report["grads_held_peak"] = self.host_pool.held_grads.peak
         report["gathered_now"] = self.pool.gathered.now
