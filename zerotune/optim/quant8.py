@@ -6,9 +6,9 @@ whatever tier holds its optimizer state (device, host, NVMe); the fp32 master st
 The scheme is bitsandbytes' ``AdamW8bit``: blocks of 256 elements, one fp32 absmax per block
 and moment, ``exp_avg`` in the signed dynamic code and ``exp_avg_sq`` in the unsigned one
 (``bitsandbytes.functional.create_dynamic_map``). On the CPU zerotune's own kernel
-(csrc/adam/quant8.cpp) quantizes to the nearest code and dequantizes, ~3x faster than
-bitsandbytes' CPU ``quantize_blockwise`` / ``dequantize_blockwise`` (13-18 against 48 ms,
-4-5 against 16 ms per 7M elements on 2 cores) and exact where bitsandbytes' search is
+(csrc/adam/quant8.cpp) quantizes to the nearest code and dequantizes, several times faster
+than bitsandbytes' CPU ``quantize_blockwise`` / ``dequantize_blockwise`` (~8 against 48 ms
+to quantize 7M elements on 2 cores with AVX2) and exact where bitsandbytes' search is
 approximate (a few % of its codes are one off, some tiny exp_avg_sq values several codes
 up); elsewhere (CUDA), or when the op is not built, bitsandbytes' functions run. Blocks
 count from the start of this rank's shard of the unit, so a block may span two parameters
@@ -20,13 +20,16 @@ Smaller units (a final norm, a small embedding) keep fp32 moments: they cost lit
 small tensors are where bitsandbytes found 8-bit state hurts. Inside a quantized unit its
 norm weights and biases are quantized with the rest (bitsandbytes decides per tensor).
 
-The update, per chunk of a shard (chunks start on block boundaries): both moments are
-dequantized into fp32 tensors of the chunk's size (8 bytes per element, freed after the
-chunk; bitsandbytes has no CPU kernel that writes into a given tensor), the ordinary Adam kernel
-(cpu_adam.adam_update, or its torch fallback off the CPU) updates master and moments, and
-the moments are quantized back. bitsandbytes' own CPU ``optimizer_update_8bit_blockwise``
-does the same three steps with its own torch-op Adam; using zerotune's kernel keeps one Adam
-(Adam with L2, no bias correction and the fused bf16/fp16 write work unchanged). Fresh state
+The update, per chunk of a shard (chunks start on block boundaries): on the CPU one C++
+pass per block of 256 dequantizes both moments to the stack, runs the ordinary Adam
+arithmetic (the kernel of cpu_adam.adam_update, per parameter-group segment) and quantizes
+them back (``cpu_adam.adam_update_8bit``, [Note: fused 8-bit step] in
+csrc/adam/cpu_adam.cpp). Elsewhere (CUDA, or no C++ op) the same three steps run over the
+chunk: dequantize into a scratch buffer the optimizer reuses, ``adam_update`` or its torch
+fallback, quantize; the bytes are the same. bitsandbytes' own CPU
+``optimizer_update_8bit_blockwise`` does the three steps with its own torch-op Adam; using
+zerotune's kernel keeps one Adam (Adam with L2, no bias correction and the fused bf16/fp16
+write work unchanged). Fresh state
 is all-zero codes with zero absmax, which dequantizes to zero (as bitsandbytes starts).
 
 Bytes per element of a quantized shard: 1 + 1 for the moments and 8/256 for the absmax

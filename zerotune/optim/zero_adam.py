@@ -18,7 +18,8 @@ on NVMe are read once for the norm and once for the step.
 
 [Note: overlapped step]
 With optimizer state on NVMe the step moves 12 bytes per parameter each way (6 with 8-bit
-moments) and waits on the disk while the processor idles. ``with opt.overlapped():`` around
+moments; 8 and 2 through O_DIRECT when the parameter file holds the master) and waits on
+the disk while the processor idles. ``with opt.overlapped():`` around
 the last backward of a step lets each unit's update start as soon as that unit's gradient
 shard is final (the engine's post-backward hook, after the reduce-scatter), while backward
 goes on with the units before it. Nothing runs on another Python thread: a unit's update is
