@@ -385,7 +385,8 @@ def simd(request):
     from zerotune.ops import load_op
 
     op = load_op("adam")
-    assert op is not None and hasattr(op, "quantize_blockwise")
+    if op is None:
+        pytest.skip("the C++ adam op is not built here (bitsandbytes' functions run instead)")
     op.set_simd_level(request.param)
     yield op
     op.set_simd_level("auto")
@@ -534,19 +535,31 @@ def test_fused_8bit_update_gives_the_bytes_of_three_passes(simd):
     dequantize -> ``adam_update`` per segment -> quantize: the same parameters, codes, absmax
     values and bf16 copy, bit for bit, at every SIMD level; segments with their own
     hyper-parameters that start and end inside blocks, gaps (padding) between them, a short
-    last block, bf16 gradients, Adam with L2 and no bias correction, a NaN gradient."""
+    last block, bf16 and fp16 gradients, Adam with L2 and no bias correction, a NaN gradient;
+    and a shard large enough for the threaded path (64-block work items) whose first segment
+    starts after the first block, with an empty segment."""
     from zerotune.optim.cpu_adam import adam_update, adam_update_8bit
 
-    n = 256 * 9 + 77
     g = torch.Generator().manual_seed(3)
     hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8)
-    segments = [
-        (0, 300, dict(step=3, lr=1e-2, weight_decay=0.1, **hyper)),
-        (300, 1000, dict(step=3, lr=5e-3, weight_decay=0.0, **hyper)),
-        (1100, 2000, dict(step=7, lr=1e-3, weight_decay=0.05, adamw=False, **hyper)),
-        (2000, n - 5, dict(step=1, lr=1e-2, weight_decay=0.0, bias_correction=False, **hyper)),
-    ]
-    for grad_dtype in (torch.float32, torch.bfloat16):
+    small = 256 * 9 + 77
+    large = (1 << 17) + 333
+    cases = [
+        (torch.float32, small, [
+            (0, 300, dict(step=3, lr=1e-2, weight_decay=0.1, **hyper)),
+            (300, 1000, dict(step=3, lr=5e-3, weight_decay=0.0, **hyper)),
+            (1100, 2000, dict(step=7, lr=1e-3, weight_decay=0.05, adamw=False, **hyper)),
+            (2000, small - 5, dict(step=1, lr=1e-2, weight_decay=0.0, bias_correction=False,
+                                   **hyper)),
+        ]),
+        (torch.bfloat16, small, [(0, small, dict(step=2, lr=1e-2, weight_decay=0.1, **hyper))]),
+        (torch.float16, large, [
+            (600, 600, dict(step=2, lr=1e-2, weight_decay=0.1, **hyper)),  # empty
+            (600, 70000, dict(step=2, lr=1e-2, weight_decay=0.1, **hyper)),
+            (70002, large, dict(step=5, lr=3e-3, weight_decay=0.0, **hyper)),
+        ]),
+    ]  # fmt: skip
+    for grad_dtype, n, segments in cases:
         start = Q8Moments.zeros(n, "cpu")
         start.quantize(
             {"exp_avg": torch.randn(n, generator=g), "exp_avg_sq": torch.rand(n, generator=g)}
@@ -558,8 +571,8 @@ def test_fused_8bit_update_gives_the_bytes_of_three_passes(simd):
         ours.copy_(start)
         theirs.copy_(start)
         p_ours, p_theirs = param.clone(), param.clone()
-        out_ours, out_theirs = torch.empty(n, dtype=torch.bfloat16), torch.zeros(n).bfloat16()
-        out_ours.copy_(out_theirs)
+        lowp = torch.float16 if grad_dtype == torch.float16 else torch.bfloat16
+        out_ours, out_theirs = torch.zeros(n, dtype=lowp), torch.zeros(n, dtype=lowp)
         assert adam_update_8bit(p_ours, grad, ours, segments, out_ours)
         work = theirs.dequantize()
         for a, b, kw in segments:
@@ -577,8 +590,13 @@ def test_fused_8bit_update_gives_the_bytes_of_three_passes(simd):
             torch.testing.assert_close(ours.absmax[k], theirs.absmax[k], **same)
             nan = ours.absmax[k].isnan()
             assert nan[700 // 256] and nan.sum() == 1
-        assert not torch.equal(p_ours, param)  # it did update
-        assert torch.equal(p_ours[1000:1100], param[1000:1100])  # not the gap
+        changed = p_ours != param
+        changed[700] = True  # NaN
+        inside = torch.zeros(n, dtype=torch.bool)
+        for a, b, _ in segments:
+            inside[a:b] = True
+        assert changed[inside].float().mean() > 0.99  # it did update the segments
+        assert not changed[~inside].any()  # and nothing outside them
 
 
 def test_8bit_training_without_the_fused_op_is_identical(tmp_path, monkeypatch):
@@ -587,8 +605,19 @@ def test_8bit_training_without_the_fused_op_is_identical(tmp_path, monkeypatch):
     with both tiers on NVMe (the chunk records without the master)."""
     import zerotune.optim.zero_adam as zero_adam
 
+    ran = []
+
+    def spy(*args):
+        ran.append(real(*args))
+        return ran[-1]
+
+    real = zero_adam.adam_update_8bit
     for tier in ("cpu", "nvme-both"):
-        fused = train_zero(0, 1, "gpt2", config_for(tier, tmp_path), steps=8, clip=None)
+        ran.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(zero_adam, "adam_update_8bit", spy)
+            fused = train_zero(0, 1, "gpt2", config_for(tier, tmp_path), steps=8, clip=None)
+        assert ran and all(ran), tier  # the one-pass op did every 8-bit update
         with monkeypatch.context() as patch:
             patch.setattr(zero_adam, "adam_update_8bit", lambda *args: False)
             passes = train_zero(0, 1, "gpt2", config_for(tier, tmp_path), steps=8, clip=None)

@@ -631,9 +631,9 @@ void adam_update_8bit(at::Tensor param, at::Tensor grad, at::Tensor q_m, at::Ten
     TORCH_CHECK(bv[2 * t] >= (t ? bv[2 * t - 1] : 0) && bv[2 * t] <= bv[2 * t + 1] &&
                     bv[2 * t + 1] <= n,
                 "segments must be in order, not overlap, and lie in [0, ", n, "]");
+    TORCH_CHECK(hp[0] >= 1 && hp[0] <= 9007199254740992.0 && std::floor(hp[0]) == hp[0],
+                "step must be an integer >= 1, got ", hp[0]);  // (NaN fails the first test)
     const int64_t step = static_cast<int64_t>(hp[0]);
-    TORCH_CHECK(step >= 1 && static_cast<double>(step) == hp[0],
-                "step must be an integer >= 1, got ", hp[0]);
     coeffs.push_back(make_coeffs(step, hp[1], hp[2], hp[3], hp[4], hp[5], hp[6] != 0.0,
                                  hp[7] != 0.0));  // stream_out stays false: small ranges
   }
@@ -648,10 +648,12 @@ void adam_update_8bit(at::Tensor param, at::Tensor grad, at::Tensor q_m, at::Ten
     lowp = o.scalar_type() == at::kBFloat16 ? Lowp::kBF16 : Lowp::kF16;
     outp = reinterpret_cast<uint16_t*>(o.data_ptr());
   }
+  const void* table_m = q8_table(code_m);  // checks the code first
+  const void* table_v = q8_table(code_v);
   const Q8Side qm{q_m.data_ptr<uint8_t>(), absmax_m.data_ptr<float>(),
-                  code_m.data_ptr<float>(), q8_table(code_m)};
+                  code_m.data_ptr<float>(), table_m};
   const Q8Side qv{q_v.data_ptr<uint8_t>(), absmax_v.data_ptr<float>(),
-                  code_v.data_ptr<float>(), q8_table(code_v)};
+                  code_v.data_ptr<float>(), table_v};
   if (n == 0) return;
   float* p = param.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;

@@ -130,6 +130,13 @@ def adam_update_8bit(
     op = load_op("adam")
     if op is None:
         return False
+    m, v = MOMENTS
+    named = {"param": param, "grad": grad}
+    for k in MOMENTS:
+        named[f"{k} codes"], named[f"{k} absmax"] = moments.q[k], moments.absmax[k]
+    if out_lowp is not None:
+        named["out_lowp"] = out_lowp
+    _check_no_overlap(named)
     rows = []
     for _, _, kw in segments:
         step = _as_step(kw["step"])
@@ -140,7 +147,6 @@ def adam_update_8bit(
         )
     bounds = torch.tensor([[a, b] for a, b, _ in segments], dtype=torch.int64).reshape(-1, 2)
     hyper = torch.tensor(rows, dtype=torch.float64).reshape(-1, 8)
-    m, v = MOMENTS
     op.adam_update_8bit(
         param, grad,
         moments.q[m], moments.absmax[m], code(m, "cpu"),

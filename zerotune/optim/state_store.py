@@ -19,9 +19,8 @@ O_DIRECT plus 4 each way through the page cache, against 12 + 12 + 4 before. A g
 the unit waits for those writes (``Unit.param_file_writes``).
 
 With 8-bit moments (see [Note: 8-bit optimizer states] in quant8.py) a quantized unit's
-moments are codes and absmax values; the stores dequantize a chunk into fp32 tensors before
-the update and quantize it back after, so the optimizer sees fp32 moments either way.
-``ResidentStore`` then works in chunks of ``_Q8_CHUNK`` elements (8 MiB of fp32 at most).
+moments are codes and absmax values. ``ResidentStore`` then works in chunks of
+``_Q8_CHUNK`` elements.
 On NVMe a quantized unit's extent is a sequence of chunk records, one per chunk of
 ``OptimLayout.q8_chunk`` elements, each 4 KiB-aligned and moved in one read and one write:
 ``[master fp32 | exp_avg absmax | exp_avg_sq absmax | exp_avg codes | exp_avg_sq codes]``,
@@ -33,9 +32,10 @@ region ahead of the record, so the record's read and write start on an aligned a
 The stores hand the optimizer a chunk's moments as they are (``Q8Moments`` views of the
 codes and absmax values); on the CPU the C++ op updates them in one pass per block of 256
 (see [Note: fused 8-bit step] in csrc/adam/cpu_adam.cpp). Elsewhere (CUDA, or no C++ op)
-the optimizer dequantizes the chunk into a scratch buffer it reuses (``Scratch``), updates
-and quantizes it back; ``OptimLayout.scratch_bytes`` keeps room for that buffer within
-``staging_bytes`` (the estimate counts it only without the C++ op).
+the optimizer dequantizes the chunk into a scratch buffer it reuses within a step
+(``Scratch``, 8 bytes per element of a chunk, let go at the end of the step), updates and
+quantizes it back; ``OptimLayout.scratch_bytes`` keeps room for that buffer within
+``staging_bytes``. The estimate assumes the one-pass op and does not count it.
 """
 
 from __future__ import annotations
@@ -227,8 +227,9 @@ def _gate(unit):
 
 class Scratch:
     """fp32 moments of the quantized chunk being updated without the fused op: one buffer,
-    grown to the largest chunk and reused (one chunk is updated at a time; memory made and
-    freed per chunk costs page faults and zeroing, about as much again as the work)."""
+    grown to the largest chunk and reused through a step (one chunk is updated at a time;
+    memory made and freed per chunk costs page faults and zeroing, about as much again as
+    the work); ``release`` lets it go."""
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
@@ -241,8 +242,8 @@ class Scratch:
         half = buf.numel() // 2
         return {MOMENTS[0]: buf[:n], MOMENTS[1]: buf[half : half + n]}
 
-    def nbytes(self) -> int:
-        return 0 if self.buf is None else self.buf.numel() * _F32
+    def release(self) -> None:
+        self.buf = None
 
 
 class ResidentStore:
@@ -622,7 +623,8 @@ class NvmeStore:
             held = self.staging.acquire(record_buffer_bytes(c1 - c0, with_master))
             pieces = self._pieces(unit, c0, c1, held)
             for part, file, off in pieces:
-                file.read(part, off).wait()
+                if file is self._file():  # a master in the parameter file is not kept
+                    file.read(part, off).wait()
             master, q8 = _record_views(held, c1 - c0, with_master)
             if "master" in flat:
                 master.copy_(flat["master"][c0:c1])

@@ -128,7 +128,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 else:
                     segs.append(_Segment(unit, a - lo, b - lo, gi))
             if segs:
-                self._unit_segments[unit.index] = segs
+                self._unit_segments[unit.index] = sorted(segs, key=lambda seg: seg.start)
 
         live_units = [u for u in engine.units if u.index in self._unit_segments]
         self.store = engine.make_optimizer_store(live_units)
@@ -308,6 +308,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 info.grad_norm = float(self._norm_sq.sqrt())
                 self.pending_grad_norm.fill_(info.grad_norm)
             self.engine.after_step()
+        self._scratch.release()
         self._norm_sq = None
         self.pending_grad_norm = None
         if scaler is not None:
@@ -329,7 +330,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         fused = target is not None and target.dtype != torch.float32 and unit.param_extent is None
         out = target[c0:c1] if fused else None
         segments = []  # (start, stop) in the chunk, Adam's arguments
-        for seg in sorted(self._unit_segments[unit.index], key=lambda seg: seg.start):
+        for seg in self._unit_segments[unit.index]:  # in order (the fused op needs it)
             a, b = max(seg.start, c0), min(seg.end, c1)
             if a >= b:
                 continue

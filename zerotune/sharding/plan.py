@@ -15,7 +15,8 @@ and the config, so that ``zerotune estimate`` and the engine cannot disagree:
   with ``offload_param="nvme"``; an optim extent of three 4 KiB-rounded fp32 regions (master,
   exp_avg, exp_avg_sq; two when fp32 compute keeps the master in the param extent) for
   trainable units with ``offload_optimizer="nvme"`` (with 8-bit moments, chunk records of
-  about 6 bytes per element: ``OptimLayout`` in optim/state_store.py); fp32 gradient extents
+  about 6 bytes per element, 2 when the param extent holds the master: ``OptimLayout`` in
+  optim/state_store.py); fp32 gradient extents
   when the gradient shards exceed ``grad_host_bytes``. Staging slots hold one chunk of each
   streamed kind (see [Note: optimizer state stores] in optim/state_store.py).
 * optimizer state per unit: two fp32 moments, or with ``optim_state_bits=8`` for units of
