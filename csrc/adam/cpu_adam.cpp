@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -477,6 +478,19 @@ void check_f32(const at::Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK(t.numel() == n, name, " has ", t.numel(), " elements, param has ", n);
 }
 
+// The optional bf16/fp16 copy of the updated parameters: its kind and its data (kNone and
+// null without one).
+std::pair<Lowp, uint16_t*> lowp_out(const std::optional<at::Tensor>& out, int64_t n) {
+  if (!out.has_value() || !out->defined()) return {Lowp::kNone, nullptr};
+  const at::Tensor& o = *out;
+  TORCH_CHECK(o.device().is_cpu() && o.is_contiguous() && o.numel() == n,
+              "out must be a contiguous CPU tensor with ", n, " elements");
+  TORCH_CHECK(o.scalar_type() == at::kBFloat16 || o.scalar_type() == at::kHalf,
+              "out must be bfloat16 or float16, got ", o.scalar_type());
+  return {o.scalar_type() == at::kBFloat16 ? Lowp::kBF16 : Lowp::kF16,
+          reinterpret_cast<uint16_t*>(o.data_ptr())};
+}
+
 void adam_update(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                  std::optional<at::Tensor> out, int64_t step, double lr, double beta1,
                  double beta2, double eps, double weight_decay, bool adamw,
@@ -488,21 +502,7 @@ void adam_update(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tens
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == n,
               "grad must be a contiguous CPU tensor with ", n, " elements");
   TORCH_CHECK(step >= 1, "step must be >= 1, got ", step);
-  Lowp lowp = Lowp::kNone;
-  uint16_t* outp = nullptr;
-  if (out.has_value() && out->defined()) {
-    const at::Tensor& o = *out;
-    TORCH_CHECK(o.device().is_cpu() && o.is_contiguous() && o.numel() == n,
-                "out must be a contiguous CPU tensor with ", n, " elements");
-    if (o.scalar_type() == at::kBFloat16) {
-      lowp = Lowp::kBF16;
-    } else if (o.scalar_type() == at::kHalf) {
-      lowp = Lowp::kF16;
-    } else {
-      TORCH_CHECK(false, "out must be bfloat16 or float16, got ", o.scalar_type());
-    }
-    outp = reinterpret_cast<uint16_t*>(o.data_ptr());
-  }
+  const auto [lowp, outp] = lowp_out(out, n);
   if (n == 0) return;
   Coeffs c = make_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
   c.stream_out = n >= kStreamMin;
@@ -637,17 +637,7 @@ void adam_update_8bit(at::Tensor param, at::Tensor grad, at::Tensor q_m, at::Ten
     coeffs.push_back(make_coeffs(step, hp[1], hp[2], hp[3], hp[4], hp[5], hp[6] != 0.0,
                                  hp[7] != 0.0));  // stream_out stays false: small ranges
   }
-  Lowp lowp = Lowp::kNone;
-  uint16_t* outp = nullptr;
-  if (out.has_value() && out->defined()) {
-    const at::Tensor& o = *out;
-    TORCH_CHECK(o.device().is_cpu() && o.is_contiguous() && o.numel() == n,
-                "out must be a contiguous CPU tensor with ", n, " elements");
-    TORCH_CHECK(o.scalar_type() == at::kBFloat16 || o.scalar_type() == at::kHalf,
-                "out must be bfloat16 or float16, got ", o.scalar_type());
-    lowp = o.scalar_type() == at::kBFloat16 ? Lowp::kBF16 : Lowp::kF16;
-    outp = reinterpret_cast<uint16_t*>(o.data_ptr());
-  }
+  const auto [lowp, outp] = lowp_out(out, n);
   const void* table_m = q8_table(code_m);  // checks the code first
   const void* table_v = q8_table(code_v);
   const Q8Side qm{q_m.data_ptr<uint8_t>(), absmax_m.data_ptr<float>(),
