@@ -1,7 +1,7 @@
 """How close ``zerotune estimate`` comes to the peak host memory of real runs on this machine.
 
 Run: ``python benchmarks/estimate_accuracy.py [--steps 3] [--layers 6] [--hidden 512]
-[--seq-len 256] [--micro-batch 4] [--dtype fp32]``
+[--seq-len 256] [--micro-batch 4] [--dtype fp32] [--optim-state-bits 8]``
 
 Three configurations of one GPT-2-style model, each trained for ``--steps`` steps in its own
 process (world size 1, ``zerotune.zero_init`` + ``ZeroAdamW``): stage 3 without offload,
@@ -124,6 +124,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--dtype", default="fp32")
+    p.add_argument(
+        "--optim-state-bits", type=int, default=32, choices=[32, 8], help="8: 8-bit Adam moments"
+    )
     p.add_argument("--nvme-dir", default=None, help="folder for swap files (default: a temp dir)")
     a = p.parse_args()
 
@@ -147,7 +150,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(dir=a.nvme_dir) as nvme:
         for name, config in CONFIGS.items():
-            config = dict(config, dtype=a.dtype)
+            config = dict(config, dtype=a.dtype, optim_state_bits=a.optim_state_bits)
             if "nvme" in config.values():
                 config["nvme_path"] = nvme
             plan = estimate(
@@ -188,7 +191,8 @@ def main() -> None:
     mb = 1e6
     print(
         f"GPT-2 style, {a.layers} layers, hidden {a.hidden}, heads {a.heads}, vocab {a.vocab}, "
-        f"seq {a.seq_len} x batch {a.micro_batch}, {a.dtype}, {a.steps} steps, world size 1"
+        f"seq {a.seq_len} x batch {a.micro_batch}, {a.dtype}, {a.steps} steps, world size 1, "
+        f"{a.optim_state_bits}-bit Adam moments"
     )
     print("measured: peak RSS growth (MB) with glibc's default malloc, and with buffers of")
     print("1 MiB and more served by mmap (zerotune.memory.host.prefer_mmap_for_large_buffers)")
