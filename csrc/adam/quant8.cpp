@@ -18,7 +18,10 @@
 //
 // [Note: quantizer SIMD]
 // With AVX2 eight values go through the same steps at once: one division, the bucket
-// index by a shift, the bucket's start and the next midpoint by two gathers, one compare.
+// index by a shift, two gathers by that index (the bucket's start, and `thr`: the midpoint
+// the first step compares with, mid[start], or +inf when start is 255), one compare. The
+// two gathers are independent (a gather of mid[start] would wait for the first one):
+// about 1.5x faster here for 256 KiB more table.
 // When no bucket holds more than one midpoint (`one_step`, true for the dynamic maps) that
 // is the whole answer; otherwise a third gather checks whether the scan would go on, and
 // if it would in any lane the eight values take the scalar path. The absmax pass is
@@ -58,6 +61,7 @@ struct CodeTable {
   std::array<float, 255> mid{};
   std::vector<uint8_t> start;  // per bucket: midpoints below the bucket's smallest value
                                // (+3 zero bytes: a 32-bit gather reads past the last one)
+  std::vector<float> thr;      // per bucket: mid[start], or +inf when start is 255
   bool one_step = false;       // no bucket holds more than one midpoint
 };
 
@@ -85,6 +89,7 @@ CodeTable make_table(const float* code) {
     t.mid[i] = m;
   }
   t.start.assign(kBuckets + 3, 0);
+  t.thr.assign(kBuckets, INFINITY);
   t.one_step = true;
   const auto below = [&t](float x) {  // midpoints below x
     return static_cast<int>(std::lower_bound(t.mid.begin(), t.mid.end(), x) - t.mid.begin());
@@ -99,6 +104,7 @@ CodeTable make_table(const float* code) {
     // NaN payloads start at 0 (the scan stops at once); at most 255 midpoints lie below
     if (std::isnan(smallest) || std::isnan(largest)) continue;
     t.start[key] = static_cast<uint8_t>(below(smallest));
+    if (t.start[key] < 255) t.thr[key] = t.mid[t.start[key]];
     // Values of the bucket take start + (midpoints in [smallest, value)) as their code.
     if (below(largest) - t.start[key] > 1) t.one_step = false;
   }
@@ -177,15 +183,13 @@ ZT_Q8_AVX2 void quantize_avx2(const CodeTable& t, const float* x, int64_t len, f
     const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), div);
     const __m256i key = _mm256_srli_epi32(_mm256_castps_si256(y), kShift);
     __m256i code = _mm256_and_si256(_mm256_i32gather_epi32(start, key, 1), byte);
-    // code += (code < 255 && mid[min(code, 254)] < y)
-    __m256 m = _mm256_i32gather_ps(t.mid.data(), _mm256_min_epi32(code, last), 4);
-    __m256i up = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(m, y, _CMP_LT_OQ)),
-                                  _mm256_cmpgt_epi32(top, code));
-    code = _mm256_sub_epi32(code, up);  // up is -1 where the step is taken
+    // code += (thr < y), thr = mid[code] (+inf for code 255: no step)
+    const __m256 thr = _mm256_i32gather_ps(t.thr.data(), key, 4);
+    code = _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(thr, y, _CMP_LT_OQ)));
     if (!t.one_step) {
-      m = _mm256_i32gather_ps(t.mid.data(), _mm256_min_epi32(code, last), 4);
-      up = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(m, y, _CMP_LT_OQ)),
-                            _mm256_cmpgt_epi32(top, code));
+      const __m256 m = _mm256_i32gather_ps(t.mid.data(), _mm256_min_epi32(code, last), 4);
+      const __m256i up = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(m, y, _CMP_LT_OQ)),
+                                          _mm256_cmpgt_epi32(top, code));
       if (!_mm256_testz_si256(up, up)) {  // the scan goes on in some lane
         quantize_scalar(t, x + i, 8, amax, q + i);
         continue;
