@@ -175,16 +175,14 @@ class Q8Moments:
                 op.dequantize_blockwise(q, self.absmax[k], code(k, q.device), res[k])
             return res
         bnbf = require_bitsandbytes()
-        return {
-            k: bnbf.dequantize_blockwise(
-                q,
-                absmax=self.absmax[k],
-                code=code(k, q.device),
-                out=out[k] if out is not None else None,
-                blocksize=BLOCK,
+        res = {}
+        for k, q in self.q.items():
+            # (bitsandbytes' CPU backend has no out= variant: copy into ``out`` instead)
+            value = bnbf.dequantize_blockwise(
+                q, absmax=self.absmax[k], code=code(k, q.device), blocksize=BLOCK
             )
-            for k, q in self.q.items()
-        }
+            res[k] = out[k].copy_(value) if out is not None else value
+        return res
 
     def quantize(self, values: dict[str, torch.Tensor]) -> None:
         """Quantize the fp32 tensors ``values[name]`` (all moments, or some) into these codes
