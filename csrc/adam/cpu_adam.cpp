@@ -478,6 +478,11 @@ void check_f32(const at::Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK(t.numel() == n, name, " has ", t.numel(), " elements, param has ", n);
 }
 
+void check_grad(const at::Tensor& grad, int64_t n) {
+  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == n,
+              "grad must be a contiguous CPU tensor with ", n, " elements");
+}
+
 // The optional bf16/fp16 copy of the updated parameters: its kind and its data (kNone and
 // null without one).
 std::pair<Lowp, uint16_t*> lowp_out(const std::optional<at::Tensor>& out, int64_t n) {
@@ -499,8 +504,7 @@ void adam_update(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tens
   check_f32(param, "param", n);
   check_f32(exp_avg, "exp_avg", n);
   check_f32(exp_avg_sq, "exp_avg_sq", n);
-  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == n,
-              "grad must be a contiguous CPU tensor with ", n, " elements");
+  check_grad(grad, n);
   TORCH_CHECK(step >= 1, "step must be >= 1, got ", step);
   const auto [lowp, outp] = lowp_out(out, n);
   if (n == 0) return;
@@ -526,7 +530,10 @@ void adam_update(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tens
 // Adam over 8-bit moments (see [Note: fused 8-bit step]).
 
 // csrc/adam/quant8.cpp
-void q8_check_flat(const at::Tensor& t, at::ScalarType type, int64_t numel, const char* what);
+void q8_check_moment(const at::Tensor& q, const at::Tensor& absmax, int64_t n,
+                     const char* q_name, const char* absmax_name);
+void q8_dequantize_block(const float* code, const uint8_t* q, int64_t len, float absmax,
+                         float* out);
 const void* q8_table(const at::Tensor& code);
 void q8_quantize_block(const void* table, const float* x, int64_t len, float* absmax,
                        uint8_t* q, bool vec);
@@ -567,11 +574,8 @@ void adam8bit_all(float* p, const G* g, uint16_t* out, int64_t n, const Q8Side& 
     for (int64_t b = gi * kGroup; b < std::min(nblocks, (gi + 1) * kGroup); ++b) {
       const int64_t lo = b * kBlock;
       const int64_t len = std::min(kBlock, n - lo);
-      const float am = qm.absmax[b], av = qv.absmax[b];
-      for (int64_t i = 0; i < len; ++i) {
-        m[i] = qm.code[qm.q[lo + i]] * am;
-        v[i] = qv.code[qv.q[lo + i]] * av;
-      }
+      q8_dequantize_block(qm.code, qm.q + lo, len, qm.absmax[b], m);
+      q8_dequantize_block(qv.code, qv.q + lo, len, qv.absmax[b], v);
       while (s < nseg && bounds[2 * s + 1] <= lo) ++s;
       for (int64_t t = s; t < nseg && bounds[2 * t] < lo + len; ++t) {
         const int64_t x0 = std::max(lo, bounds[2 * t]);
@@ -607,14 +611,10 @@ void adam_update_8bit(at::Tensor param, at::Tensor grad, at::Tensor q_m, at::Ten
                       const at::Tensor& code_v, std::optional<at::Tensor> out,
                       const at::Tensor& bounds, const at::Tensor& hyper) {
   const int64_t n = param.numel();
-  const int64_t nblocks = (n + 255) / 256;
   check_f32(param, "param", n);
-  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == n,
-              "grad must be a contiguous CPU tensor with ", n, " elements");
-  q8_check_flat(q_m, at::kByte, n, "q_m");
-  q8_check_flat(q_v, at::kByte, n, "q_v");
-  q8_check_flat(absmax_m, at::kFloat, nblocks, "absmax_m (one per block of 256)");
-  q8_check_flat(absmax_v, at::kFloat, nblocks, "absmax_v (one per block of 256)");
+  check_grad(grad, n);
+  q8_check_moment(q_m, absmax_m, n, "q_m", "absmax_m (one per block of 256)");
+  q8_check_moment(q_v, absmax_v, n, "q_v", "absmax_v (one per block of 256)");
   TORCH_CHECK(bounds.device().is_cpu() && bounds.scalar_type() == at::kLong &&
                   bounds.dim() == 2 && bounds.size(1) == 2,
               "bounds must be an int64 CPU tensor of shape (segments, 2)");

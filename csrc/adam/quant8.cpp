@@ -218,14 +218,27 @@ void check_code(const at::Tensor& code) {
   }
 }
 
-}  // namespace
-
 // Every tensor the kernels touch: on the CPU, of `type`, contiguous, `numel` elements.
-void q8_check_flat(const at::Tensor& t, at::ScalarType type, int64_t numel, const char* what) {
+void check_flat(const at::Tensor& t, at::ScalarType type, int64_t numel, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.is_contiguous() &&
                   t.numel() == numel,
               "quant8: ", what, " must be a contiguous CPU tensor of ", c10::toString(type),
               " with ", numel, " elements");
+}
+
+}  // namespace
+
+// One moment of n elements: its codes (uint8, n) and absmax values (one per block).
+void q8_check_moment(const at::Tensor& q, const at::Tensor& absmax, int64_t n,
+                     const char* q_name, const char* absmax_name) {
+  check_flat(q, at::kByte, n, q_name);
+  check_flat(absmax, at::kFloat, (n + kBlock - 1) / kBlock, absmax_name);
+}
+
+// code[q] * absmax for the `len` elements of one block.
+void q8_dequantize_block(const float* code, const uint8_t* q, int64_t len, float absmax,
+                         float* out) {
+  for (int64_t i = 0; i < len; ++i) out[i] = code[q[i]] * absmax;
 }
 
 const void* q8_table(const at::Tensor& code) {
@@ -262,9 +275,8 @@ void quantize_blockwise(const at::Tensor& x, const at::Tensor& code, at::Tensor 
   const void* t = q8_table(code);
   const int64_t n = x.numel();
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
-  q8_check_flat(x, at::kFloat, n, "x");
-  q8_check_flat(q, at::kByte, n, "q");
-  q8_check_flat(absmax, at::kFloat, nblocks, "absmax (one per block of 256)");
+  check_flat(x, at::kFloat, n, "x");
+  q8_check_moment(q, absmax, n, "q", "absmax (one per block of 256)");
   const float* xp = x.data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* ap = absmax.data_ptr<float>();
@@ -283,9 +295,8 @@ void dequantize_blockwise(const at::Tensor& q, const at::Tensor& absmax, const a
   check_code(code);
   const int64_t n = q.numel();
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
-  q8_check_flat(q, at::kByte, n, "q");
-  q8_check_flat(absmax, at::kFloat, nblocks, "absmax (one per block of 256)");
-  q8_check_flat(out, at::kFloat, n, "out");
+  q8_check_moment(q, absmax, n, "q", "absmax (one per block of 256)");
+  check_flat(out, at::kFloat, n, "out");
   const float* c = code.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* ap = absmax.data_ptr<float>();
@@ -294,9 +305,7 @@ void dequantize_blockwise(const at::Tensor& q, const at::Tensor& absmax, const a
 #pragma omp parallel for schedule(static) if (nblocks >= 256)
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t lo = b * kBlock;
-    const int64_t hi = std::min(lo + kBlock, n);
-    const float a = ap[b];
-    for (int64_t i = lo; i < hi; ++i) op[i] = c[qp[i]] * a;
+    q8_dequantize_block(c, qp + lo, std::min(lo + kBlock, n) - lo, ap[b], op + lo);
   }
 }
 
