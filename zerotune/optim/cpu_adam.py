@@ -122,21 +122,18 @@ def adam_update_8bit(
     """
     from .quant8 import MOMENTS, code
 
-    tensors = [param, grad, *moments.q.values(), *moments.absmax.values()]
-    if out_lowp is not None:
-        tensors.append(out_lowp)
-    if not all(t.device.type == "cpu" for t in tensors):
-        return False
-    op = load_op("adam")
-    if op is None:
-        return False
-    m, v = MOMENTS
     named = {"param": param, "grad": grad}
     for k in MOMENTS:
         named[f"{k} codes"], named[f"{k} absmax"] = moments.q[k], moments.absmax[k]
     if out_lowp is not None:
         named["out_lowp"] = out_lowp
+    if not all(t.device.type == "cpu" for t in named.values()):
+        return False
+    op = load_op("adam")
+    if op is None:
+        return False
     _check_no_overlap(named)
+    m, v = MOMENTS
     rows = []
     for _, _, kw in segments:
         step = _as_step(kw["step"])

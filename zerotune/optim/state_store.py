@@ -81,13 +81,17 @@ def record_bytes(n: int, with_master: bool = True) -> int:
     return (_F32 * n if with_master else 0) + 2 * _F32 * blocks(n) + 2 * n
 
 
+def _record_start(n: int, with_master: bool) -> int:
+    """Where the record starts in its staging buffer: at 0, or (master in the parameter
+    file) after the master's own 4 KiB-rounded region, so that the record's O_DIRECT
+    transfer starts on an aligned address."""
+    return 0 if with_master else round_up(_F32 * n)
+
+
 def record_buffer_bytes(n: int, with_master: bool = True) -> int:
-    """Staging bytes a chunk record of ``n`` elements takes in the step: the record itself,
-    or (master in the parameter file) the master's own 4 KiB-rounded region and then the
-    record, so that the record's O_DIRECT transfer starts on an aligned address."""
-    if with_master:
-        return round_up(record_bytes(n))
-    return round_up(_F32 * n) + round_up(record_bytes(n, False))
+    """Staging bytes a chunk record of ``n`` elements takes in the step (see
+    ``_record_start``)."""
+    return _record_start(n, with_master) + round_up(record_bytes(n, with_master))
 
 
 @dataclass(frozen=True)
@@ -358,7 +362,7 @@ def _record_views(
     stores])."""
     b = blocks(n)
     master = buf[: _F32 * n].view(torch.float32)
-    at = _F32 * n if with_master else round_up(_F32 * n)
+    at = _record_start(n, with_master) + (_F32 * n if with_master else 0)
     absmax, q = {}, {}
     for k in MOMENTS:
         absmax[k] = buf[at : at + _F32 * b].view(torch.float32)
@@ -432,15 +436,14 @@ class NvmeStore:
         the state takes the first bytes of ``buf``. A master in the parameter file (buffered
         I/O) moves exactly its bytes: the rest of that page belongs to the next extent's."""
         if self._q8(unit):
-            n = c1 - c0
-            off = _record_offset(self.swap, self.layout, unit, c0)
-            if not self.master_in_param_file(unit):
-                return [(buf[: round_up(record_bytes(n))], self._file(), off)]
-            head, p = round_up(n * _F32), unit.param_extent
-            return [
-                (buf[: n * _F32], p.file, p.offset + c0 * _F32),
-                (buf[head : head + round_up(record_bytes(n, False))], self._file(), off),
-            ]
+            n, with_master = c1 - c0, not self.master_in_param_file(unit)
+            start = _record_start(n, with_master)
+            record = buf[start : record_buffer_bytes(n, with_master)]
+            pieces = [(record, self._file(), _record_offset(self.swap, self.layout, unit, c0))]
+            if with_master:
+                return pieces
+            p = unit.param_extent
+            return [(buf[: n * _F32], p.file, p.offset + c0 * _F32), *pieces]
         nbytes = round_up((c1 - c0) * _F32)
         out = []
         for k, (file, off) in enumerate(_fp32_locations(self.swap, self.layout, unit, c0)):
