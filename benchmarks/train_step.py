@@ -23,6 +23,11 @@ and with 8-bit ones (``optim_state_bits: 8``); the summary describes the 8-bit r
 ratios against the fp32-state run. With ``--offload-activations`` zerotune runs with
 activation checkpointing on, once keeping the checkpoints and once offloading them; the
 summary describes the offloaded run and adds its ratios against the kept one.
+
+On a machine whose speed drifts (a shared VM), ``--rounds R`` runs all the variants R
+times in turn (plain, zerotune, plain, zerotune, ...): the table shows each variant's median
+round, ``step_time_ratio`` is the median of the R ratios of the same round, and the JSON
+adds every round's step times and ratios.
 """
 
 from __future__ import annotations
@@ -70,6 +75,12 @@ def parse() -> argparse.Namespace:
         help="zerotune: update each unit during backward (ZeroAdamW.overlapped())",
     )
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run all variants this many times in turn; report the median round",
+    )
     ap.add_argument(
         "--variant",
         choices=["plain", "zerotune", "zerotune-fp32-states", "zerotune-kept-checkpoints"],
@@ -173,6 +184,17 @@ def _page_cache_bytes() -> int:
     return total
 
 
+def median_round(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per variant, the result of its round with the median step time (the lower middle
+    one of an even count), its peak RSS replaced by the largest of all rounds."""
+    out = {}
+    for name in rounds[0]:
+        runs = sorted((r[name] for r in rounds), key=lambda r: r["total"])
+        out[name] = dict(runs[(len(runs) - 1) // 2])
+        out[name]["peak_rss_gib"] = max(r["peak_rss_gib"] for r in runs)
+    return out
+
+
 def main() -> None:
     args = parse()
     if answer_as_variant(args, run_variant):
@@ -185,7 +207,10 @@ def main() -> None:
     if args.offload_activations != "none":
         variants.append("zerotune-kept-checkpoints")
     variants.append("zerotune")
-    results = run_variants(__file__, variants)
+    if args.rounds < 1:
+        sys.exit("--rounds must be at least 1")
+    rounds = [run_variants(__file__, variants) for _ in range(args.rounds)]
+    results = median_round(rounds)
 
     print(
         f"model {args.model}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
@@ -193,6 +218,7 @@ def main() -> None:
         f"offload {args.offload}, activations "
         f"{args.offload_activations}, median of {args.steps} steps after {args.warmup} "
         f"warm-up, {os.cpu_count()} threads"
+        + (f", median of {args.rounds} rounds" if args.rounds > 1 else "")
     )
     header = ("forward s", 11), ("backward s", 12), ("optim s", 10), ("total s", 10)
     print(
@@ -256,9 +282,17 @@ def main() -> None:
     for key in ("checkpoints_device_peak", "checkpoints_offloaded_peak"):
         if key in zt.get("memory_report", {}):
             summary[key] = zt["memory_report"][key]
+    if len(rounds) > 1:
+        summary["rounds"] = len(rounds)
+        for name in variants:
+            tag = "" if name == "zerotune" else f"{name}_"
+            summary[f"{tag}step_time_s_rounds"] = [round(r[name]["total"], 4) for r in rounds]
     if "plain" in results:
         plain = results["plain"]
-        summary["step_time_ratio"] = round(zt["total"] / plain["total"], 4)
+        ratios = [r["zerotune"]["total"] / r["plain"]["total"] for r in rounds]
+        summary["step_time_ratio"] = round(statistics.median(ratios), 4)
+        if len(rounds) > 1:
+            summary["step_time_ratio_rounds"] = [round(x, 4) for x in ratios]
         summary["peak_rss_ratio"] = round(zt["peak_rss_gib"] / plain["peak_rss_gib"], 4)
         summary["plain_step_time_s"] = round(plain["total"], 4)
         summary["plain_peak_rss_gib"] = round(plain["peak_rss_gib"], 3)
