@@ -89,16 +89,15 @@ inline uint32_t bucket_rank(uint32_t bits) {
 }
 
 int32_t pack_bucket(const CodeTable& t, uint32_t key) {
-  int start = t.start[key];
-  const auto value = [key](uint32_t rank) {  // the bucket's value of that rank
-    return float_of((key << kShift) | bucket_rank((key << kShift) | rank));
+  const int start = t.start[key];
+  const auto steps = [&](uint32_t rank) {  // mid[start] < the bucket's value of that rank
+    const float y = float_of((key << kShift) | bucket_rank((key << kShift) | rank));
+    return start < 255 && t.mid[start] < y;
   };
-  const auto steps = [&](int s, uint32_t rank) { return s < 255 && t.mid[s] < value(rank); };
-  if (steps(start, 0)) ++start;  // every value steps (not for start = midpoints below)
   uint32_t lo = 0, hi = 0x10000;  // the first rank that steps, in [lo, hi]
   while (lo < hi) {
     const uint32_t m = (lo + hi) / 2;
-    if (steps(start, m)) hi = m; else lo = m + 1;
+    if (steps(m)) hi = m; else lo = m + 1;
   }
   // lo >= 1: the bucket's smallest value never steps (start counts the midpoints below it)
   return static_cast<int32_t>(start | (lo - 1) << 8);  // t = lo - 1, 0xffff: none steps
