@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -483,6 +484,18 @@ void check_grad(const at::Tensor& grad, int64_t n) {
               "grad must be a contiguous CPU tensor with ", n, " elements");
 }
 
+// f(the gradient's data as const float*, c10::BFloat16* or c10::Half*).
+template <typename F>
+void with_grad_data(const at::Tensor& grad, F&& f) {
+  switch (grad.scalar_type()) {
+    case at::kFloat: return f(grad.const_data_ptr<float>());
+    case at::kBFloat16: return f(grad.const_data_ptr<c10::BFloat16>());
+    case at::kHalf: return f(grad.const_data_ptr<c10::Half>());
+    default:
+      TORCH_CHECK(false, "grad must be float32, bfloat16 or float16, got ", grad.scalar_type());
+  }
+}
+
 // The optional bf16/fp16 copy of the updated parameters: its kind and its data (kNone and
 // null without one).
 std::pair<Lowp, uint16_t*> lowp_out(const std::optional<at::Tensor>& out, int64_t n) {
@@ -506,7 +519,9 @@ void adam_update(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tens
   check_f32(exp_avg_sq, "exp_avg_sq", n);
   check_grad(grad, n);
   TORCH_CHECK(step >= 1, "step must be >= 1, got ", step);
-  const auto [lowp, outp] = lowp_out(out, n);
+  Lowp lowp;
+  uint16_t* outp;
+  std::tie(lowp, outp) = lowp_out(out, n);
   if (n == 0) return;
   Coeffs c = make_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
   c.stream_out = n >= kStreamMin;
@@ -514,16 +529,7 @@ void adam_update(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tens
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
-  switch (grad.scalar_type()) {
-    case at::kFloat:
-      return adam_dispatch_out(p, grad.const_data_ptr<float>(), m, v, outp, lowp, n, c);
-    case at::kBFloat16:
-      return adam_dispatch_out(p, grad.const_data_ptr<c10::BFloat16>(), m, v, outp, lowp, n, c);
-    case at::kHalf:
-      return adam_dispatch_out(p, grad.const_data_ptr<c10::Half>(), m, v, outp, lowp, n, c);
-    default:
-      TORCH_CHECK(false, "grad must be float32, bfloat16 or float16, got ", grad.scalar_type());
-  }
+  with_grad_data(grad, [&](const auto* g) { adam_dispatch_out(p, g, m, v, outp, lowp, n, c); });
 }
 
 // ---------------------------------------------------------------------------------
@@ -637,7 +643,9 @@ void adam_update_8bit(at::Tensor param, at::Tensor grad, at::Tensor q_m, at::Ten
     coeffs.push_back(make_coeffs(step, hp[1], hp[2], hp[3], hp[4], hp[5], hp[6] != 0.0,
                                  hp[7] != 0.0));  // stream_out stays false: small ranges
   }
-  const auto [lowp, outp] = lowp_out(out, n);
+  Lowp lowp;
+  uint16_t* outp;
+  std::tie(lowp, outp) = lowp_out(out, n);
   const void* table_m = q8_table(code_m);  // checks the code first
   const void* table_v = q8_table(code_v);
   const Q8Side qm{q_m.data_ptr<uint8_t>(), absmax_m.data_ptr<float>(),
@@ -647,18 +655,9 @@ void adam_update_8bit(at::Tensor param, at::Tensor grad, at::Tensor q_m, at::Ten
   if (n == 0) return;
   float* p = param.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
-  switch (grad.scalar_type()) {
-    case at::kFloat:
-      return adam8bit_dispatch(p, grad.const_data_ptr<float>(), outp, lowp, n, qm, qv, bv, coeffs);
-    case at::kBFloat16:
-      return adam8bit_dispatch(p, grad.const_data_ptr<c10::BFloat16>(), outp, lowp, n, qm, qv,
-                               bv, coeffs);
-    case at::kHalf:
-      return adam8bit_dispatch(p, grad.const_data_ptr<c10::Half>(), outp, lowp, n, qm, qv, bv,
-                               coeffs);
-    default:
-      TORCH_CHECK(false, "grad must be float32, bfloat16 or float16, got ", grad.scalar_type());
-  }
+  with_grad_data(grad, [&](const auto* g) {
+    adam8bit_dispatch(p, g, outp, lowp, n, qm, qv, bv, coeffs);
+  });
 }
 
 // ---------------------------------------------------------------------------------
