@@ -539,7 +539,7 @@ void adam_update(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tens
 void q8_check_moment(const at::Tensor& q, const at::Tensor& absmax, int64_t n,
                      const char* q_name, const char* absmax_name);
 void q8_dequantize_block(const float* code, const uint8_t* q, int64_t len, float absmax,
-                         float* out);
+                         float* out, bool vec);
 const void* q8_table(const at::Tensor& code);
 void q8_quantize_block(const void* table, const float* x, int64_t len, float* absmax,
                        uint8_t* q, bool vec);
@@ -580,8 +580,8 @@ void adam8bit_all(float* p, const G* g, uint16_t* out, int64_t n, const Q8Side& 
     for (int64_t b = gi * kGroup; b < std::min(nblocks, (gi + 1) * kGroup); ++b) {
       const int64_t lo = b * kBlock;
       const int64_t len = std::min(kBlock, n - lo);
-      q8_dequantize_block(qm.code, qm.q + lo, len, qm.absmax[b], m);
-      q8_dequantize_block(qv.code, qv.q + lo, len, qv.absmax[b], v);
+      q8_dequantize_block(qm.code, qm.q + lo, len, qm.absmax[b], m, vec);
+      q8_dequantize_block(qv.code, qv.q + lo, len, qv.absmax[b], v, vec);
       while (s < nseg && bounds[2 * s + 1] <= lo) ++s;
       for (int64_t t = s; t < nseg && bounds[2 * t] < lo + len; ++t) {
         const int64_t x0 = std::max(lo, bounds[2 * t]);
