@@ -105,6 +105,10 @@ class ZeroConfig:
     staging_bytes: the pool of host buffers NVMe reads and writes go through (allocated once,
         part of the memory report); must hold three units' optimizer state.
     aio_threads / aio_block_bytes / aio_queue_depth: the asynchronous I/O engine.
+    host_cache_bytes: with offload on a CPU device, freed tensors of 1 MiB and more are kept
+        for reuse up to this many bytes (weight gradients and activations of the next block
+        and step reuse them instead of page-faulting fresh memory; 0 turns it off). Counted
+        in the memory report (``host_cache``) and in ``estimate``.
     map_param_file: with parameters on NVMe, one process, a CPU device: a gather maps the
         parameter file's pages (copy-on-write) instead of copying them into a buffer. Off,
         gathers read the file: slower, but a disk error then raises an exception where a
@@ -134,6 +138,7 @@ class ZeroConfig:
     aio_threads: int = 4
     aio_block_bytes: int = 2**20
     aio_queue_depth: int = 16
+    host_cache_bytes: int = 128 * 2**20
     map_param_file: bool = True
     loss_scale_init: float = 2.0**16
     loss_scale_window: int = 1000
@@ -160,6 +165,7 @@ class ZeroConfig:
             "grad_host_bytes",
             "staging_bytes",
             "aio_block_bytes",
+            "host_cache_bytes",
             "tile_linear_bytes",
         ):
             setattr(self, name, parse_bytes(getattr(self, name), name=name))

@@ -270,7 +270,8 @@ def _working_buffers(
     """Upper bounds of the engine's working memory during a step, by kind and tier:
     ``gathered`` (units gathered for use plus prefetch), ``pool`` (reduce and copy buffers,
     kept for the run), ``param_grads`` (parameter gradients waiting for their reduction),
-    ``nvme_reads`` (host buffers of parameter reads from NVMe)."""
+    ``nvme_reads`` (host buffers of parameter reads from NVMe), ``host_cache`` (freed
+    tensors kept for reuse on a CPU device with offload: the budget)."""
     out: dict[str, dict[str, int]] = {}
     by_index = {u.index: u for u in units}
     param_disk = swap.sizes.get("param", {}) if swap is not None else {}
@@ -318,6 +319,9 @@ def _working_buffers(
                 config.prefetch_bytes if config.stage == 3 else 0,
             )
             out["gather_cache"] = {"host": keep}
+    if device == "cpu" and any(t != "none" for t in config.offload_tiers):
+        # Freed tensors kept for reuse, at most the budget (memory/host.py).
+        out["host_cache"] = {"host": config.host_cache_bytes}
 
     # The pools: buffers are keyed by (elements, dtype) and kept for the run. On an
     # accelerator, buffers that meet NVMe come from the engine's pinned host pool.
@@ -849,7 +853,7 @@ def _rows(
     if act is not None:
         add("activations", "device", act["total"])
     slack = act["total"] - act["backward"] if act is not None else 0
-    for kind in ("pool", "host_copies"):
+    for kind in ("pool", "host_copies", "host_cache"):
         for tier, n in work.get(kind, {}).items():
             add("buffers", tier, n)
     transient: dict[str, int] = {}

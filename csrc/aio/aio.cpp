@@ -43,6 +43,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace zerotune_aio __attribute__((visibility("hidden"))) {
@@ -297,6 +298,12 @@ void lend_storage(const at::Tensor& dst, const at::Tensor& src, int64_t nbytes) 
   impl->set_nbytes(static_cast<size_t>(nbytes));
 }
 
+// csrc/aio/host_cache.cpp
+bool host_cache_enable(int64_t budget, int64_t min_bytes);
+void host_cache_disable();
+std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> host_cache_stats();
+void host_cache_reset_stats();
+
 }  // namespace zerotune_aio
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -317,4 +324,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("align", [] { return za::kAlign; });
   m.def("lend_storage", &za::lend_storage, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
         "Point dst's storage at src's memory (first nbytes), keeping src's storage alive");
+  m.def("host_cache_enable", &za::host_cache_enable, py::arg("budget"), py::arg("min_bytes"),
+        "Serve CPU allocations of min_bytes and more, keeping freed ones within budget bytes");
+  m.def("host_cache_disable", &za::host_cache_disable,
+        "Give back the kept buffers and restore the previous CPU allocator");
+  m.def("host_cache_stats", &za::host_cache_stats,
+        "(installed, budget, kept, peak kept, live bytes, hits, misses)");
+  m.def("host_cache_reset_stats", &za::host_cache_reset_stats);
 }

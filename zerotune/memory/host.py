@@ -13,14 +13,34 @@ first touch. The biggest ones, gathered parameters, are therefore not allocated 
 but reused (``GatherCache``, memory/pool.py). Measured on gpt2-medium with both tiers on
 NVMe (2 cores): peak RSS 2.38 GiB with the 1 MiB threshold against 2.88 GiB with glibc's
 default, forward 1.76 s against 1.35 s a step, backward the same.
+
+The rest of the churn (weight gradients, activations, backward's temporaries) is served by
+a CPU allocator that keeps recently freed buffers of 1 MiB and more within a byte budget,
+``host_cache_bytes`` ([Note: host buffer cache] in csrc/aio/host_cache.cpp): an engine on a
+CPU device with offload installs it (``keep_freed_buffers``) and takes it out again when
+closed. Measured on gpt2-medium, both tiers on NVMe, 8-bit moments, 2 cores: 128 MiB took
+minor faults from ~550K to ~300K a step and the step from ~6.1 to ~5.2-5.3 s, peak RSS
+1.51-1.57 GiB against 1.67-1.76 without it; glibc's own heap reaching the same faults
+(a 32 MiB threshold, no trimming) cost 2.2-2.4 GiB.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import itertools
+from collections.abc import Callable
 
-__all__ = ["prefer_mmap_for_large_buffers", "release_free_memory"]
+__all__ = [
+    "host_cache_report",
+    "keep_freed_buffers",
+    "prefer_mmap_for_large_buffers",
+    "release_free_memory",
+]
+
+CACHE_MIN_BYTES = 1 << 20  # the buffers the cache serves: those glibc would mmap
+_cache_budgets: dict[int, int] = {}  # owner token -> budget; the largest applies
+_tokens = itertools.count()
 
 _M_MMAP_THRESHOLD = -3
 _libc = None
@@ -50,3 +70,53 @@ def prefer_mmap_for_large_buffers(threshold: int = 1 << 20) -> None:
     lib = _glibc()
     if lib:
         lib.mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
+def _aio_op():
+    from .aio import _load_op
+
+    return _load_op()
+
+
+def keep_freed_buffers(budget: int) -> Callable[[], None] | None:
+    """Serve CPU tensors of 1 MiB and more from a cache that keeps freed ones for reuse, up
+    to ``budget`` bytes (the largest budget of the owners alive applies). Returns the
+    owner's release function (once the last owner releases, the kept buffers go back to the
+    system and the previous allocator returns), or None when nothing was installed: a zero
+    budget, the aio op not built, or another CPU allocator of higher priority in place."""
+    if budget <= 0:
+        return None
+    op = _aio_op()
+    if op is None:
+        return None
+    token = next(_tokens)
+    _cache_budgets[token] = budget
+    if not op.host_cache_enable(max(_cache_budgets.values()), CACHE_MIN_BYTES):
+        del _cache_budgets[token]
+        return None
+
+    def release() -> None:
+        if _cache_budgets.pop(token, None) is None:
+            return  # released before
+        if _cache_budgets:
+            op.host_cache_enable(max(_cache_budgets.values()), CACHE_MIN_BYTES)
+        else:
+            op.host_cache_disable()
+
+    return release
+
+
+def host_cache_report() -> dict[str, int]:
+    """The host buffer cache now: budget, kept and peak kept bytes, hits and misses
+    (all zero when it is not installed)."""
+    op = _aio_op()
+    if op is None:
+        return {"budget": 0, "kept": 0, "peak_kept": 0, "hits": 0, "misses": 0}
+    installed, budget, kept, peak, _live, hits, misses = op.host_cache_stats()
+    return {
+        "budget": budget if installed else 0,
+        "kept": kept,
+        "peak_kept": peak,
+        "hits": hits,
+        "misses": misses,
+    }

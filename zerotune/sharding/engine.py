@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -20,7 +21,12 @@ from torch import nn
 
 from .. import dist as zdist
 from ..config import ZeroConfig, load_config
-from ..memory.host import prefer_mmap_for_large_buffers, release_free_memory
+from ..memory.host import (
+    host_cache_report,
+    keep_freed_buffers,
+    prefer_mmap_for_large_buffers,
+    release_free_memory,
+)
 from ..memory.pool import BufferPool
 from ..optim.scaling import DynamicLossScaler
 from .external import ExternalParams, ShardedParameterError
@@ -114,6 +120,12 @@ class ZeroEngine(nn.Module):
             # Host memory holds the offloaded state: keep its RSS honest (memory/host.py;
             # NVMe offload does the same when it opens its swap files).
             prefer_mmap_for_large_buffers()
+        self._release_host_cache = None
+        if self.device.type == "cpu" and any(t != "none" for t in config.offload_tiers):
+            # Freed tensors of 1 MiB and more are kept for reuse within a budget (memory/host.py)
+            self._release_host_cache = keep_freed_buffers(config.host_cache_bytes)
+            if self._release_host_cache is not None:
+                weakref.finalize(self, self._release_host_cache)
         self.pool = BufferPool(self.device)
         # Buffers that meet the host (NVMe reads and writes, gradients copied out for an
         # offloaded optimizer): the same pool on a CPU device, pinned host memory otherwise,
@@ -369,6 +381,8 @@ class ZeroEngine(nn.Module):
             self.activations.close()
         if self.swap is not None:
             self.swap.close()
+        if self._release_host_cache is not None:
+            self._release_host_cache()
 
     # ------------------------------------------------------------------------ the model
     def forward(self, *args, **kwargs):
@@ -690,7 +704,8 @@ class ZeroEngine(nn.Module):
         gathered units), master (fp32 master copies when the compute dtype is not fp32),
         grads (gradient shards), optimizer (Adam moments, once an optimizer exists), pool
         (reduce buffers), gathered_now / gathered_peak (gathered parameters of sharded units),
-        gather_cache (most bytes of emptied gather buffers kept for reuse), padding_elements."""
+        gather_cache (most bytes of emptied gather buffers kept for reuse), host_cache (most
+        bytes of freed tensors kept for reuse, ``host_cache_bytes``), padding_elements."""
         report = {"params": 0, "master": 0, "grads": 0, "optimizer": 0, "padding_elements": 0}
         for unit in self.units:
             for k, v in unit.memory_bytes().items():
@@ -713,6 +728,9 @@ class ZeroEngine(nn.Module):
         report["gathered_peak"] = self.pool.gathered.peak
         cache = self.pool.gather_cache
         report["gather_cache"] = cache.peak_kept_bytes if cache is not None else 0
+        # Freed tensors kept for reuse (memory/host.py), process-wide: at most the budget.
+        kept = host_cache_report()["peak_kept"] if self._release_host_cache else 0
+        report["host_cache"] = kept
         if self.activations is not None:
             report.update(self.activations.memory_report())
         return report
