@@ -331,8 +331,8 @@ def test_a_tied_embeddings_gradient_buffer_meets_no_activation_peak(tied):
     )  # fmt: skip
     units = plan_units(model, config, 1)
     swap = plan_swap(units, config, 1)
-    work = _working_buffers(units, config, 1, swap, device="cpu")
     act = activation_bytes(model_shape(model), 64, 4, torch.float32, device="cpu")
+    work = _working_buffers(units, config, 1, swap, device="cpu", act_total=act["total"])
     buffers = _rows(units, config, 1, 0, swap, act, "cpu")[0]["buffers"]["host"]
     every = sum(n for kind in work.values() for n in kind.values())
     wte = next(u for u in units if u.name.endswith("wte"))

@@ -186,3 +186,17 @@ def test_host_cache_bytes_config():
     assert zerotune.ZeroConfig().host_cache_bytes == 128 * MIB
     with pytest.raises(zerotune.ConfigError, match="host_cache_bytes"):
         zerotune.ZeroConfig(host_cache_bytes=-1)
+
+
+def test_the_estimate_counts_the_budget_or_what_a_step_frees():
+    from types import SimpleNamespace
+
+    from zerotune.estimate import _host_cache
+
+    units = [SimpleNamespace(numel=1000), SimpleNamespace(numel=250)]
+    cfg = zerotune.ZeroConfig(offload_optimizer="cpu", host_cache_bytes="1MiB")
+    # one unit's fp32 gradients and the activations, within the budget
+    assert _host_cache(units, cfg, "cpu", 10_000) == {"host_cache": {"host": 4000 + 10_000}}
+    assert _host_cache(units, cfg, "cpu", 10**9) == {"host_cache": {"host": MIB}}
+    assert _host_cache(units, cfg, "cuda", 10**9) == {}  # not installed with a GPU device
+    assert _host_cache(units, zerotune.ZeroConfig(), "cpu", 10**9) == {}  # nor without offload

@@ -260,19 +260,32 @@ def _buffers_writing(nbytes: int) -> int:
     return in_flight + 1
 
 
+def _host_cache(
+    units: list[UnitPlan], config: ZeroConfig, device: str, act_total: int
+) -> dict[str, dict[str, int]]:
+    """Freed tensors kept for reuse on a CPU device with offload (memory/host.py), held for
+    the run: at most the budget, and at most what a step frees and asks for again (one
+    unit's fp32 gradients and the activations)."""
+    if device != "cpu" or all(t == "none" for t in config.offload_tiers):
+        return {}
+    freed = max((u.numel for u in units), default=0) * 4 + act_total
+    return {"host_cache": {"host": min(config.host_cache_bytes, freed)}}
+
+
 def _working_buffers(
     units: list[UnitPlan],
     config: ZeroConfig,
     world: int,
     swap: SwapPlan | None,
     device: str = "cuda",
+    act_total: int = 0,
 ) -> dict[str, dict[str, int]]:
     """Upper bounds of the engine's working memory during a step, by kind and tier:
     ``gathered`` (units gathered for use plus prefetch), ``pool`` (reduce and copy buffers,
     kept for the run), ``param_grads`` (parameter gradients waiting for their reduction),
     ``nvme_reads`` (host buffers of parameter reads from NVMe), ``host_cache`` (freed
-    tensors kept for reuse on a CPU device with offload: the budget)."""
-    out: dict[str, dict[str, int]] = {}
+    tensors kept for reuse, see ``_host_cache``; ``act_total``: the activations' bytes)."""
+    out: dict[str, dict[str, int]] = _host_cache(units, config, device, act_total)
     by_index = {u.index: u for u in units}
     param_disk = swap.sizes.get("param", {}) if swap is not None else {}
     grads_disk = swap is not None and bool(swap.sizes.get("grad"))
@@ -319,9 +332,6 @@ def _working_buffers(
                 config.prefetch_bytes if config.stage == 3 else 0,
             )
             out["gather_cache"] = {"host": keep}
-    if device == "cpu" and any(t != "none" for t in config.offload_tiers):
-        # Freed tensors kept for reuse, at most the budget (memory/host.py).
-        out["host_cache"] = {"host": config.host_cache_bytes}
 
     # The pools: buffers are keyed by (elements, dtype) and kept for the run. On an
     # accelerator, buffers that meet NVMe come from the engine's pinned host pool.
@@ -823,13 +833,15 @@ def _rows(
     """
     kinds = engine_bytes(units, config, world, rank, swap=swap, device=device)
     kinds.pop("padding_elements")
+    act_total = act["total"] if act is not None else 0
     if known_units:
-        work = _working_buffers(units, config, world, swap, device)
+        work = _working_buffers(units, config, world, swap, device, act_total)
     else:
         # Unit sizes unknown (a bare parameter count): prefetch_bytes stands for the units
         # gathered at once (copies exist at stage 3 across ranks, or read from NVMe).
         copies = config.stage == 3 and (world > 1 or config.offload_param == "nvme")
         work = {"gathered": {"device": config.prefetch_bytes}} if copies else {}
+        work.update(_host_cache(units, config, device, act_total))
     rows: dict[str, dict[str, int]] = {r: {} for r in ROWS}
 
     def add(row: str, tier: str, n: int) -> None:
@@ -853,9 +865,11 @@ def _rows(
     if act is not None:
         add("activations", "device", act["total"])
     slack = act["total"] - act["backward"] if act is not None else 0
-    for kind in ("pool", "host_copies", "host_cache"):
+    for kind in ("pool", "host_copies"):
         for tier, n in work.get(kind, {}).items():
             add("buffers", tier, n)
+    for tier, n in work.get("host_cache", {}).items():
+        add("buffers", tier, n)
     transient: dict[str, int] = {}
     for kind in ("gathered", "param_grads", "nvme_reads", "gather_cache"):
         for tier, n in work.get(kind, {}).items():
