@@ -23,6 +23,25 @@ def _mib_tensor(n_mib: float) -> torch.Tensor:
     return torch.empty(int(n_mib * MIB) // 4, dtype=torch.float32)
 
 
+@pytest.fixture(autouse=True)
+def isolated_cache():
+    """Each test starts with the cache taken out, and the owners of earlier tests' engines
+    get it back afterwards. (An engine that is dropped without ``close()`` is not freed:
+    hooks held by torch's C++ autograd keep it alive, so its release never runs.)"""
+    from zerotune.memory import host
+
+    op = load_op("aio")
+    saved = dict(host._cache_budgets)
+    host._cache_budgets.clear()
+    op.host_cache_disable()
+    yield
+    op.host_cache_disable()
+    host._cache_budgets.clear()
+    host._cache_budgets.update(saved)
+    if saved:
+        op.host_cache_enable(max(saved.values()), host.CACHE_MIN_BYTES)
+
+
 @pytest.fixture
 def cache():
     """Install with a 4 MiB budget for the test, and take it out again whatever happens."""
