@@ -302,7 +302,6 @@ void lend_storage(const at::Tensor& dst, const at::Tensor& src, int64_t nbytes) 
 bool host_cache_enable(int64_t budget, int64_t min_bytes);
 void host_cache_disable();
 std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> host_cache_stats();
-void host_cache_reset_stats();
 
 }  // namespace zerotune_aio
 
@@ -329,6 +328,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_cache_disable", &za::host_cache_disable,
         "Give back the kept buffers and restore the previous CPU allocator");
   m.def("host_cache_stats", &za::host_cache_stats,
-        "(installed, budget, kept, peak kept, live bytes, hits, misses)");
-  m.def("host_cache_reset_stats", &za::host_cache_reset_stats);
+        "(installed, budget, kept, peak kept, live bytes, hits, misses); peak and counts "
+        "since installed");
 }

@@ -215,6 +215,9 @@ bool host_cache_enable(int64_t budget, int64_t min_bytes) {
       c10::SetCPUAllocator(&c, kPriority);
       if (c10::GetCPUAllocator() != &c) return false;
       c.installed = true;
+      c.peak_kept = c.kept_bytes;  // the counts start afresh with each installation
+      c.hits = 0;
+      c.misses = 0;
       static bool registered = false;
       if (!registered) {
         pthread_atfork(&lock_for_fork, &unlock_after_fork, &unlock_after_fork);
@@ -246,22 +249,14 @@ void host_cache_disable() {
   unmap_all(drop);
 }
 
-// (installed, budget, kept bytes, peak kept bytes, live bytes, hits, misses)
+// (installed, budget, kept bytes, peak kept bytes, live bytes, hits, misses); the peak and
+// the counts start afresh with each installation.
 std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> host_cache_stats() {
   HostCache& c = cache();
   std::lock_guard<std::mutex> lk(c.mu);
   return {c.installed, static_cast<int64_t>(c.budget), static_cast<int64_t>(c.kept_bytes),
           static_cast<int64_t>(c.peak_kept), static_cast<int64_t>(c.live_bytes), c.hits,
           c.misses};
-}
-
-// Start counting peak kept bytes, hits and misses afresh.
-void host_cache_reset_stats() {
-  HostCache& c = cache();
-  std::lock_guard<std::mutex> lk(c.mu);
-  c.peak_kept = c.kept_bytes;
-  c.hits = 0;
-  c.misses = 0;
 }
 
 }  // namespace zerotune_aio
