@@ -26,8 +26,7 @@ def _mib_tensor(n_mib: float) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def isolated_cache():
     """Each test starts with the cache taken out, and the owners of earlier tests' engines
-    get it back afterwards. (An engine that is dropped without ``close()`` is not freed:
-    hooks held by torch's C++ autograd keep it alive, so its release never runs.)"""
+    (still referenced somewhere, or not yet collected) get it back afterwards."""
     from zerotune.memory import host
 
     op = load_op("aio")
@@ -219,3 +218,17 @@ def test_the_estimate_counts_the_budget_or_what_a_step_frees():
     assert _host_cache(units, cfg, "cpu", 10**9) == {"host_cache": {"host": MIB}}
     assert _host_cache(units, cfg, "cuda", 10**9) == {}  # not installed with a GPU device
     assert _host_cache(units, zerotune.ZeroConfig(), "cpu", 10**9) == {}  # nor without offload
+
+
+def test_a_dropped_engine_is_freed_and_gives_the_cache_back():
+    import gc
+    import weakref
+
+    engine = _engine(None)
+    _faults_per_step(engine, steps=1)
+    assert host_cache_report()["budget"] == 128 * MIB
+    alive = weakref.ref(engine)
+    del engine  # no close(): its gradient hooks (kept by torch in C++) must not hold it
+    gc.collect()
+    assert alive() is None
+    assert host_cache_report()["budget"] == 0

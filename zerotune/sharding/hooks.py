@@ -34,6 +34,7 @@ parameters until U's gradients are reduced.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -151,7 +152,15 @@ def _pre_backward_hook(engine: ZeroEngine, unit: Unit):
 
 
 def _grad_ready_hook(engine: ZeroEngine, unit: Unit):
+    # Weak references: torch keeps this hook in C++ (the parameter's autograd metadata),
+    # where Python's cycle collector cannot see it; strong ones would keep the engine, its
+    # model and its memory alive for good once the user drops them.
+    engine_ref, unit_ref = weakref.ref(engine), weakref.ref(unit)
+
     def hook(param):
+        engine, unit = engine_ref(), unit_ref()
+        if engine is None or unit is None:
+            return
         unit.grads_ready += 1
         if unit.grads_ready == unit.n_trainable:
             engine.post_backward(unit)
