@@ -121,7 +121,6 @@ def test_nvme_peak_memory_stays_within_staging_unit_and_activations(tmp_path):
     # the fp32 reduce buffer, two gradient writes in flight and a read buffer (6 units) +
     # activations (measured) + a fixed 150 MB.
     bound = r["staging_limit"] + 2 * 30 * mb + 6 * r["largest"] + activations + 150 * mb
-    print("grew", r["grew"] / mb, "bound", bound / mb, "host cache", r["host_cache"] / mb)
     # Freed tensors kept for reuse (host_cache_bytes, 128 MiB by default) fit in that bound too.
     assert 0 < r["host_cache"] <= 128 * mb
     assert r["grew"] < bound, (r["grew"] / mb, bound / mb, activations / mb)

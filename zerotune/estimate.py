@@ -64,6 +64,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, ZeroConfig, parse_bytes
+from .memory.host import host_cache_used
 from .sharding.engine import ZeroEngine
 from .sharding.plan import (
     SwapPlan,
@@ -266,7 +267,7 @@ def _host_cache(
     """Freed tensors kept for reuse on a CPU device with offload (memory/host.py), held for
     the run: at most the budget, and at most what a step frees and asks for again (one
     unit's fp32 gradients and the activations)."""
-    if device != "cpu" or all(t == "none" for t in config.offload_tiers):
+    if not host_cache_used(config, device):
         return {}
     freed = max((u.numel for u in units), default=0) * 4 + act_total
     return {"host_cache": {"host": min(config.host_cache_bytes, freed)}}

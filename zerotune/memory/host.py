@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 __all__ = [
     "host_cache_report",
+    "host_cache_used",
     "keep_freed_buffers",
     "prefer_mmap_for_large_buffers",
     "release_free_memory",
@@ -76,6 +77,13 @@ def _aio_op():
     from .aio import _load_op
 
     return _load_op()
+
+
+def host_cache_used(config, device: str) -> bool:
+    """Whether an engine on a ``device`` of this type ("cpu", "cuda", ...) with ``config``
+    keeps freed tensors for reuse: a CPU device, some offload, a budget."""
+    offloads = any(t != "none" for t in config.offload_tiers)
+    return device == "cpu" and offloads and config.host_cache_bytes > 0
 
 
 def keep_freed_buffers(budget: int) -> Callable[[], None] | None:

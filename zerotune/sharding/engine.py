@@ -23,6 +23,7 @@ from .. import dist as zdist
 from ..config import ZeroConfig, load_config
 from ..memory.host import (
     host_cache_report,
+    host_cache_used,
     keep_freed_buffers,
     prefer_mmap_for_large_buffers,
     release_free_memory,
@@ -121,7 +122,7 @@ class ZeroEngine(nn.Module):
             # NVMe offload does the same when it opens its swap files).
             prefer_mmap_for_large_buffers()
         self._release_host_cache = None
-        if self.device.type == "cpu" and any(t != "none" for t in config.offload_tiers):
+        if host_cache_used(config, self.device.type):
             # Freed tensors of 1 MiB and more are kept for reuse within a budget (memory/host.py)
             self._release_host_cache = keep_freed_buffers(config.host_cache_bytes)
             if self._release_host_cache is not None:
