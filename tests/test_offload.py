@@ -491,6 +491,100 @@ def test_overlapped_step_runs_updates_queued_while_writes_drain(tmp_path, monkey
             assert written["grad"] == 0 and res["held_peak"] == 0
 
 
+def test_overlapped_step_reads_ahead_of_backward(tmp_path):
+    """From the second overlapped step on, the NVMe pipeline reads the master and moments
+    of the units the last step launched first, in its order, before backward finishes
+    them: on entering ``overlapped()`` the reads of the first spare slots are issued.
+    When the order is wrong (reversed here on some steps) reads ahead are given up and
+    made again, more bytes are read, and training is still exactly plain AdamW's; every
+    staging slot is free after each step."""
+    import numpy as np
+    from harness import LR, WD, batches, build, loss_of, no_decay_groups, train_reference
+
+    import zerotune
+    from zerotune.memory.swap import round_up
+
+    ref = train_reference("gpt2", clip=None)
+    config = dict(OVERLAP_CONFIGS[0], nvme_path=str(tmp_path), staging_bytes=3 * 16 * 4096 * 3)
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)  # before sharding empties the parameters
+    engine = zerotune.shard(model, config)
+    opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
+    store, staging = opt.store, engine.staging
+    slots = store.layout.slots
+    assert slots > 3 and store.layout.grads_on_disk
+    by_index = {u.index: u for u in engine.units}
+    losses, ahead, step_reads = [], [], []
+    for step, ids in enumerate(batches("gpt2")):
+        if step in (4, 7):
+            opt._launch_order.reverse()  # a wrong guess: the embedding first
+        expected = [(by_index[i], c) for i in opt._launch_order for c in store.chunks(by_index[i])]
+        read0 = store.bytes_read
+        with opt.overlapped():
+            ahead.append(store.bytes_read - read0)
+            loss = loss_of(engine, ids)
+            engine.backward(loss)
+        opt.step()
+        step_reads.append(store.bytes_read - read0)
+        losses.append(float(loss.detach()))
+        assert len(staging._free) * staging.slot == staging.allocated, step  # all given back
+        # The chunks read ahead at entry: master (exact bytes) and two page-rounded moments.
+        first = expected[: slots - 2]
+        want = sum(4 * (c1 - c0) + 2 * round_up(4 * (c1 - c0)) for _, (c0, c1) in first)
+        assert ahead[-1] == want, (step, ahead[-1], want)
+    assert ahead[0] == 0 and min(ahead[1:]) > 0
+    # Guessing wrong costs reads (a read ahead given up for launched work), not results.
+    normal, wrong = max(step_reads[2], step_reads[3]), (step_reads[4], step_reads[7])
+    assert min(wrong) >= normal and max(wrong) > normal, step_reads
+    np.testing.assert_allclose(losses, ref["losses"], rtol=1e-5)
+    weights = engine.full_state_dict()
+    for name, w in ref["weights"].items():
+        np.testing.assert_allclose(
+            np.asarray(weights[name]), w.numpy(), rtol=1e-5, atol=2e-5, err_msg=name
+        )
+    engine.close()
+
+
+def test_reads_ahead_of_units_never_launched_are_given_up(tmp_path):
+    """Units expected but not launched before the feed closes are not updated: their
+    state on NVMe is unchanged and the staging slots come back."""
+    import torch
+    from harness import build
+
+    import zerotune
+    from zerotune.memory.swap import round_up
+    from zerotune.optim.state_store import IDLE, Feed
+
+    config = dict(OVERLAP_CONFIGS[0], nvme_path=str(tmp_path), staging_bytes=3 * 16 * 4096 * 3)
+    engine = zerotune.shard(build("gpt2"), config)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    store, staging = opt.store, engine.staging
+    units = [u for u in engine.units if u.trainable]
+    expected = [(u, c0, c1) for u in units for c0, c1 in store.chunks(u)]
+    assert len(expected) > store.layout.slots
+    before = {u.index: engine.unit_state(u) for u in units}
+
+    def update(*args):
+        raise AssertionError("a unit that was not launched was updated")
+
+    feed = Feed(closed=False, expected=expected)
+    job = store.pipeline(feed, update)
+    read0 = store.bytes_read
+    assert next(job) is IDLE
+    first = expected[: store.layout.slots - 2]  # two slots stay free for launched work
+    n = [c1 - c0 for _, c0, c1 in first]  # master (exact bytes), two page-rounded moments
+    assert store.bytes_read - read0 == sum(4 * k + 2 * round_up(4 * k) for k in n)
+    feed.closed = True
+    for handle in job:
+        handle.wait()
+    assert len(staging._free) * staging.slot == staging.allocated
+    for u in units:
+        after = engine.unit_state(u)
+        for key, value in before[u.index].items():
+            assert torch.equal(value, after[key]), (u.name, key)
+    engine.close()
+
+
 def test_overlapped_step_refuses_what_it_cannot_do(tmp_path):
     from harness import batches, build, loss_of
 

@@ -238,13 +238,14 @@ def engine_bytes(
     if swap is not None:
         out["nvme"] = {"nvme": swap.total_bytes}
         if "optim" in swap.sizes and with_optimizer:
-            # The step pipeline keeps up to three chunks in flight (read, update, write).
+            # The step pipeline fills up to ``layout.slots`` staging slots (reads ahead,
+            # the update, writes).
             chunks = sum(
                 len(swap.layout.chunks(u.numel, u.shard))
                 for u in units
                 if u.index in swap.sizes["optim"] and u.has_optimizer_state(rank)
             )
-            out["staging"] = {"host": min(3, max(chunks, 1)) * swap.slot_bytes}
+            out["staging"] = {"host": min(swap.layout.slots, max(chunks, 1)) * swap.slot_bytes}
     out["padding_elements"] = {"count": sum(u.padded - u.numel for u in units)}
     return out
 
@@ -810,7 +811,7 @@ def _staging_resident(units: list[UnitPlan], swap: SwapPlan, rank: int) -> int:
         )
         for u in live
     )
-    return min(3, chunks) * min(per_slot, swap.slot_bytes)
+    return min(layout.slots, chunks) * min(per_slot, swap.slot_bytes)
 
 
 def _rows(

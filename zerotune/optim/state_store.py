@@ -5,9 +5,12 @@ The optimizer asks a store for (master, exp_avg, exp_avg_sq, grad) of a chunk of
 shard, updates it in place and gives it back. ``ResidentStore`` (no offload, or cpu) hands
 out views of tensors held in memory: one chunk per unit, nothing to move. ``NvmeStore``
 keeps each unit's fp32 master, exp_avg and exp_avg_sq in the rank's optim swap file, three
-4 KiB-aligned regions per unit, and streams the step through a pipeline: while chunk k is
-updated by the C++ Adam, chunk k+1 is read and chunk k-1 written back. Chunks are bounded so
-that three chunk sets fit in ``staging_bytes``, whatever the size of the largest unit.
+4 KiB-aligned regions per unit, and streams the step through a pipeline: while one chunk is
+updated by the C++ Adam, the next ones are read and the last ones written back. Chunks are
+bounded so that ``OptimLayout.slots`` chunk sets (eight, or three for 8-bit moments or a
+tiny ``staging_bytes``) fit in ``staging_bytes``, whatever the size of the largest unit;
+in an overlapped step the spare slots read ahead of backward (see [Note: reading ahead of
+backward]).
 
 With fp32 compute and the parameters on NVMe too, the unit's parameter extent already
 holds the fp32 shard, which is the master: the optim extent then has two regions (the
@@ -62,16 +65,30 @@ __all__ = [
 _F32 = 4
 _Q8_CHUNK = 1 << 20  # elements per chunk of a quantized unit held in memory
 _MIN_CHUNK = ALIGN // _F32  # chunks are multiples of this: fp32 offsets stay 4 KiB-aligned
+MAX_SLOTS = 8  # staging slots of the fp32 step pipeline, at most
 
 
-def chunk_elements(staging_bytes: int, grad_on_disk: bool) -> int:
-    """Elements per chunk of fp32 optimizer state that three chunk sets in flight allow."""
+def chunk_elements(staging_bytes: int, grad_on_disk: bool, slots: int = 3) -> int:
+    """Elements per chunk of fp32 optimizer state when ``slots`` chunk sets fill
+    ``staging_bytes``."""
     per_element = 3 * _F32 + (_F32 if grad_on_disk else 0)
-    n = staging_bytes // (3 * per_element)  # three chunk sets in flight
+    n = staging_bytes // (slots * per_element)
     n -= n % _MIN_CHUNK
     if n <= 0:
         raise ValueError(f"staging_bytes={staging_bytes:,} is too small to stream optimizer state")
     return n
+
+
+def fp32_slots(staging_bytes: int, grad_on_disk: bool) -> int:
+    """How many staging slots the fp32 step pipeline cuts ``staging_bytes`` into:
+    ``MAX_SLOTS`` (reads of the units backward finishes next start early in the spare
+    ones, see [Note: reading ahead of backward]) unless that leaves chunks under a page,
+    and never fewer than three (read, update, write)."""
+    per_element = 3 * _F32 + (_F32 if grad_on_disk else 0)
+    for slots in range(MAX_SLOTS, 3, -1):
+        if staging_bytes // (slots * per_element) >= _MIN_CHUNK:
+            return slots
+    return 3
 
 
 def record_bytes(n: int, with_master: bool = True) -> int:
@@ -105,15 +122,18 @@ class OptimLayout:
     q8_chunk: int  # elements per chunk of a quantized unit (0 at 32 bits)
     slot_bytes: int  # bytes per staging slot
     scratch_bytes: int  # fp32 moments of the chunk in the update, within staging_bytes
+    slots: int = 3  # staging slots the step pipeline uses (read ahead, update, write)
 
     @classmethod
     def plan(cls, staging_bytes: int, grads_on_disk: bool, bits: int = 32) -> OptimLayout:
-        """The layout for ``staging_bytes``: three slots in flight (plus, at 8 bits, the
-        scratch of one chunk) fit. Raises ValueError when not even the smallest chunk fits."""
+        """The layout for ``staging_bytes``: at 32 bits ``fp32_slots`` slots, at 8 bits three
+        slots and the scratch of one chunk. Raises ValueError when not even the smallest
+        chunk fits."""
         kinds = 4 if grads_on_disk else 3
         if bits == 32:
-            chunk = chunk_elements(staging_bytes, grads_on_disk)
-            return cls(bits, grads_on_disk, chunk, 0, round_up(kinds * chunk * _F32), 0)
+            slots = fp32_slots(staging_bytes, grads_on_disk)
+            chunk = chunk_elements(staging_bytes, grads_on_disk, slots)
+            return cls(bits, grads_on_disk, chunk, 0, round_up(kinds * chunk * _F32), 0, slots)
 
         def slot(c: int) -> int:
             grad = round_up(c * _F32) if grads_on_disk else 0
@@ -136,7 +156,7 @@ class OptimLayout:
         s = slot(c)
         chunk = s // (kinds * _F32)
         chunk -= chunk % _MIN_CHUNK
-        return cls(bits, grads_on_disk, chunk, c, s, 2 * c * _F32)
+        return cls(bits, grads_on_disk, chunk, c, s, 2 * c * _F32, 3)
 
     def quantized(self, unit_numel: int) -> bool:
         return quantized(unit_numel, self.bits)
@@ -206,11 +226,14 @@ IDLE = object()  # yielded by a pipeline whose open feed has nothing to do yet
 class Feed:
     """The chunks ``(unit, c0, c1)`` a pipeline updates, in order. An open feed may be given
     more while its pipeline runs (the overlapped step adds each unit as backward finishes
-    it); the pipeline ends when the feed is closed and empty."""
+    it); the pipeline ends when the feed is closed and empty. ``expected``: chunks likely
+    to come, in the order they are likely to come, which the NVMe pipeline may read ahead
+    (see [Note: reading ahead of backward])."""
 
-    def __init__(self, items=(), closed: bool = True) -> None:
+    def __init__(self, items=(), closed: bool = True, expected=()) -> None:
         self.items: deque = deque(items)
         self.closed = closed
+        self.expected = list(expected)
 
     @classmethod
     def of(cls, feed) -> Feed:
@@ -218,6 +241,22 @@ class Feed:
 
     def take(self):
         return self.items.popleft() if self.items else None
+
+
+class _Entry:
+    """A chunk in a staging slot of the NVMe pipeline: its reads, and its gradient once
+    its unit is launched."""
+
+    __slots__ = ("buf", "grad", "handles", "item", "launched", "pieces", "state_bytes")
+
+    def __init__(self, item, buf, state_bytes, pieces, handles) -> None:
+        self.item = item
+        self.buf = buf
+        self.state_bytes = state_bytes
+        self.pieces = pieces
+        self.handles = handles
+        self.grad = None
+        self.launched = False
 
 
 def _gate(unit):
@@ -452,28 +491,35 @@ class NvmeStore:
         return out
 
     # ----------------------------------------------------------------------- the step
-    def _start(self, item):
+    def _start(self, item) -> _Entry:
+        """Acquire a slot and issue the reads of the chunk's master and moments (its
+        gradient comes with ``_attach_grad``, once the unit's gradient is final)."""
         unit, c0, c1 = item
-        held = unit.held_grad
-        grad_disk = unit.grad_extent is not None and held is None
         n = c1 - c0
         if self._q8(unit):
             state_bytes = record_buffer_bytes(n, not self.master_in_param_file(unit))
         else:
             state_bytes = 3 * round_up(n * _F32)
-        buf = self.staging.acquire(state_bytes + (n * _F32 if grad_disk else 0))
+        grad_room = n * _F32 if unit.grad_extent is not None else 0
+        buf = self.staging.acquire(state_bytes + grad_room)
         pieces = self._pieces(unit, c0, c1, buf)
         handles = [file.read(part, off) for part, file, off in pieces]
         self.bytes_read += sum(part.numel() for part, _, _ in pieces)
-        if grad_disk:
-            g = unit.grad_extent
-            dst = buf[state_bytes : state_bytes + n * _F32]
-            handles.append(g.file.read(dst, g.offset + c0 * _F32))
+        return _Entry(item, buf, state_bytes, pieces, handles)
+
+    def _attach_grad(self, entry: _Entry) -> None:
+        """The chunk's gradient: a view of the shard held in memory, or a read from the
+        gradient file into the slot after the state."""
+        unit, c0, c1 = entry.item
+        held = unit.held_grad
+        if unit.grad_extent is not None and held is None:
+            n, g = c1 - c0, unit.grad_extent
+            dst = entry.buf[entry.state_bytes : entry.state_bytes + n * _F32]
+            entry.handles.append(g.file.read(dst, g.offset + c0 * _F32))
             self.bytes_read += n * _F32
-            grad = dst.view(torch.float32)
+            entry.grad = dst.view(torch.float32)
         else:
-            grad = (held if held is not None else unit.grad_shard)[c0:c1]
-        return item, buf, state_bytes, pieces, handles, grad
+            entry.grad = (held if held is not None else unit.grad_shard)[c0:c1]
 
     def run(self, items, update) -> None:
         for handle in self.pipeline(items, update):
@@ -482,69 +528,145 @@ class NvmeStore:
     def pipeline(self, feed, update):
         """``run`` over a :class:`Feed`, as a generator: before waiting for an I/O handle
         that is not done yet it yields it, so a caller can do other work and resume later
-        (see [Note: overlapped step] in zero_adam.py); resuming waits for that handle. The
-        pipeline runs across units: the next unit's first chunk is read while this unit's
-        last one is updated. An open feed with nothing in it yields ``IDLE`` once the writes
-        in flight are done."""
+        (see [Note: overlapped step] in zero_adam.py); resuming waits for that handle. An
+        open feed with nothing to update yields ``IDLE`` once the writes in flight are done.
+
+        [Note: reading ahead of backward]
+        Up to ``layout.slots`` chunks are in staging at once: reads ahead, the one being
+        updated, writes in flight. Chunks the feed has given (launched: their gradients
+        are final) are read first, in order. Spare slots read ahead of launch: the
+        chunks of ``feed.expected`` (the units in the order the last overlapped step
+        launched them), keeping two slots for launched work. A chunk read ahead waits in
+        its slot until its unit is launched, which then only adds its gradient; the
+        master and the moments do not depend on the gradient, and nothing else writes
+        them during a step. A wrong guess (a unit launched while reads ahead hold the
+        chunks of units expected before it) gives the reads ahead up and ends reading
+        ahead for the step; so do units never launched, at the end. Each unit's chunks
+        are updated in order."""
         feed = Feed.of(feed)
-        writes: deque = deque()
+        slots = self.layout.slots
+        writes: deque = deque()  # (handles, buf) of updated chunks
+        started: deque = deque()  # entries whose reads are issued, in order
+        todo: deque = deque()  # launched chunks not started yet
+        ahead: dict = {}  # (unit index, c0) -> entry read ahead of its unit's launch
+        seen: set = set()  # (unit index, c0) of chunks started or in todo
+        planned: deque = deque(feed.expected)
         gated: set[int] = set()
 
-        def start_next():
-            item = feed.take()
-            if item is None:
-                return None
-            if item[0].index not in gated:  # its gradients must be on disk first
-                yield from _gate(item[0])
-                gated.add(item[0].index)
-            return self._start(item)
+        def used() -> int:
+            return len(started) + len(writes)
 
-        upcoming = None
-        while True:
-            if upcoming is None:
-                upcoming = yield from start_next()
-                if upcoming is None:
-                    while writes:
-                        yield from self._pending(writes[0][0])
-                        self._finish(writes.popleft())
-                    if feed.items:
-                        continue  # given more while the writes finished
-                    if feed.closed:
-                        return
-                    yield IDLE
+        def gate(unit):
+            if unit.index not in gated:  # its gradients must be on disk first
+                yield from _gate(unit)
+                gated.add(unit.index)
+
+        def absorb():
+            """Take what the feed has: chunks read ahead become launched, the rest wait
+            for a slot. A unit launched while reads ahead hold other units' chunks (the
+            units expected before it) shows the guess wrong: they are given up, and this
+            step reads no more ahead."""
+            while (item := feed.take()) is not None:
+                key = (item[0].index, item[1])
+                entry = ahead.pop(key, None)
+                if entry is None:
+                    if any(e.item[0] is not item[0] for e in ahead.values()):
+                        yield from drop_guess()
+                    todo.append(item)
+                    seen.add(key)
                     continue
-            current = upcoming
-            upcoming = yield from start_next()
-            (unit, c0, c1), buf, state_bytes, pieces, handles, grad = current
-            for h in handles:
+                yield from gate(item[0])
+                self._attach_grad(entry)
+                entry.launched = True
+
+        def drop_guess():
+            for entry in [e for e in started if not e.launched]:
+                started.remove(entry)
+                yield from give_up(entry)
+            ahead.clear()
+            planned.clear()
+
+        def finish_done_writes():
+            while writes and all(h.done() for h in writes[0][0]):
+                self._finish(writes.popleft())
+
+        def start_launched():
+            while todo and used() < slots:
+                item = todo.popleft()
+                yield from gate(item[0])
+                entry = self._start(item)
+                self._attach_grad(entry)
+                entry.launched = True
+                started.append(entry)
+
+        def read_ahead():
+            while planned and not todo and not feed.closed and used() < slots - 2:
+                item = planned.popleft()
+                key = (item[0].index, item[1])
+                if key in seen:
+                    continue
+                seen.add(key)
+                entry = self._start(item)
+                ahead[key] = entry
+                started.append(entry)
+
+        def give_up(entry):
+            """Drop a read-ahead entry (its reads must finish before its slot is reused)."""
+            yield from self._pending(entry.handles)
+            for h in entry.handles:
+                h.wait()
+            self.staging.release(entry.buf)
+
+        while True:
+            yield from absorb()
+            finish_done_writes()
+            yield from start_launched()
+            read_ahead()
+            entry = next((e for e in started if e.launched), None)
+            if entry is None:
+                # Nothing to update yet, or launched work waits for a slot: reads ahead
+                # leave two for it, so writes hold the others.
+                if writes:
+                    yield from self._pending(writes[0][0])
+                    self._finish(writes.popleft())
+                    continue
+                if todo:
+                    raise RuntimeError("optimizer pipeline: launched chunks found no slot")
+                if feed.items:
+                    continue  # given more meanwhile
+                if feed.closed:
+                    for e in started:  # read ahead for units that were not launched
+                        yield from give_up(e)
+                    return
+                yield IDLE
+                continue
+            started.remove(entry)
+            (unit, c0, c1), buf = entry.item, entry.buf
+            for h in entry.handles:
                 if not h.done():
                     yield h
                 h.wait()
-            if upcoming is None:  # work may have come in while this chunk was read
-                upcoming = yield from start_next()
             n = c1 - c0
             in_param_file = self.master_in_param_file(unit)
             if self._q8(unit):
                 master, q8 = _record_views(buf, n, not in_param_file)
-                update(unit, c0, c1, master, q8, grad)
+                update(unit, c0, c1, master, q8, entry.grad)
             else:
                 f32 = buf.view(torch.float32)
-                stride = state_bytes // 3 // _F32
+                stride = entry.state_bytes // 3 // _F32
                 master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
-                update(unit, c0, c1, master, (m, v), grad)
-            del grad
+                update(unit, c0, c1, master, (m, v), entry.grad)
+            entry.grad = None
             if c1 == unit.shard_numel:
                 unit.drop_held_grad()  # its last chunk is updated
             if in_param_file:
                 unit.keep_private()  # a unit mapping that file must not see the change
+            pieces = entry.pieces
             hs = [file.write(part, off) for part, file, off in pieces]
             self.bytes_written += sum(part.numel() for part, _, _ in pieces)
             if in_param_file:
                 unit.param_file_writes.append(hs[0])  # a gather must wait for it
             writes.append((hs, buf))
-            while len(writes) > 1:
-                yield from self._pending(writes[0][0])
-                self._finish(writes.popleft())
 
     @staticmethod
     def _pending(handles):

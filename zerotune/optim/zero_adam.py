@@ -30,7 +30,10 @@ thread between layers. ``step()`` then finishes what is still in flight and upda
 whose gradients became final only at the end of backward. The updates are the same as
 ``step()``'s (same chunks, same kernel, same step counts), so results are identical.
 The launched units feed one pipeline for the whole backward (``state_store.Feed``): the
-next unit's first chunk is read while the last chunk of the one before is updated. A
+next unit's first chunk is read while the last chunk of the one before is updated, and
+with NVMe the chunks of the units the last overlapped step launched next are read before
+their gradients exist, from the moment ``overlapped()`` is entered (see [Note: reading
+ahead of backward] in state_store.py). A
 gradient shard bound for NVMe is not written and read back when its update follows:
 the engine keeps it in memory (``Unit.held_grad``) when no other shard is held, or when
 it is a one-parameter unit's (an embedding's) own ``.grad``, and the update reads it
@@ -150,6 +153,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._factor = 1.0  # applied to gradients in the update: 1/loss scale * clip coef
         self._grad_norm: float | None = None
         self._overlap: _OverlappedStep | None = None  # see [Note: overlapped step]
+        self._launch_order: list[int] = []  # unit indices, as the last overlapped step went
         # With overlapped(track_norm=True): this rank's sum of grad**2, added chunk by chunk
         # as the updates read the gradients, and the norm step() fills in.
         self._norm_sq: torch.Tensor | None = None
@@ -383,9 +387,22 @@ class _OverlappedStep:
     def __init__(self, opt: ZeroAdamW) -> None:
         self.opt = opt
         self.launched: set[int] = set()
-        self._feed = Feed(closed=False)  # chunks of launched units, in launch order
+        self.order: list[int] = []  # unit indices in launch order
+        # Chunks of launched units, in launch order; expected: those of the last
+        # overlapped step's units in its order, which an NVMe store reads ahead of their
+        # launch (see [Note: reading ahead of backward] in state_store.py).
+        by_index = {u.index: u for u in opt.engine.units}
+        expected = [
+            (u, c0, c1)
+            for u in (by_index[i] for i in opt._launch_order if i in by_index)
+            for c0, c1 in opt.store.chunks(u)
+        ]
+        self._feed = Feed(closed=False, expected=expected)
         self._job = None  # the store's pipeline over the feed (one for the whole backward)
         self._waiting = None  # the I/O handle it waits for, or IDLE
+        if expected:
+            self._job = opt.store.pipeline(self._feed, opt._update_chunk)
+            self.pump()  # reads ahead start before backward does
 
     def launch(self, unit) -> None:
         """``unit``'s gradient shard is final: queue its update and start what can start."""
@@ -394,6 +411,7 @@ class _OverlappedStep:
         if segs is None or unit.grad_is_zero or unit.index in self.launched:
             return
         self.launched.add(unit.index)
+        self.order.append(unit.index)
         for seg in segs:
             opt.state[seg.key]["step"] += 1
         self._feed.items.extend((unit, c0, c1) for c0, c1 in opt.store.chunks(unit))
@@ -419,5 +437,6 @@ class _OverlappedStep:
     def finish(self) -> None:
         self._feed.closed = True
         self.pump(block=True)
+        self.opt._launch_order = self.order
         if self._feed.items:  # an update lost would be silent: refuse instead
             raise RuntimeError("overlapped step: the pipeline ended with updates still queued")
