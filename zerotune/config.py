@@ -103,7 +103,10 @@ class ZeroConfig:
         they fit in this many bytes (then accumulation writes nothing to disk); beyond, they
         go to the swap file too.
     staging_bytes: the pool of host buffers NVMe reads and writes go through (allocated once,
-        part of the memory report); must hold three units' optimizer state.
+        part of the memory report). The optimizer step streams each unit's state through
+        it in chunks: up to eight slots with fp32 moments (in an overlapped step the
+        spare ones read ahead of backward), three with 8-bit moments; more bytes make
+        larger chunks and read further ahead.
     aio_threads / aio_block_bytes / aio_queue_depth: the asynchronous I/O engine.
     host_cache_bytes: with offload on a CPU device, freed tensors of 1 MiB and more are kept
         for reuse up to this many bytes (weight gradients and activations of the next block
