@@ -7,8 +7,8 @@ out views of tensors held in memory: one chunk per unit, nothing to move. ``Nvme
 keeps each unit's fp32 master, exp_avg and exp_avg_sq in the rank's optim swap file, three
 4 KiB-aligned regions per unit, and streams the step through a pipeline: while one chunk is
 updated by the C++ Adam, the next ones are read and the last ones written back. Chunks are
-bounded so that ``OptimLayout.slots`` chunk sets (eight, or three for 8-bit moments or a
-tiny ``staging_bytes``) fit in ``staging_bytes``, whatever the size of the largest unit;
+bounded so that ``OptimLayout.slots`` chunk sets (up to eight; three with 8-bit moments)
+fit in ``staging_bytes``, whatever the size of the largest unit;
 in an overlapped step the spare slots read ahead of backward (see [Note: reading ahead of
 backward]).
 
@@ -122,7 +122,7 @@ class OptimLayout:
     q8_chunk: int  # elements per chunk of a quantized unit (0 at 32 bits)
     slot_bytes: int  # bytes per staging slot
     scratch_bytes: int  # fp32 moments of the chunk in the update, within staging_bytes
-    slots: int = 3  # staging slots the step pipeline uses (read ahead, update, write)
+    slots: int  # staging slots the step pipeline uses (reads ahead, update, writes)
 
     @classmethod
     def plan(cls, staging_bytes: int, grads_on_disk: bool, bits: int = 32) -> OptimLayout:
