@@ -585,6 +585,39 @@ def test_reads_ahead_of_units_never_launched_are_given_up(tmp_path):
     engine.close()
 
 
+def test_a_failed_overlapped_update_is_not_a_step(tmp_path, monkeypatch):
+    """An update failing during an overlapped backward (here: an exception from the
+    update, with reads ahead in flight) surfaces from backward; ``step()`` then refuses
+    to pass for a finished step, and every staging slot has come back."""
+    from harness import batches, build, loss_of
+
+    import zerotune
+
+    config = dict(OVERLAP_CONFIGS[0], nvme_path=str(tmp_path), staging_bytes=3 * 16 * 4096 * 3)
+    engine = zerotune.shard(build("gpt2"), config)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    staging = engine.staging
+    ids = batches("gpt2", 1)[0]
+    with opt.overlapped():
+        engine.backward(loss_of(engine, ids))
+    opt.step()  # a launch order to read ahead from
+    real, calls = opt._update_chunk, []
+
+    def failing(*args):
+        calls.append(args[0].index)
+        if len(calls) == 2:
+            raise ValueError("update failed on purpose")
+        return real(*args)
+
+    monkeypatch.setattr(opt, "_update_chunk", failing)
+    with pytest.raises(ValueError, match="on purpose"), opt.overlapped():
+        engine.backward(loss_of(engine, ids))
+    with pytest.raises(RuntimeError, match="update pipeline failed during backward"):
+        opt.step()
+    assert len(staging._free) * staging.slot == staging.allocated
+    engine.close()
+
+
 def test_overlapped_step_refuses_what_it_cannot_do(tmp_path):
     from harness import batches, build, loss_of
 

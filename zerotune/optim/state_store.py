@@ -539,10 +539,11 @@ class NvmeStore:
         launched them), keeping two slots for launched work. A chunk read ahead waits in
         its slot until its unit is launched, which then only adds its gradient; the
         master and the moments do not depend on the gradient, and nothing else writes
-        them during a step. A wrong guess (a unit launched while reads ahead hold the
-        chunks of units expected before it) gives the reads ahead up and ends reading
-        ahead for the step; so do units never launched, at the end. Each unit's chunks
-        are updated in order."""
+        them during a step. A wrong guess (a unit launched while reads ahead hold other
+        units' chunks) gives the reads ahead up and ends reading ahead for the step;
+        units never launched give theirs up at the end. Each unit's chunks are updated
+        in order. Should the pipeline fail (an I/O error, an exception in ``update``),
+        it waits for its transfers and gives every slot back on the way out."""
         feed = Feed.of(feed)
         slots = self.layout.slots
         writes: deque = deque()  # (handles, buf) of updated chunks
@@ -581,7 +582,6 @@ class NvmeStore:
 
         def drop_guess():
             for entry in [e for e in started if not e.launched]:
-                started.remove(entry)
                 yield from give_up(entry)
             ahead.clear()
             planned.clear()
@@ -611,62 +611,90 @@ class NvmeStore:
                 started.append(entry)
 
         def give_up(entry):
-            """Drop a read-ahead entry (its reads must finish before its slot is reused)."""
+            """Drop an entry read ahead: once its reads are over (its slot may not be reused
+            before), out of ``started`` and back to staging. Its data is not used, so
+            neither are its read errors."""
             yield from self._pending(entry.handles)
-            for h in entry.handles:
-                h.wait()
-            self.staging.release(entry.buf)
-
-        while True:
-            yield from absorb()
-            finish_done_writes()
-            yield from start_launched()
-            read_ahead()
-            entry = next((e for e in started if e.launched), None)
-            if entry is None:
-                # Nothing to update yet, or launched work waits for a slot: reads ahead
-                # leave two for it, so writes hold the others.
-                if writes:
-                    yield from self._pending(writes[0][0])
-                    self._finish(writes.popleft())
-                    continue
-                if todo:
-                    raise RuntimeError("optimizer pipeline: launched chunks found no slot")
-                if feed.items:
-                    continue  # given more meanwhile
-                if feed.closed:
-                    for e in started:  # read ahead for units that were not launched
-                        yield from give_up(e)
-                    return
-                yield IDLE
-                continue
             started.remove(entry)
-            (unit, c0, c1), buf = entry.item, entry.buf
-            for h in entry.handles:
-                if not h.done():
-                    yield h
-                h.wait()
-            n = c1 - c0
-            in_param_file = self.master_in_param_file(unit)
-            if self._q8(unit):
-                master, q8 = _record_views(buf, n, not in_param_file)
-                update(unit, c0, c1, master, q8, entry.grad)
-            else:
-                f32 = buf.view(torch.float32)
-                stride = entry.state_bytes // 3 // _F32
-                master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
-                update(unit, c0, c1, master, (m, v), entry.grad)
-            entry.grad = None
-            if c1 == unit.shard_numel:
-                unit.drop_held_grad()  # its last chunk is updated
-            if in_param_file:
-                unit.keep_private()  # a unit mapping that file must not see the change
-            pieces = entry.pieces
-            hs = [file.write(part, off) for part, file, off in pieces]
-            self.bytes_written += sum(part.numel() for part, _, _ in pieces)
-            if in_param_file:
-                unit.param_file_writes.append(hs[0])  # a gather must wait for it
-            writes.append((hs, buf))
+            self._abandon([(entry.handles, entry.buf)])
+
+        def steps():
+            while True:
+                yield from absorb()
+                finish_done_writes()
+                yield from start_launched()
+                read_ahead()
+                entry = next((e for e in started if e.launched), None)
+                if entry is None:
+                    # Nothing to update yet, or launched work waits for a slot: reads ahead
+                    # leave two for it, so writes hold the others.
+                    if writes:
+                        yield from self._pending(writes[0][0])
+                        self._finish(writes.popleft())
+                        continue
+                    if todo:
+                        raise RuntimeError("optimizer pipeline: launched chunks found no slot")
+                    if feed.items:
+                        continue  # given more meanwhile
+                    if feed.closed:
+                        while started:  # read ahead for units that were not launched
+                            yield from give_up(started[0])
+                        return
+                    yield IDLE
+                    continue
+                started.remove(entry)
+                current[0] = entry
+                (unit, c0, c1), buf = entry.item, entry.buf
+                for h in entry.handles:
+                    if not h.done():
+                        yield h
+                    h.wait()
+                n = c1 - c0
+                in_param_file = self.master_in_param_file(unit)
+                if self._q8(unit):
+                    master, q8 = _record_views(buf, n, not in_param_file)
+                    update(unit, c0, c1, master, q8, entry.grad)
+                else:
+                    f32 = buf.view(torch.float32)
+                    stride = entry.state_bytes // 3 // _F32
+                    master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
+                    update(unit, c0, c1, master, (m, v), entry.grad)
+                entry.grad = None
+                if c1 == unit.shard_numel:
+                    unit.drop_held_grad()  # its last chunk is updated
+                if in_param_file:
+                    unit.keep_private()  # a unit mapping that file must not see the change
+                pieces = entry.pieces
+                hs = [file.write(part, off) for part, file, off in pieces]
+                self.bytes_written += sum(part.numel() for part, _, _ in pieces)
+                if in_param_file:
+                    unit.param_file_writes.append(hs[0])  # a gather must wait for it
+                writes.append((hs, buf))
+                current[0] = None
+
+        current = [None]  # the entry being updated: out of started, not yet in writes
+        ended = False
+        try:
+            yield from steps()
+            ended = True
+        finally:
+            if not ended:  # an error (or the generator dropped): give every slot back
+                held = [(e.handles, e.buf) for e in started] + list(writes)
+                if current[0] is not None:
+                    held.append((current[0].handles, current[0].buf))
+                self._abandon(held)
+
+    def _abandon(self, held) -> None:
+        """Wait for the I/O of each ``(handles, buf)`` and give the buffers back, dropping
+        the I/O errors: the data is not used (given up, or a failed pipeline on its way
+        out with its own error)."""
+        for handles, buf in held:
+            for h in handles:
+                try:
+                    h.wait()
+                except OSError:
+                    pass
+            self.staging.release(buf)
 
     @staticmethod
     def _pending(handles):

@@ -400,6 +400,7 @@ class _OverlappedStep:
         self._feed = Feed(closed=False, expected=expected)
         self._job = None  # the store's pipeline over the feed (one for the whole backward)
         self._waiting = None  # the I/O handle it waits for, or IDLE
+        self._failed: BaseException | None = None  # what ended the pipeline early
         if expected:
             self._job = opt.store.pipeline(self._feed, opt._update_chunk)
             self.pump()  # reads ahead start before backward does
@@ -433,10 +434,20 @@ class _OverlappedStep:
                 self._waiting = next(self._job)  # resuming waits for the last handle
             except StopIteration:
                 self._job = self._waiting = None
+            except BaseException as exc:
+                self._job = self._waiting = None
+                self._failed = exc
+                raise
 
     def finish(self) -> None:
         self._feed.closed = True
         self.pump(block=True)
+        if self._failed is not None:
+            raise RuntimeError(
+                "overlapped step: the optimizer's update pipeline failed during backward "
+                f"({self._failed!r}); some units of this step were not updated: resume from "
+                "the last checkpoint"
+            ) from self._failed
         self.opt._launch_order = self.order
         if self._feed.items:  # an update lost would be silent: refuse instead
             raise RuntimeError("overlapped step: the pipeline ended with updates still queued")
