@@ -513,12 +513,12 @@ def test_overlapped_step_reads_ahead_of_backward(tmp_path):
     store, staging = opt.store, engine.staging
     slots = store.layout.slots
     assert slots > 3 and store.layout.grads_on_disk
-    by_index = {u.index: u for u in engine.units}
     losses, ahead, step_reads = [], [], []
     for step, ids in enumerate(batches("gpt2")):
         if step in (4, 7):
             opt._launch_order.reverse()  # a wrong guess: the embedding first
-        expected = [(by_index[i], c) for i in opt._launch_order for c in store.chunks(by_index[i])]
+        units = [engine.units[i] for i in opt._launch_order]
+        expected = [(u, c) for u in units for c in store.chunks(u)]
         read0 = store.bytes_read
         with opt.overlapped():
             ahead.append(store.bytes_read - read0)

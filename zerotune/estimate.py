@@ -867,11 +867,9 @@ def _rows(
     if act is not None:
         add("activations", "device", act["total"])
     slack = act["total"] - act["backward"] if act is not None else 0
-    for kind in ("pool", "host_copies"):
+    for kind in ("pool", "host_copies", "host_cache"):
         for tier, n in work.get(kind, {}).items():
             add("buffers", tier, n)
-    for tier, n in work.get("host_cache", {}).items():
-        add("buffers", tier, n)
     transient: dict[str, int] = {}
     for kind in ("gathered", "param_grads", "nvme_reads", "gather_cache"):
         for tier, n in work.get(kind, {}).items():

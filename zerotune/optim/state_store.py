@@ -68,11 +68,16 @@ _MIN_CHUNK = ALIGN // _F32  # chunks are multiples of this: fp32 offsets stay 4 
 MAX_SLOTS = 8  # staging slots of the fp32 step pipeline, at most
 
 
-def chunk_elements(staging_bytes: int, grad_on_disk: bool, slots: int = 3) -> int:
+def _fp32_element_bytes(grad_on_disk: bool) -> int:
+    """Staging bytes per element of a chunk of fp32 state: master, two moments, and the
+    gradient when it is read from disk."""
+    return 3 * _F32 + (_F32 if grad_on_disk else 0)
+
+
+def chunk_elements(staging_bytes: int, grad_on_disk: bool, slots: int) -> int:
     """Elements per chunk of fp32 optimizer state when ``slots`` chunk sets fill
     ``staging_bytes``."""
-    per_element = 3 * _F32 + (_F32 if grad_on_disk else 0)
-    n = staging_bytes // (slots * per_element)
+    n = staging_bytes // (slots * _fp32_element_bytes(grad_on_disk))
     n -= n % _MIN_CHUNK
     if n <= 0:
         raise ValueError(f"staging_bytes={staging_bytes:,} is too small to stream optimizer state")
@@ -84,9 +89,8 @@ def fp32_slots(staging_bytes: int, grad_on_disk: bool) -> int:
     ``MAX_SLOTS`` (reads of the units backward finishes next start early in the spare
     ones, see [Note: reading ahead of backward]) unless that leaves chunks under a page,
     and never fewer than three (read, update, write)."""
-    per_element = 3 * _F32 + (_F32 if grad_on_disk else 0)
     for slots in range(MAX_SLOTS, 3, -1):
-        if staging_bytes // (slots * per_element) >= _MIN_CHUNK:
+        if staging_bytes // (slots * _fp32_element_bytes(grad_on_disk)) >= _MIN_CHUNK:
             return slots
     return 3
 
@@ -642,8 +646,6 @@ class NvmeStore:
                         return
                     yield IDLE
                     continue
-                started.remove(entry)
-                current[0] = entry
                 (unit, c0, c1), buf = entry.item, entry.buf
                 for h in entry.handles:
                     if not h.done():
@@ -664,25 +666,24 @@ class NvmeStore:
                     unit.drop_held_grad()  # its last chunk is updated
                 if in_param_file:
                     unit.keep_private()  # a unit mapping that file must not see the change
-                pieces = entry.pieces
-                hs = [file.write(part, off) for part, file, off in pieces]
-                self.bytes_written += sum(part.numel() for part, _, _ in pieces)
+                # The slot stays in ``started`` until its writes are queued, its
+                # transfers from here on being the writes (a failure waits for them).
+                hs = entry.handles = []
+                for part, file, off in entry.pieces:
+                    hs.append(file.write(part, off))
+                self.bytes_written += sum(part.numel() for part, _, _ in entry.pieces)
                 if in_param_file:
                     unit.param_file_writes.append(hs[0])  # a gather must wait for it
+                started.remove(entry)
                 writes.append((hs, buf))
-                current[0] = None
 
-        current = [None]  # the entry being updated: out of started, not yet in writes
         ended = False
         try:
             yield from steps()
             ended = True
         finally:
             if not ended:  # an error (or the generator dropped): give every slot back
-                held = [(e.handles, e.buf) for e in started] + list(writes)
-                if current[0] is not None:
-                    held.append((current[0].handles, current[0].buf))
-                self._abandon(held)
+                self._abandon([(e.handles, e.buf) for e in started] + list(writes))
 
     def _abandon(self, held) -> None:
         """Wait for the I/O of each ``(handles, buf)`` and give the buffers back, dropping

@@ -288,7 +288,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroAdamW.step does not take a closure")
         overlap, self._overlap = self._overlap, None
-        launched: set[int] = set()
+        launched: dict[int, None] = {}  # units updated during backward already
         if overlap is not None:
             overlap.finish()
             launched = overlap.launched
@@ -386,16 +386,13 @@ class _OverlappedStep:
 
     def __init__(self, opt: ZeroAdamW) -> None:
         self.opt = opt
-        self.launched: set[int] = set()
-        self.order: list[int] = []  # unit indices in launch order
+        self.launched: dict[int, None] = {}  # unit indices, in launch order
         # Chunks of launched units, in launch order; expected: those of the last
         # overlapped step's units in its order, which an NVMe store reads ahead of their
         # launch (see [Note: reading ahead of backward] in state_store.py).
-        by_index = {u.index: u for u in opt.engine.units}
+        units = opt.engine.units  # a unit's index is its place in this list
         expected = [
-            (u, c0, c1)
-            for u in (by_index[i] for i in opt._launch_order if i in by_index)
-            for c0, c1 in opt.store.chunks(u)
+            (units[i], c0, c1) for i in opt._launch_order for c0, c1 in opt.store.chunks(units[i])
         ]
         self._feed = Feed(closed=False, expected=expected)
         self._job = None  # the store's pipeline over the feed (one for the whole backward)
@@ -411,8 +408,7 @@ class _OverlappedStep:
         segs = opt._unit_segments.get(unit.index)
         if segs is None or unit.grad_is_zero or unit.index in self.launched:
             return
-        self.launched.add(unit.index)
-        self.order.append(unit.index)
+        self.launched[unit.index] = None
         for seg in segs:
             opt.state[seg.key]["step"] += 1
         self._feed.items.extend((unit, c0, c1) for c0, c1 in opt.store.chunks(unit))
@@ -448,6 +444,6 @@ class _OverlappedStep:
                 f"({self._failed!r}); some units of this step were not updated: resume from "
                 "the last checkpoint"
             ) from self._failed
-        self.opt._launch_order = self.order
+        self.opt._launch_order = list(self.launched)
         if self._feed.items:  # an update lost would be silent: refuse instead
             raise RuntimeError("overlapped step: the pipeline ended with updates still queued")
