@@ -92,6 +92,12 @@ def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    if get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
 def barrier(group=None) -> None:
     if get_world_size(group) > 1:
         dist.barrier(group=group)

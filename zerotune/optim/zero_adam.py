@@ -3,14 +3,34 @@
 [Note: segments]
 The optimizer sees the model's parameter groups (so HF's decay / no-decay split and LR
 schedulers work unchanged), but it updates shards, not parameters. For every unit, the part of
-this rank's shard that belongs to parameters of one group, contiguous in the flat layout, is
-one *segment*. ``param_groups[i]["params"]`` holds one tensor per segment (a view of the fp32
-master shard when that is in memory, an empty placeholder when it lives on NVMe), so torch's
-Optimizer machinery (schedulers, hyper-parameters per group) works as usual; the state per
-segment is its step count. The master weights, moments and gradients themselves come from a
+this rank's shard that belongs to one parameter is one *segment*. ``param_groups[i]["params"]``
+holds one tensor per segment (a view of the fp32 master shard when that is in memory, an
+empty placeholder when it lives on NVMe), so torch's Optimizer machinery (schedulers,
+hyper-parameters per group) works as usual; the state per segment is its step count, the
+parameter's own (see [Note: parameters without a gradient]). The master weights, moments and gradients themselves come from a
 state store (see [Note: optimizer state stores] in state_store.py), chunk by chunk; the C++
 kernel updates master and moments and, for bf16/fp16, writes the compute-dtype shard in the
 same pass.
+
+[Note: parameters without a gradient]
+torch's AdamW skips a parameter whose ``.grad`` is None at the step: no update, no weight
+decay, no step counted (a branch the batch did not take, an expert no token was routed
+to). The flat gradient shard cannot tell such a parameter from one whose gradient is zero,
+so the engine keeps a flag per parameter (``Slot.got_grad``): set when a gradient of it is
+taken into the shard (``Unit.reduce_grads``, any micro-batch), cleared by ``zero_grad``.
+The update skips the segments of parameters without it and counts a step only for the
+others; a unit none of whose parameters got one is skipped whole (``grad_is_zero``). At
+world size > 1 a parameter counts as having got a gradient when it did on any rank, as in
+one process over the whole batch: a unit whose parameters all got gradients is reduced as
+soon as backward is done with it, the same on every rank; the units left at the end of
+backward (some parameter without a gradient on some rank) are agreed on in one all-reduce
+that also merges the flags (``ZeroEngine._pending_units``), and every rank reduces them,
+in order. What this cannot cover: a unit whose parameters all get gradients on one rank
+but not on another in the same backward. The first rank reduces it during backward, the
+other at the end, and their collectives no longer pair up (gloo then fails or hangs;
+DDP without ``find_unused_parameters`` has the same limit). So at world size > 1, in each
+backward, a unit must either get gradients for all its parameters on every rank, or miss
+at least one of them on every rank (which ones may differ).
 
 Gradient clipping and the fp16 loss scale do not rewrite the gradients: they set one factor
 that the update applies to each chunk of gradient it reads (``grad * factor``), so gradients
@@ -75,6 +95,11 @@ class _Segment:
     end: int
     group: int = 0
     key: torch.Tensor | None = None  # the tensor in param_groups standing for the segment
+    slot: object = None  # the parameter (sharding.unit.Slot) whose part of the shard it is
+
+    @property
+    def got_grad(self) -> bool:
+        return self.slot.got_grad
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -126,10 +151,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
                 if gi is None or not slot.trainable or a >= b:
                     continue
-                if segs and segs[-1].group == gi and segs[-1].end == a - lo:
-                    segs[-1].end = b - lo
-                else:
-                    segs.append(_Segment(unit, a - lo, b - lo, gi))
+                segs.append(_Segment(unit, a - lo, b - lo, gi, slot=slot))
             if segs:
                 self._unit_segments[unit.index] = sorted(segs, key=lambda seg: seg.start)
 
@@ -302,8 +324,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if not self._overflow:
             units = [u for u in self._live_units() if u.index not in launched]
             for unit in units:
-                for seg in self._unit_segments[unit.index]:
-                    self.state[seg.key]["step"] += 1
+                self._count_step(unit)
             items = [(u, c0, c1) for u in units for c0, c1 in self.store.chunks(u)]
             if items:
                 self.store.run(items, self._update_chunk)
@@ -323,6 +344,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.engine.zero_grad()
         return info
 
+    def _count_step(self, unit) -> None:
+        """The unit is about to be updated: one more step for each of its segments whose
+        parameter got a gradient (the others are left alone, as torch's AdamW leaves a
+        parameter whose ``.grad`` is None)."""
+        for seg in self._unit_segments[unit.index]:
+            if seg.got_grad:
+                self.state[seg.key]["step"] += 1
+
     def _update_chunk(self, unit, c0, c1, master, moments, grad) -> None:
         """Update elements ``[c0, c1)`` of ``unit``'s shard: ``master``, ``grad`` and the
         moments (a pair of fp32 tensors, or a :class:`Q8Moments`) are that chunk's."""
@@ -336,7 +365,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         segments = []  # (start, stop) in the chunk, Adam's arguments
         for seg in self._unit_segments[unit.index]:  # in order (the fused op needs it)
             a, b = max(seg.start, c0), min(seg.end, c1)
-            if a >= b:
+            if a >= b or not seg.got_grad:
                 continue
             group = self.param_groups[seg.group]
             beta1, beta2 = group["betas"]
@@ -362,6 +391,14 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._adam(master, grad, moments, segments, out)
         if target is not None and not fused:
             target[c0:c1].copy_(master)
+        elif fused:
+            # The update wrote its segments; the rest of the chunk (frozen parameters,
+            # parameters without a gradient, padding) keeps the master's values.
+            at = 0
+            for a, b, _ in segments + [(c1 - c0, c1 - c0, None)]:
+                if at < a:
+                    out[at:a].copy_(master[at:a])
+                at = b
         if c1 == unit.shard_numel:
             self.engine.lowp_done(unit, target)
 
@@ -409,8 +446,7 @@ class _OverlappedStep:
         if segs is None or unit.grad_is_zero or unit.index in self.launched:
             return
         self.launched[unit.index] = None
-        for seg in segs:
-            opt.state[seg.key]["step"] += 1
+        opt._count_step(unit)
         self._feed.items.extend((unit, c0, c1) for c0, c1 in opt.store.chunks(unit))
         if self._job is None:
             self._job = opt.store.pipeline(self._feed, opt._update_chunk)

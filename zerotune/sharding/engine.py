@@ -607,9 +607,8 @@ class ZeroEngine(nn.Module):
         """End of a backward pass: reduce what is pending, release everything."""
         self._final_callback_queued = False
         if self.config.stage >= 2:
-            for unit in self.units:
-                if unit.has_pending_grads():
-                    unit.reduce_grads(sync=self._sync)
+            for unit in self._pending_units(lambda u: u.has_pending_grads(), self._sync):
+                unit.reduce_grads(sync=self._sync)
         self._finish_host_copies()
         for unit in self.units:
             unit.grads_ready = 0
@@ -618,6 +617,23 @@ class ZeroEngine(nn.Module):
             unit.backward_active = False
             unit.pins = 0
             unit.release()
+
+    def _pending_units(self, pending, sync: bool) -> list[Unit]:
+        """The units ``pending`` picks (gradients not reduced yet), in order. At world size
+        > 1 reducing them is a collective: every rank then reduces the units any rank
+        picked (a unit without gradients on this rank adds zeros), so that the ranks'
+        collectives pair up, and each parameter counts as having got a gradient when it
+        got one on any rank (see [Note: parameters without a gradient])."""
+        picked = [1 if u.trainable and pending(u) else 0 for u in self.units]
+        if self.world == 1 or not sync:
+            return [u for u, p in zip(self.units, picked) if p]
+        slots = [s for u in self.units for s in u.slots]
+        got = [int(s.got_grad or (s.trainable and s.param.grad is not None)) for s in slots]
+        t = torch.tensor(picked + got, dtype=torch.int64, device=self.device)
+        merged = zdist.all_reduce_max(t, self.group).tolist()
+        for s, flag in zip(slots, merged[len(picked) :]):
+            s.got_grad = bool(flag)
+        return [u for u, p in zip(self.units, merged) if p]
 
     def _release_unheld(self) -> None:
         for unit in self.units:
@@ -635,9 +651,11 @@ class ZeroEngine(nn.Module):
         self._finish_host_copies()
         for unit in self.units:
             unit.wait_writes()
-        for unit in self.units:
-            if unit.has_pending_grads() or unit.unreduced is not None:
-                unit.reduce_grads(sync=True)
+        pending = self._pending_units(
+            lambda u: u.has_pending_grads() or u.unreduced is not None, sync=True
+        )
+        for unit in pending:
+            unit.reduce_grads(sync=True)
         # Stage 1 reduces here, after backward: those copies to the host finish now too.
         self._finish_host_copies()
 

@@ -50,6 +50,9 @@ class Slot:
     offset: int
     numel: int
     shape: torch.Size
+    # The parameter got a gradient since the last zero_grad, on any rank (see [Note:
+    # parameters without a gradient]).
+    got_grad: bool = False
 
     @property
     def trainable(self) -> bool:
@@ -400,6 +403,9 @@ class Unit:
             for s in self.slots:
                 s.param.grad = None
             return
+        for s in self.slots:
+            if s.trainable and s.param.grad is not None:
+                s.got_grad = True
         if self.world == 1 and sync and self.unreduced is None:
             self._add_into_shard_directly(hold)
             return
@@ -631,6 +637,7 @@ class Unit:
         self.unreduced = None
         for s in self.slots:
             s.param.grad = None
+            s.got_grad = False
 
     # ------------------------------------------------------------------------- accounting
     def memory_bytes(self) -> dict[str, int]:

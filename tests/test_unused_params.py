@@ -1,0 +1,174 @@
+"""Parameters that get no gradient in a step: left alone as torch's AdamW leaves them (no
+update, no weight decay, no step counted), at every stage, offload and world size, and
+resumed from a checkpoint with their own step counts; ranks that each lack a different
+parameter update the union, as one process on the whole batch would."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_world
+from torch import nn
+
+LR, WD, STEPS = 1e-2, 0.1, 6
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x, branches):
+        x = torch.tanh(self.a(x))
+        for name in branches:
+            x = x + getattr(self, name)(x)
+        return x
+
+
+class BranchNet(nn.Module):
+    """Two blocks and a head; ``branches`` names the optional layers a batch goes through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, branches=()):
+        for block in self.blocks:
+            x = block(x, branches)
+        return self.head(x).pow(2).mean()
+
+
+def branches_of(step: int, rank: int, plan: str) -> tuple[str, ...]:
+    """Which optional layers rank ``rank``'s batch uses at ``step``.
+
+    same: b on every third step, the same on every rank; split: rank 0 uses b, rank 1
+    uses c (every rank lacks one, so each reduces the blocks at the end of backward)."""
+    if plan == "same":
+        return ("b",) if step % 3 == 0 else ()
+    return ("b",) if rank == 0 else ("c",)
+
+
+def data(step: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 + step))
+
+
+def reference(plan: str, world: int) -> dict:
+    """Single-process AdamW on the whole batch: each rank's part through its branches."""
+    torch.manual_seed(0)
+    model = BranchNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses = []
+    for step in range(STEPS):
+        x = data(step)
+        loss = sum(model(x[r::world], branches_of(step, r, plan)) for r in range(world)) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    steps = {
+        n: int(opt.state[p]["step"]) if p in opt.state else 0 for n, p in model.named_parameters()
+    }
+    return {
+        "losses": losses,
+        "weights": {n: p.detach().clone().numpy() for n, p in model.named_parameters()},
+        "steps": steps,
+    }
+
+
+def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None):
+    import torch.distributed as dist
+
+    import zerotune
+    from zerotune.checkpoint import load_checkpoint, save_checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        engine = zerotune.shard(BranchNet(), config)
+        return engine, zerotune.ZeroAdamW(engine, lr=LR, weight_decay=WD)
+
+    engine, opt = build()
+    losses = []
+    try:
+        for step in range(STEPS):
+            if step == resume_at:
+                save_checkpoint(engine, tmp, optimizer=opt)
+                engine.close()
+                engine, opt = build()
+                load_checkpoint(engine, tmp, optimizer=opt)
+            x = data(step)[rank::world]
+            loss = engine(x, branches_of(step, rank, plan))
+            if overlapped:
+                with opt.overlapped():
+                    loss.backward()
+            else:
+                loss.backward()
+            opt.step()
+            total = loss.detach().reshape(1) / world
+            if world > 1:
+                dist.all_reduce(total)
+            losses.append(float(total))
+        weights = {k: v.numpy() for k, v in engine.full_state_dict().items()}
+    finally:
+        engine.close()
+    # The step count of each parameter this rank's shards hold a part of.
+    steps = {
+        seg.slot.name: int(opt.state[seg.key]["step"])
+        for segs in opt._unit_segments.values()
+        for seg in segs
+    }
+    return {"losses": losses, "weights": weights, "steps": steps}
+
+
+def check(res: dict, ref: dict, label: str) -> None:
+    np.testing.assert_allclose(res["losses"], ref["losses"], rtol=1e-5, atol=1e-6, err_msg=label)
+    for name, w in ref["weights"].items():
+        np.testing.assert_allclose(res["weights"][name], w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_parameters_without_a_gradient_are_left_alone(world, tmp_path):
+    ref = reference("same", world)
+    # The optional layer got gradients on 2 of the 6 steps, the others on all.
+    assert ref["steps"]["blocks.0.b.weight"] == 2 and ref["steps"]["blocks.0.a.weight"] == 6
+    nv = tmp_path / "nv"
+    nv.mkdir()
+    nvme = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(nv)}
+    cases = [
+        ({"stage": 1}, False),
+        ({"stage": 2}, False),
+        ({"stage": 3}, False),
+        (nvme, False),
+        (nvme, True),
+        ({"stage": 2, "offload_optimizer": "nvme", "nvme_path": str(nv)}, True),
+    ]
+    for config, overlapped in cases:
+        label = f"world={world} {config} overlapped={overlapped}"
+        results = run_world(world, train, "same", config, overlapped)
+        for res in results:
+            check(res, ref, label)
+        # Each rank counts the steps of the parameters its shard holds as AdamW does.
+        for res in results:
+            assert res["steps"], label
+            for name, count in res["steps"].items():
+                assert count == ref["steps"][name], (label, name, count)
+
+
+def test_a_resumed_run_keeps_each_parameters_own_step_count(tmp_path):
+    ref = reference("same", 1)
+    res = train(0, 1, "same", {"stage": 3}, resume_at=4, tmp=tmp_path / "ckpt")
+    check(res, ref, "resumed at step 4")
+    assert res["steps"] == ref["steps"]
+
+
+def test_ranks_missing_different_parameters_update_the_union():
+    # Each rank lacks one optional layer, so no rank reduces the blocks before the end of
+    # backward; there every rank learns that b and c both got gradients somewhere.
+    ref = reference("split", 2)
+    assert ref["steps"]["blocks.1.b.weight"] == ref["steps"]["blocks.1.c.weight"] == STEPS
+    for config in ({"stage": 1}, {"stage": 2}, {"stage": 3}):
+        for res in run_world(2, train, "split", config):
+            check(res, ref, f"split {config}")
