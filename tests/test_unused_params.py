@@ -37,8 +37,8 @@ class BranchNet(nn.Module):
         self.head = nn.Linear(8, 1)
 
     def forward(self, x, branches=()):
-        for block in self.blocks:
-            x = block(x, branches)
+        for i, block in enumerate(self.blocks):
+            x = block(x, branches[i] if isinstance(branches, list) else branches)
         return self.head(x).pow(2).mean()
 
 
@@ -46,10 +46,15 @@ def branches_of(step: int, rank: int, plan: str) -> tuple[str, ...]:
     """Which optional layers rank ``rank``'s batch uses at ``step``.
 
     same: b on every third step, the same on every rank; split: rank 0 uses b, rank 1
-    uses c (every rank lacks one, so each reduces the blocks at the end of backward)."""
+    uses c (every rank lacks one, so each reduces the blocks at the end of backward);
+    swap (a list: per block): rank 0 gives block 0 all its gradients and block 1 not,
+    rank 1 the other way round."""
     if plan == "same":
         return ("b",) if step % 3 == 0 else ()
-    return ("b",) if rank == 0 else ("c",)
+    if plan == "split":
+        return ("b",) if rank == 0 else ("c",)
+    full, part = ("b", "c"), ("b",)
+    return [full, part] if rank == 0 else [part, full]
 
 
 def data(step: int) -> torch.Tensor:
@@ -101,11 +106,14 @@ def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None)
                 load_checkpoint(engine, tmp, optimizer=opt)
             x = data(step)[rank::world]
             loss = engine(x, branches_of(step, rank, plan))
-            if overlapped:
-                with opt.overlapped():
+            try:
+                if overlapped:
+                    with opt.overlapped():
+                        loss.backward()
+                else:
                     loss.backward()
-            else:
-                loss.backward()
+            except RuntimeError as exc:
+                return {"error": str(exc)}
             opt.step()
             total = loss.detach().reshape(1) / world
             if world > 1:
@@ -172,3 +180,17 @@ def test_ranks_missing_different_parameters_update_the_union():
     for config in ({"stage": 1}, {"stage": 2}, {"stage": 3}):
         for res in run_world(2, train, "split", config):
             check(res, ref, f"split {config}")
+
+
+def test_ranks_that_reduced_different_units_are_stopped_at_the_end_of_backward():
+    # Rank 0 reduces block 0 during backward and leaves block 1 to the end, rank 1 the
+    # other way round: their reduce-scatters pair block 0 with block 1 (the same size, so
+    # nothing fails there). The end of backward compares what each rank reduced and
+    # stops the step on every rank instead of letting the mixed gradients through.
+    for res in run_world(2, train, "swap", {"stage": 2}, timeout=60):
+        assert "error" in res
+        assert "ranks reduced the gradients of different units" in res["error"]
+    # The same ranks then train on as usual.
+    ref = reference("same", 2)
+    for res in run_world(2, train, "same", {"stage": 2}):
+        check(res, ref, "after the error")

@@ -7,10 +7,10 @@ this rank's shard that belongs to one parameter is one *segment*. ``param_groups
 holds one tensor per segment (a view of the fp32 master shard when that is in memory, an
 empty placeholder when it lives on NVMe), so torch's Optimizer machinery (schedulers,
 hyper-parameters per group) works as usual; the state per segment is its step count, the
-parameter's own (see [Note: parameters without a gradient]). The master weights, moments and gradients themselves come from a
-state store (see [Note: optimizer state stores] in state_store.py), chunk by chunk; the C++
-kernel updates master and moments and, for bf16/fp16, writes the compute-dtype shard in the
-same pass.
+parameter's own (see [Note: parameters without a gradient]). The master weights, moments
+and gradients themselves come from a state store (see [Note: optimizer state stores] in
+state_store.py), chunk by chunk; the C++ kernel updates master and moments and, for
+bf16/fp16, writes the compute-dtype shard in the same pass.
 
 [Note: parameters without a gradient]
 torch's AdamW skips a parameter whose ``.grad`` is None at the step: no update, no weight
@@ -27,10 +27,14 @@ backward (some parameter without a gradient on some rank) are agreed on in one a
 that also merges the flags (``ZeroEngine._pending_units``), and every rank reduces them,
 in order. What this cannot cover: a unit whose parameters all get gradients on one rank
 but not on another in the same backward. The first rank reduces it during backward, the
-other at the end, and their collectives no longer pair up (gloo then fails or hangs;
-DDP without ``find_unused_parameters`` has the same limit). So at world size > 1, in each
-backward, a unit must either get gradients for all its parameters on every rank, or miss
-at least one of them on every rank (which ones may differ).
+other at the end, and their collectives no longer pair up (DDP without
+``find_unused_parameters`` has the same limit). When the pairs differ in size or kind
+(a reduce-scatter against an all-gather at stage 3) the backend fails or hangs; when two
+units of one size pair up nothing fails there, so each rank also keeps a fingerprint of
+the units it reduced during backward, and the all-reduce at the end compares them: a
+difference raises on every rank, before the mixed gradients reach an update. So at world
+size > 1, in each backward, a unit must either get gradients for all its parameters on
+every rank, or miss at least one of them on every rank (which ones may differ).
 
 Gradient clipping and the fp16 loss scale do not rewrite the gradients: they set one factor
 that the update applies to each chunk of gradient it reads (``grad * factor``), so gradients

@@ -169,6 +169,9 @@ class ZeroEngine(nn.Module):
             for unit in self.units:
                 unit.copy_stream = copy_stream
         self._final_callback_queued = False
+        # A fingerprint of the units reduced during this backward, in order (world size >
+        # 1): the ranks compare it at the end (see _pending_units).
+        self._reduced_during_backward = 0
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
         self.activations = None  # see [Note: activation checkpoint offload] in activations.py
@@ -558,6 +561,9 @@ class ZeroEngine(nn.Module):
     def post_backward(self, unit: Unit) -> None:
         unit.grads_ready = 0
         unit.reduce_grads(sync=self._sync, hold=self._hold_grads(unit))
+        if self._sync and self.world > 1:
+            h = self._reduced_during_backward
+            self._reduced_during_backward = (h * 1_000_003 + unit.index + 1) % (1 << 61)
         if unit._host_copy is not None:
             # Its gradients are on their way to the host: finish the previous unit's now
             # (its copies ran while this unit's backward did), this one's after the next.
@@ -629,8 +635,20 @@ class ZeroEngine(nn.Module):
             return [u for u, p in zip(self.units, picked) if p]
         slots = [s for u in self.units for s in u.slots]
         got = [int(s.got_grad or (s.trainable and s.param.grad is not None)) for s in slots]
-        t = torch.tensor(picked + got, dtype=torch.int64, device=self.device)
+        h, self._reduced_during_backward = self._reduced_during_backward, 0
+        t = torch.tensor([h, -h] + picked + got, dtype=torch.int64, device=self.device)
         merged = zdist.all_reduce_max(t, self.group).tolist()
+        if merged[0] != -merged[1]:
+            # Their reduce-scatters paired different units: the gradients are mixed.
+            raise RuntimeError(
+                "zerotune: the ranks reduced the gradients of different units during this "
+                "backward: a unit got gradients for all its parameters on some ranks but not "
+                "on others (a branch the data chooses). At world size > 1, in each backward, "
+                "a unit must get gradients for all its parameters on every rank or miss at "
+                "least one on every rank; the gradients of this step are wrong, so resume "
+                "from the last checkpoint"
+            )
+        merged = merged[2:]
         for s, flag in zip(slots, merged[len(picked) :]):
             s.got_grad = bool(flag)
         return [u for u, p in zip(self.units, merged) if p]
