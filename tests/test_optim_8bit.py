@@ -15,7 +15,7 @@ from harness import LR, WD, batches, build, loss_of, no_decay_groups, train_zero
 import zerotune
 from zerotune.checkpoint import load_checkpoint, save_checkpoint
 from zerotune.checkpoint.files import TensorFileReader
-from zerotune.optim.quant8 import MIN_8BIT_NUMEL, Q8Moments
+from zerotune.optim.quant8 import MIN_8BIT_NUMEL, Q8Moments, blocks
 from zerotune.sharding.plan import plan_units
 
 STEPS = 50
@@ -580,7 +580,7 @@ def test_fused_8bit_update_gives_the_bytes_of_three_passes(simd):
                 p_theirs[a:b], grad[a:b], work["exp_avg"][a:b], work["exp_avg_sq"][a:b],
                 out_lowp=out_theirs[a:b], **kw,
             )  # fmt: skip
-        theirs.quantize(work)
+        theirs.quantize_reached(work, segments)
         same = dict(rtol=0, atol=0, equal_nan=True)  # bit for bit, NaN where NaN
         torch.testing.assert_close(p_ours, p_theirs, **same)
         torch.testing.assert_close(out_ours, out_theirs, **same)
@@ -597,6 +597,15 @@ def test_fused_8bit_update_gives_the_bytes_of_three_passes(simd):
             inside[a:b] = True
         assert changed[inside].float().mean() > 0.99  # it did update the segments
         assert not changed[~inside].any()  # and nothing outside them
+        # Blocks no segment reaches keep their bytes (the large case's first two).
+        untouched = [i for i in range(blocks(n)) if not inside[i * 256 : (i + 1) * 256].any()]
+        assert untouched == ([0, 1] if n == large else []), untouched
+        for k in ("exp_avg", "exp_avg_sq"):
+            for i in untouched:
+                assert torch.equal(
+                    ours.q[k][i * 256 : (i + 1) * 256], start.q[k][i * 256 : (i + 1) * 256]
+                )
+                assert torch.equal(ours.absmax[k][i], start.absmax[k][i])
 
 
 def test_8bit_training_without_the_fused_op_is_identical(tmp_path, monkeypatch):

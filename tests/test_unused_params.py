@@ -194,3 +194,115 @@ def test_ranks_that_reduced_different_units_are_stopped_at_the_end_of_backward()
     ref = reference("same", 2)
     for res in run_world(2, train, "same", {"stage": 2}):
         check(res, ref, "after the error")
+
+
+class WideNet(nn.Module):
+    """One unit of two 64 x 64 layers (over the 8-bit threshold), a frozen one between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.frozen = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, use_b=False):
+        x = torch.tanh(self.frozen(torch.tanh(self.a(x))))
+        return (self.b(x) if use_b else x).pow(2).mean()
+
+
+def test_8bit_moments_of_a_parameter_without_a_gradient_keep_their_bytes():
+    """b gets a gradient at step 0 only: afterwards its master, step count and the codes of
+    the 8-bit blocks lying inside it stay as they are (re-quantizing them each step would
+    move them: a round trip through the codes is not exact)."""
+    import zerotune
+
+    torch.manual_seed(0)
+    engine = zerotune.shard(WideNet(), {"stage": 3, "optim_state_bits": 8, "unit_modules": []})
+    opt = zerotune.ZeroAdamW(engine, lr=LR, weight_decay=WD)
+    (unit,) = [u for u in engine.units if u.trainable]
+    slot = {s.name: s for s in unit.slots}["b.weight"]
+    first, last = slot.offset // 256 + 1, (slot.offset + slot.numel) // 256  # whole blocks
+    assert last - first >= 10
+
+    def b_state():
+        state = opt.store.read_unit(unit)
+        lo, hi = slot.offset, slot.offset + slot.numel
+        return (
+            state["master"][lo:hi].clone(),
+            *(
+                state[f"{k}.q8"][first * 256 : last * 256].clone()
+                for k in ("exp_avg", "exp_avg_sq")
+            ),
+            *(state[f"{k}.absmax"][first:last].clone() for k in ("exp_avg", "exp_avg_sq")),
+        )
+
+    for step in range(12):
+        engine(data(step).repeat(1, 8), use_b=step == 0).backward()
+        opt.step()
+        if step == 0:
+            after_first = b_state()
+            assert after_first[1].any()  # it has moments to keep
+    for before, now in zip(after_first, b_state()):
+        assert torch.equal(before, now)
+    steps = {seg.slot.name: opt.state[seg.key]["step"] for seg in opt._unit_segments[unit.index]}
+    assert steps == {"a.weight": 12, "a.bias": 12, "b.weight": 1, "b.bias": 1}
+    engine.close()
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_the_fused_low_precision_copy_keeps_what_the_update_skipped(bits, monkeypatch):
+    """With the optimizer on the host and bf16 parameters on an accelerator the update
+    writes the new bf16 shard into a staging buffer (``lowp_target``) that is copied over
+    the shard whole. Simulated here on the CPU with a buffer full of 123.0: after each step
+    the shard equals the master rounded to bf16 everywhere, frozen layer and parameter
+    without a gradient included (they used to get the buffer's old contents)."""
+    import zerotune
+
+    torch.manual_seed(0)
+    config = {"stage": 3, "dtype": "bf16", "optim_state_bits": bits, "unit_modules": []}
+    engine = zerotune.shard(WideNet(), config)
+    opt = zerotune.ZeroAdamW(engine, lr=LR, weight_decay=WD)
+    (unit,) = [u for u in engine.units if u.trainable]
+
+    def garbage_target(u):
+        buf = torch.full((u.shard_numel,), 123.0, dtype=u.dtype)
+        engine._lowp_buffers[u.index] = buf
+        return buf
+
+    monkeypatch.setattr(engine, "lowp_target", garbage_target)
+    staged = []
+    real_done = engine.lowp_done
+    monkeypatch.setattr(
+        engine, "lowp_done", lambda u, t: (staged.append(u.index), real_done(u, t))[1]
+    )
+    frozen = unit.shard[slice(*_range(unit, "frozen.weight"))].clone()
+    for step in range(3):
+        engine(data(step).repeat(1, 8).bfloat16(), use_b=step == 0).backward()
+        opt.step()
+        assert unit.index in staged  # the staged, fused path ran
+        torch.testing.assert_close(
+            unit.shard[: unit.numel], unit.master[: unit.numel].to(torch.bfloat16), rtol=0, atol=0
+        )
+        assert torch.equal(unit.shard[slice(*_range(unit, "frozen.weight"))], frozen)
+    engine.close()
+
+
+def _range(unit, name):
+    slot = {s.name: s for s in unit.slots}[name]
+    return slot.offset, slot.offset + slot.numel
+
+
+def test_requires_grad_changed_after_sharding_is_refused():
+    import zerotune
+
+    for change in ("unfreeze", "freeze"):
+        torch.manual_seed(0)
+        model = WideNet()
+        engine = zerotune.shard(model, {"stage": 3, "unit_modules": []})
+        name = "frozen.weight" if change == "unfreeze" else "a.bias"
+        # (named_parameters: a module attribute read of a sharded weight raises)
+        dict(model.named_parameters())[name].requires_grad_(change == "unfreeze")
+        with pytest.raises(ValueError, match=f"requires_grad of {name} changed after"):
+            zerotune.ZeroAdamW(engine, lr=LR)
+        engine.close()

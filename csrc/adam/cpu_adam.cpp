@@ -552,8 +552,10 @@ void q8_quantize_block(const void* table, const float* x, int64_t len, float* ab
 // `adam_range` as fp32 moments (per parameter-group segment that overlaps the block, each
 // with its own coefficients), and quantized back at once, so the moments stay in L1. Each
 // step is the same operation as in the three-pass path, so the bytes are the same (tests
-// compare them at every SIMD level). Elements outside every segment (padding) are
-// dequantized and quantized again like the rest of their block, as the three passes do.
+// compare them at every SIMD level). Elements outside every segment (padding, a parameter
+// without a gradient this step) are dequantized and quantized again like the rest of their
+// block, as the three passes do; a block no segment reaches is not touched at all (a
+// round trip through the codes is not exact: it would move moments nothing updated).
 struct Q8Side {
   uint8_t* q;
   float* absmax;
@@ -580,9 +582,14 @@ void adam8bit_all(float* p, const G* g, uint16_t* out, int64_t n, const Q8Side& 
     for (int64_t b = gi * kGroup; b < std::min(nblocks, (gi + 1) * kGroup); ++b) {
       const int64_t lo = b * kBlock;
       const int64_t len = std::min(kBlock, n - lo);
+      while (s < nseg && bounds[2 * s + 1] <= lo) ++s;
+      bool touched = false;  // a block no segment reaches keeps its bytes
+      for (int64_t t = s; t < nseg && bounds[2 * t] < lo + len && !touched; ++t) {
+        touched = std::max(lo, bounds[2 * t]) < std::min(lo + len, bounds[2 * t + 1]);
+      }
+      if (!touched) continue;
       q8_dequantize_block(qm.code, qm.q + lo, len, qm.absmax[b], m, vec);
       q8_dequantize_block(qv.code, qv.q + lo, len, qv.absmax[b], v, vec);
-      while (s < nseg && bounds[2 * s + 1] <= lo) ++s;
       for (int64_t t = s; t < nseg && bounds[2 * t] < lo + len; ++t) {
         const int64_t x0 = std::max(lo, bounds[2 * t]);
         const int64_t x1 = std::min(lo + len, bounds[2 * t + 1]);

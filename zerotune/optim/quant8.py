@@ -184,6 +184,27 @@ class Q8Moments:
             res[k] = out[k].copy_(value) if out is not None else value
         return res
 
+    def quantize_reached(self, values: dict[str, torch.Tensor], segments) -> None:
+        """``quantize`` for the blocks that a ``(start, stop, ...)`` of ``segments`` reaches;
+        the others keep their codes and absmax values (as the one-pass op leaves them: a
+        round trip through the codes is not exact)."""
+        n = self.numel
+        reached = torch.zeros(blocks(n), dtype=torch.bool)
+        for a, b, *_ in segments:
+            if a < b:
+                reached[a // BLOCK : (b - 1) // BLOCK + 1] = True
+        if bool(reached.all()):
+            self.quantize(values)
+            return
+        device = next(iter(self.q.values())).device
+        keep = (~reached).to(device)
+        elems = keep.repeat_interleave(BLOCK)[:n]
+        saved = {k: (self.q[k][elems].clone(), self.absmax[k][keep].clone()) for k in values}
+        self.quantize(values)
+        for k, (q, absmax) in saved.items():
+            self.q[k][elems] = q
+            self.absmax[k][keep] = absmax
+
     def quantize(self, values: dict[str, torch.Tensor]) -> None:
         """Quantize the fp32 tensors ``values[name]`` (all moments, or some) into these codes
         and absmax values."""

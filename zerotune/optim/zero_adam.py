@@ -19,7 +19,14 @@ to). The flat gradient shard cannot tell such a parameter from one whose gradien
 so the engine keeps a flag per parameter (``Slot.got_grad``): set when a gradient of it is
 taken into the shard (``Unit.reduce_grads``, any micro-batch), cleared by ``zero_grad``.
 The update skips the segments of parameters without it and counts a step only for the
-others; a unit none of whose parameters got one is skipped whole (``grad_is_zero``). At
+others (``_count_step`` reads the flag once, as the unit is launched; the update follows
+that reading, ``_Segment.counted``); a unit none of whose parameters got one is skipped
+whole (``grad_is_zero``). With 8-bit moments a block of 256 that no updated segment
+reaches keeps its codes (a round trip through the codes is not exact); a block shared
+with an updated parameter is quantized again whole, which moves the skipped part's
+moments by the codes' rounding, as padding's. The flags follow the parameters that were
+trainable when the engine was built (their gradients have hooks): ZeroAdamW refuses a
+model whose ``requires_grad`` changed since. At
 world size > 1 a parameter counts as having got a gradient when it did on any rank, as in
 one process over the whole batch: a unit whose parameters all got gradients is reduced as
 soon as backward is done with it, the same on every rank; the units left at the end of
@@ -100,10 +107,7 @@ class _Segment:
     group: int = 0
     key: torch.Tensor | None = None  # the tensor in param_groups standing for the segment
     slot: object = None  # the parameter (sharding.unit.Slot) whose part of the shard it is
-
-    @property
-    def got_grad(self) -> bool:
-        return self.slot.got_grad
+    counted: bool = False  # its parameter got a gradient: this step updates it
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -146,6 +150,14 @@ class ZeroAdamW(torch.optim.Optimizer):
                     raise ValueError("a parameter appears in more than one parameter group")
                 group_of[id(p)] = gi
 
+        for unit in engine.units:
+            changed = [s.name for s in unit.slots if s.trainable != s.watched]
+            if changed:
+                raise ValueError(
+                    f"requires_grad of {', '.join(changed)} changed after the model was "
+                    "sharded: the engine watches the gradients of the parameters that were "
+                    "trainable then; set requires_grad before zerotune.shard()"
+                )
         self._unit_segments: dict[int, list[_Segment]] = {}
         for unit in engine.units:
             lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
@@ -353,7 +365,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         parameter got a gradient (the others are left alone, as torch's AdamW leaves a
         parameter whose ``.grad`` is None)."""
         for seg in self._unit_segments[unit.index]:
-            if seg.got_grad:
+            # Read once, here: the update follows this, not a flag set later.
+            seg.counted = seg.slot.got_grad
+            if seg.counted:
                 self.state[seg.key]["step"] += 1
 
     def _update_chunk(self, unit, c0, c1, master, moments, grad) -> None:
@@ -369,7 +383,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         segments = []  # (start, stop) in the chunk, Adam's arguments
         for seg in self._unit_segments[unit.index]:  # in order (the fused op needs it)
             a, b = max(seg.start, c0), min(seg.end, c1)
-            if a >= b or not seg.got_grad:
+            if a >= b or not seg.counted:
                 continue
             group = self.param_groups[seg.group]
             beta1, beta2 = group["betas"]
@@ -387,10 +401,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         if isinstance(moments, Q8Moments):
             # One pass per block with the C++ op (see [Note: fused 8-bit step]), or
             # dequantize, update and quantize the chunk.
-            if not adam_update_8bit(master, grad, moments, segments, out):
+            if not segments:
+                pass  # nothing in this chunk got a gradient: its moments stay as they are
+            elif not adam_update_8bit(master, grad, moments, segments, out):
                 work = moments.dequantize(self._scratch.moments(c1 - c0, master.device))
                 self._adam(master, grad, (work["exp_avg"], work["exp_avg_sq"]), segments, out)
-                moments.quantize(work)
+                moments.quantize_reached(work, segments)
         else:
             self._adam(master, grad, moments, segments, out)
         if target is not None and not fused:

@@ -228,6 +228,8 @@ class ZeroEngine(nn.Module):
                 fill=fill,
             )
             unit.n_trainable = sum(1 for s in unit.slots if s.trainable)
+            for s in unit.slots:
+                s.watched = s.trainable  # its gradient has a hook (stages 2 and 3)
             unit.grads_ready = 0
             unit.pins = 0
             unit.backward_active = False
@@ -630,6 +632,9 @@ class ZeroEngine(nn.Module):
         picked (a unit without gradients on this rank adds zeros), so that the ranks'
         collectives pair up, and each parameter counts as having got a gradient when it
         got one on any rank (see [Note: parameters without a gradient])."""
+        for unit in self.units:
+            if not unit.trainable and unit.has_pending_grads():
+                unit.reduce_grads()  # frozen when the engine was built: dropped, here only
         picked = [1 if u.trainable and pending(u) else 0 for u in self.units]
         if self.world == 1 or not sync:
             return [u for u, p in zip(self.units, picked) if p]

@@ -53,6 +53,7 @@ class Slot:
     # The parameter got a gradient since the last zero_grad, on any rank (see [Note:
     # parameters without a gradient]).
     got_grad: bool = False
+    watched: bool = False  # trainable when the engine was built (see ZeroAdamW's check)
 
     @property
     def trainable(self) -> bool:
