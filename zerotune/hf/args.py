@@ -11,6 +11,7 @@ mixed precision is switched off, and fp16 uses the engine's dynamic loss scaler.
 # No ``from __future__ import annotations``: HfArgumentParser reads the field types at run time.
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,8 @@ from ..config import ConfigError, ZeroConfig
 from .configs import read_zero_config_file
 
 __all__ = ["ZeroTrainingArguments"]
+
+logger = logging.getLogger(__name__)
 
 # Optimizer names that ZeroAdamW implements (the Trainer's default is one of them).
 _ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
@@ -120,6 +123,15 @@ class ZeroTrainingArguments(TrainingArguments):
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
         self._check_contradictions()
+        if self.ddp_find_unused_parameters:
+            # No DDP wrapper exists to take it; say what zerotune does instead.
+            logger.warning(
+                "zerotune: --ddp_find_unused_parameters has no effect with ZeroTrainer: a "
+                "parameter without a gradient in a step is left alone, as AdamW leaves it. At "
+                "world size > 1, in each backward, a unit (a transformer block) must get "
+                "gradients for all its parameters on every rank, or miss at least one on every "
+                "rank (see the README's 'Bare PyTorch' section)"
+            )
         # The engine holds the parameters in bf16/fp16 itself: hide the flags from the parent
         # (which would turn on accelerate's autocast and, for bf16 on CPU, refuse), then
         # restore them so the arguments still read as given.
