@@ -190,10 +190,36 @@ def test_ranks_that_reduced_different_units_are_stopped_at_the_end_of_backward()
     for res in run_world(2, train, "swap", {"stage": 2}, timeout=60):
         assert "error" in res
         assert "ranks reduced the gradients of different units" in res["error"]
-    # The same ranks then train on as usual.
-    ref = reference("same", 2)
-    for res in run_world(2, train, "same", {"stage": 2}):
-        check(res, ref, "after the error")
+    # The same engines train on after it, like AdamW from where they were.
+    torch.manual_seed(0)
+    model = BranchNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for step in range(1, 4):
+        x = data(step)
+        (0.5 * sum(model(x[r::2], branches_of(step, r, "same")) for r in range(2))).backward()
+        opt.step()
+        opt.zero_grad()
+    for res in run_world(2, _go_on_after_the_error, timeout=60):
+        for name, p in model.named_parameters():
+            np.testing.assert_allclose(res[name], p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _go_on_after_the_error(rank, world):
+    import zerotune
+
+    torch.manual_seed(0)
+    engine = zerotune.shard(BranchNet(), {"stage": 2})
+    opt = zerotune.ZeroAdamW(engine, lr=LR, weight_decay=WD)
+    loss = engine(data(0)[rank::world], branches_of(0, rank, "swap"))
+    with pytest.raises(RuntimeError, match="ranks reduced the gradients of different units"):
+        loss.backward()
+    opt.zero_grad()
+    for step in range(1, 4):
+        engine(data(step)[rank::world], branches_of(step, rank, "same")).backward()
+        opt.step()
+    weights = {k: v.numpy() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    return weights
 
 
 class WideNet(nn.Module):
@@ -306,3 +332,32 @@ def test_requires_grad_changed_after_sharding_is_refused():
         with pytest.raises(ValueError, match=f"requires_grad of {name} changed after"):
             zerotune.ZeroAdamW(engine, lr=LR)
         engine.close()
+
+
+def test_a_backward_that_raised_midway_leaves_no_state_behind():
+    """A hook raising in the middle of backward (the final callback never runs): the next
+    forward starts from clean counts, and training goes on like AdamW from where it is."""
+    import zerotune
+
+    torch.manual_seed(0)
+    engine = zerotune.shard(BranchNet(), {"stage": 3})
+    opt = zerotune.ZeroAdamW(engine, lr=LR, weight_decay=WD)
+    loss = engine(data(0), ("b",))
+    loss.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        loss.backward()
+    opt.zero_grad()
+    torch.manual_seed(0)
+    model = BranchNet()
+    ref = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for step in range(1, 4):
+        for m, o in ((engine, opt), (model, ref)):
+            m(data(step), ("b",)).backward()
+            o.step()
+            o.zero_grad()
+        states = [u.state.value for u in engine.units if not u.persistent]
+        assert set(states) == {"sharded"}, states
+    got = engine.full_state_dict()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6)
+    engine.close()

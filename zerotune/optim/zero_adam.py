@@ -39,9 +39,11 @@ other at the end, and their collectives no longer pair up (DDP without
 (a reduce-scatter against an all-gather at stage 3) the backend fails or hangs; when two
 units of one size pair up nothing fails there, so each rank also keeps a fingerprint of
 the units it reduced during backward, and the all-reduce at the end compares them: a
-difference raises on every rank, before the mixed gradients reach an update. So at world
-size > 1, in each backward, a unit must either get gradients for all its parameters on
-every rank, or miss at least one of them on every rank (which ones may differ).
+difference raises on every rank, before ``step()`` uses the mixed gradients (an
+overlapped step has updated the units it launched already: resume from a checkpoint; the
+engine itself is reset for the next pass either way). So at world size > 1, in each
+backward, a unit must either get gradients for all its parameters on every rank, or miss
+at least one of them on every rank (which ones may differ).
 
 Gradient clipping and the fp16 loss scale do not rewrite the gradients: they set one factor
 that the update applies to each chunk of gradient it reads (``grad * factor``), so gradients

@@ -31,7 +31,7 @@ from ..memory.host import (
 from ..memory.pool import BufferPool
 from ..optim.scaling import DynamicLossScaler
 from .external import ExternalParams, ShardedParameterError
-from .hooks import install_hooks
+from .hooks import in_backward, install_hooks
 from .plan import (
     UnitPlan,
     assign_params,
@@ -392,6 +392,9 @@ class ZeroEngine(nn.Module):
 
     # ------------------------------------------------------------------------ the model
     def forward(self, *args, **kwargs):
+        if self._final_callback_queued and not in_backward():
+            # The last backward raised before its end (its final callback never ran).
+            self._reset_backward_state()
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -614,10 +617,18 @@ class ZeroEngine(nn.Module):
     def post_backward_final(self) -> None:
         """End of a backward pass: reduce what is pending, release everything."""
         self._final_callback_queued = False
-        if self.config.stage >= 2:
-            for unit in self._pending_units(lambda u: u.has_pending_grads(), self._sync):
-                unit.reduce_grads(sync=self._sync)
-        self._finish_host_copies()
+        try:
+            if self.config.stage >= 2:
+                for unit in self._pending_units(lambda u: u.has_pending_grads(), self._sync):
+                    unit.reduce_grads(sync=self._sync)
+            self._finish_host_copies()
+        finally:
+            self._reset_backward_state()  # also after an error: the next pass starts clean
+
+    def _reset_backward_state(self) -> None:
+        """Counters and pins of a backward pass back to their start; every unit released."""
+        self._final_callback_queued = False
+        self._reduced_during_backward = 0
         for unit in self.units:
             unit.grads_ready = 0
             unit.input_waits = 0
