@@ -361,3 +361,57 @@ def test_a_backward_that_raised_midway_leaves_no_state_behind():
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6)
     engine.close()
+
+
+def _mixtral_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, router_aux_loss_coef=0.0,
+    )  # fmt: skip
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(step))
+
+
+def _train_mixtral(rank, world):
+    from transformers import MixtralForCausalLM
+
+    import zerotune
+
+    torch.manual_seed(0)
+    engine = zerotune.shard(MixtralForCausalLM(_mixtral_config()), {"stage": 3})
+    opt = zerotune.ZeroAdamW(engine, lr=LR, weight_decay=WD)
+    for step in range(5):
+        ids = _tokens(step)[rank::world]
+        engine(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    weights = {k: v.numpy() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    return weights
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_mixture_of_experts_trains_like_adamw(world):
+    """A tiny Mixtral (4 experts, 2 per token, 4 tokens a rank: experts go unused). In
+    transformers 5 the experts are one 3-D parameter each for all experts, so every
+    parameter gets a gradient (zeros for an unused expert), as in plain PyTorch."""
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(_mixtral_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for step in range(5):
+        ids = _tokens(step)
+        loss = sum(model(input_ids=ids[r::world], labels=ids[r::world]).loss for r in range(world))
+        (loss / world).backward()
+        opt.step()
+        opt.zero_grad()
+    got = run_world(world, _train_mixtral)[0]
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(
+            got[name], p.detach().numpy(), rtol=1e-5, atol=1e-5, err_msg=name
+        )
