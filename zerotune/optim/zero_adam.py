@@ -402,10 +402,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             segments.append((a - c0, b - c0, kwargs))
         if isinstance(moments, Q8Moments):
             # One pass per block with the C++ op (see [Note: fused 8-bit step]), or
-            # dequantize, update and quantize the chunk.
-            if not segments:
-                pass  # nothing in this chunk got a gradient: its moments stay as they are
-            elif not adam_update_8bit(master, grad, moments, segments, out):
+            # dequantize, update and quantize the chunk; nothing, when nothing in the chunk
+            # got a gradient (its moments stay as they are).
+            if segments and not adam_update_8bit(master, grad, moments, segments, out):
                 work = moments.dequantize(self._scratch.moments(c1 - c0, master.device))
                 self._adam(master, grad, (work["exp_avg"], work["exp_avg_sq"]), segments, out)
                 moments.quantize_reached(work, segments)

@@ -616,7 +616,6 @@ class ZeroEngine(nn.Module):
 
     def post_backward_final(self) -> None:
         """End of a backward pass: reduce what is pending, release everything."""
-        self._final_callback_queued = False
         try:
             if self.config.stage >= 2:
                 for unit in self._pending_units(lambda u: u.has_pending_grads(), self._sync):
