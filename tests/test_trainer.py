@@ -262,15 +262,16 @@ def test_arguments_reject_contradictions(kwargs, message):
         ZeroTrainingArguments(output_dir="unused", **kwargs)
 
 
-def test_ddp_find_unused_parameters_is_answered_with_what_zerotune_does(caplog):
-    with caplog.at_level("WARNING", logger="zerotune.hf.args"):
-        ZeroTrainingArguments(output_dir="unused", ddp_find_unused_parameters=True)
-    (record,) = [r for r in caplog.records if "ddp_find_unused_parameters" in r.getMessage()]
-    assert "a parameter without a gradient in a step is left alone" in record.getMessage()
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="zerotune.hf.args"):
-        ZeroTrainingArguments(output_dir="unused", ddp_find_unused_parameters=False)
-    assert not caplog.records
+def test_ddp_find_unused_parameters_sets_the_engines_walk():
+    def walk(**kwargs) -> bool:
+        return ZeroTrainingArguments(output_dir="unused", **kwargs).zero.find_unused_parameters
+
+    assert walk() is True  # as the Trainer's DDP
+    assert walk(ddp_find_unused_parameters=False) is False
+    assert walk(ddp_find_unused_parameters=True) is True
+    assert walk(zero_config={"find_unused_parameters": False}) is False
+    with pytest.raises(zerotune.ConfigError, match="contradicts find_unused_parameters=False"):
+        walk(zero_config={"find_unused_parameters": False}, ddp_find_unused_parameters=True)
 
 
 def test_arguments_through_hf_argument_parser(tmp_path):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_world
+from harness import STEPS as GPT2_STEPS
 from torch import nn
 
 LR, WD, STEPS = 1e-2, 0.1, 6
@@ -48,7 +49,9 @@ def branches_of(step: int, rank: int, plan: str) -> tuple[str, ...]:
     same: b on every third step, the same on every rank; split: rank 0 uses b, rank 1
     uses c (every rank lacks one, so each reduces the blocks at the end of backward);
     swap (a list: per block): rank 0 gives block 0 all its gradients and block 1 not,
-    rank 1 the other way round."""
+    rank 1 the other way round; all: every layer, on every rank."""
+    if plan == "all":
+        return ("b", "c")
     if plan == "same":
         return ("b",) if step % 3 == 0 else ()
     if plan == "split":
@@ -84,7 +87,10 @@ def reference(plan: str, world: int) -> dict:
     }
 
 
-def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None):
+def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None, micro=1):
+    """``micro`` > 1: each step accumulates that many micro-batches (the first ones under
+    ``no_sync()``), each through the step's branches. Also returns the units each step
+    reduced at the end of backward because of ``find_unused_parameters`` (``deferred``)."""
     import torch.distributed as dist
 
     import zerotune
@@ -96,7 +102,7 @@ def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None)
         return engine, zerotune.ZeroAdamW(engine, lr=LR, weight_decay=WD)
 
     engine, opt = build()
-    losses = []
+    losses, deferred = [], []
     try:
         for step in range(STEPS):
             if step == resume_at:
@@ -105,7 +111,15 @@ def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None)
                 engine, opt = build()
                 load_checkpoint(engine, tmp, optimizer=opt)
             x = data(step)[rank::world]
-            loss = engine(x, branches_of(step, rank, plan))
+            earlier = 0.0
+            for m in range(micro - 1):
+                with engine.no_sync():
+                    part = engine(x[m::micro], branches_of(step, rank, plan)) / micro
+                    part.backward()
+                    earlier += float(part.detach())
+            x = x[micro - 1 :: micro]
+            loss = engine(x, branches_of(step, rank, plan)) / micro
+            deferred.append(sorted(engine.units[i].name for i in engine._deferred))
             try:
                 if overlapped:
                     with opt.overlapped():
@@ -115,7 +129,7 @@ def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None)
             except RuntimeError as exc:
                 return {"error": str(exc)}
             opt.step()
-            total = loss.detach().reshape(1) / world
+            total = (loss.detach().reshape(1) + earlier) / world
             if world > 1:
                 dist.all_reduce(total)
             losses.append(float(total))
@@ -128,7 +142,7 @@ def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None)
         for segs in opt._unit_segments.values()
         for seg in segs
     }
-    return {"losses": losses, "weights": weights, "steps": steps}
+    return {"losses": losses, "weights": weights, "steps": steps, "deferred": deferred}
 
 
 def check(res: dict, ref: dict, label: str) -> None:
@@ -202,6 +216,42 @@ def test_ranks_that_reduced_different_units_are_stopped_at_the_end_of_backward()
     for res in run_world(2, _go_on_after_the_error, timeout=60):
         for name, p in model.named_parameters():
             np.testing.assert_allclose(res[name], p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_find_unused_parameters_lets_each_rank_complete_different_units(stage, tmp_path):
+    # The plan that is stopped above (and at stage 3 would pair a reduce-scatter with an
+    # all-gather): with find_unused_parameters the ranks agree after forward that neither
+    # block is complete on every rank, and both reduce them at the end of backward.
+    ref = reference("swap", 2)
+    nv = tmp_path / "nv"
+    nv.mkdir()
+    on = {"stage": stage, "find_unused_parameters": True}
+    cases = [(on, False, 1), (on, False, 2)]
+    if stage == 3:
+        nvme = {"offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(nv)}
+        cases.append(({**on, **nvme}, True, 1))
+    for config, overlapped, micro in cases:
+        label = f"{config} overlapped={overlapped} micro={micro}"
+        results = run_world(2, train, "swap", config, overlapped, None, None, micro, timeout=120)
+        for res in results:
+            check(res, ref, label)
+            for name, count in res["steps"].items():
+                assert count == ref["steps"][name], (label, name, count)
+            # Only the two blocks wait for the end of backward; the head does not.
+            assert res["deferred"] == [["blocks.0", "blocks.1"]] * STEPS, label
+
+
+def test_find_unused_parameters_defers_nothing_when_every_rank_is_complete():
+    # Every layer runs on every rank: every unit is reduced during backward, as without the
+    # option. With the same branches on every rank (c never, b on some steps) the blocks
+    # are incomplete on every rank and wait for the end of backward, as they would anyway.
+    config = {"stage": 3, "find_unused_parameters": True}
+    for plan, blocks in (("all", []), ("same", ["blocks.0", "blocks.1"])):
+        ref = reference(plan, 2)
+        for res in run_world(2, train, plan, config, timeout=120):
+            check(res, ref, plan)
+            assert res["deferred"] == [blocks] * STEPS, plan
 
 
 def _go_on_after_the_error(rank, world):
@@ -415,3 +465,38 @@ def test_a_mixture_of_experts_trains_like_adamw(world):
         np.testing.assert_allclose(
             got[name], p.detach().numpy(), rtol=1e-5, atol=1e-5, err_msg=name
         )
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "gpt2_ckpt", "gpt2_ckpt_reentrant"])
+def test_find_unused_parameters_keeps_a_model_that_uses_everything_as_it_was(model_name):
+    # The graph walk after forward finds every parameter of a tiny GPT-2 (tied head
+    # included), also through activation checkpoints: a reentrant one hides its blocks'
+    # parameters until backward, and the blocks that ran count as complete. So no unit
+    # waits for the end of backward, and training equals plain AdamW.
+    from test_engine_equivalence import check as check_like_adamw
+    from test_engine_equivalence import reference as adamw_reference
+
+    for res in run_world(2, _record_deferred, model_name, timeout=120):
+        assert res.pop("deferred") == [[]] * GPT2_STEPS
+        check_like_adamw(res, adamw_reference(model_name), model_name)
+
+
+def _record_deferred(rank, world, model_name):
+    from harness import train_zero
+
+    from zerotune.sharding.engine import ZeroEngine
+
+    seen = []
+    original = ZeroEngine.agree_on_unused
+
+    def recording(self, outputs):
+        original(self, outputs)
+        seen.append(sorted(self.units[i].name for i in self._deferred))
+
+    ZeroEngine.agree_on_unused = recording
+    try:
+        config = {"stage": 3, "find_unused_parameters": True}
+        out = train_zero(rank, world, model_name, config, steps=GPT2_STEPS)
+    finally:
+        ZeroEngine.agree_on_unused = original
+    return {"deferred": seen, **{k: out[k] for k in ("losses", "norms", "weights")}}

@@ -124,6 +124,14 @@ class ZeroConfig:
         memory), nvme (a swap file under nvme_path). Needs activation checkpointing on.
     tile_linear_bytes: linear layers whose weight is larger than this many bytes are split
         into tiles of at most this size, each its own sharding unit (0 = off).
+    find_unused_parameters: at world size > 1 (stages 2 and 3), let a branch the data
+        chooses leave some of a unit's parameters without a gradient on some ranks and not
+        on others (a task head, an expert, an optional layer). Each training forward then
+        walks the autograd graph from the model's outputs and the ranks agree (one small
+        all-reduce) on the units not every rank will give all their gradients: those are
+        reduced at the end of backward instead of during it, in the same order on every
+        rank. Off, such a unit makes the ranks' collectives stop pairing up (see [Note:
+        parameters without a gradient] in optim/zero_adam.py).
     """
 
     stage: int = 3
@@ -150,6 +158,7 @@ class ZeroConfig:
     optim_state_bits: int = 32
     offload_activations: str = "none"
     tile_linear_bytes: int = 0
+    find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -197,7 +206,7 @@ class ZeroConfig:
                 "nvme_path is set but none of offload_param, offload_optimizer, "
                 "offload_activations is 'nvme'"
             )
-        for name in ("auto_external_params", "map_param_file"):
+        for name in ("auto_external_params", "map_param_file", "find_unused_parameters"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.loss_scale_init <= 0 or self.loss_scale_min <= 0:

@@ -11,7 +11,6 @@ mixed precision is switched off, and fp16 uses the engine's dynamic loss scaler.
 # No ``from __future__ import annotations``: HfArgumentParser reads the field types at run time.
 
 import copy
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +21,6 @@ from .configs import read_zero_config_file
 
 __all__ = ["ZeroTrainingArguments"]
 
-logger = logging.getLogger(__name__)
 
 # Optimizer names that ZeroAdamW implements (the Trainer's default is one of them).
 _ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
@@ -123,15 +121,6 @@ class ZeroTrainingArguments(TrainingArguments):
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
         self._check_contradictions()
-        if self.ddp_find_unused_parameters:
-            # No DDP wrapper exists to take it; say what zerotune does instead.
-            logger.warning(
-                "zerotune: --ddp_find_unused_parameters has no effect with ZeroTrainer: a "
-                "parameter without a gradient in a step is left alone, as AdamW leaves it. At "
-                "world size > 1, in each backward, a unit (a transformer block) must get "
-                "gradients for all its parameters on every rank, or miss at least one on every "
-                "rank (see the README's 'Bare PyTorch' section)"
-            )
         # The engine holds the parameters in bf16/fp16 itself: hide the flags from the parent
         # (which would turn on accelerate's autocast and, for bf16 on CPU, refuse), then
         # restore them so the arguments still read as given.
@@ -222,6 +211,19 @@ class ZeroTrainingArguments(TrainingArguments):
                     "the zerotune config; keep one of them."
                 )
             data["optim_state_bits"] = 8
+        # There is no DDP wrapper for --ddp_find_unused_parameters to reach: it sets the
+        # engine's find_unused_parameters instead. Unset, it is on (the Trainer's DDP turns it
+        # on too, except with gradient checkpointing, which zerotune's walk handles).
+        wanted = self.ddp_find_unused_parameters
+        if wanted is not None:
+            if data.get("find_unused_parameters", wanted) != wanted:
+                raise ConfigError(
+                    f"--ddp_find_unused_parameters {str(wanted).lower()} contradicts "
+                    f"find_unused_parameters={data['find_unused_parameters']} in the zerotune "
+                    "config; keep one of them."
+                )
+            data["find_unused_parameters"] = wanted
+        data.setdefault("find_unused_parameters", True)
         try:
             return ZeroConfig.from_dict(data)
         except ConfigError as exc:

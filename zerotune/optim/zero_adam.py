@@ -43,7 +43,8 @@ difference raises on every rank, before ``step()`` uses the mixed gradients (an
 overlapped step has updated the units it launched already: resume from a checkpoint; the
 engine itself is reset for the next pass either way). So at world size > 1, in each
 backward, a unit must either get gradients for all its parameters on every rank, or miss
-at least one of them on every rank (which ones may differ).
+at least one of them on every rank (which ones may differ), unless the config sets
+``find_unused_parameters`` (see [Note: find unused parameters] in sharding/engine.py).
 
 Gradient clipping and the fp16 loss scale do not rewrite the gradients: they set one factor
 that the update applies to each chunk of gradient it reads (``grad * factor``), so gradients

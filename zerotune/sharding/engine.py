@@ -31,7 +31,7 @@ from ..memory.host import (
 from ..memory.pool import BufferPool
 from ..optim.scaling import DynamicLossScaler
 from .external import ExternalParams, ShardedParameterError
-from .hooks import in_backward, install_hooks
+from .hooks import in_backward, install_hooks, params_reached
 from .plan import (
     UnitPlan,
     assign_params,
@@ -172,6 +172,11 @@ class ZeroEngine(nn.Module):
         # A fingerprint of the units reduced during this backward, in order (world size >
         # 1): the ranks compare it at the end (see _pending_units).
         self._reduced_during_backward = 0
+        # find_unused_parameters (see agree_on_unused): units reduced at the end of this
+        # backward, and the units run by the forward being walked.
+        self.finds_unused = config.find_unused_parameters and config.stage >= 2 and self.world > 1
+        self._deferred: set[int] = set()
+        self._ran_forward: set[int] = set()
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
         self.activations = None  # see [Note: activation checkpoint offload] in activations.py
@@ -524,6 +529,8 @@ class ZeroEngine(nn.Module):
     def pre_forward(self, unit: Unit) -> None:
         if unit.index == 0:
             self.prefetcher.start_pass("forward")
+            self._ran_forward.clear()
+        self._ran_forward.add(unit.index)
         self._use("forward", unit)
         self._pin(unit)
         for dep in unit.deps:
@@ -563,8 +570,50 @@ class ZeroEngine(nn.Module):
         for dep in unit.deps:
             self._pin(dep)
 
+    def agree_on_unused(self, outputs: list[torch.Tensor]) -> None:
+        """End of a training forward with ``find_unused_parameters``: the units that some
+        rank will not give all their gradients in this backward are reduced at its end.
+
+        [Note: find unused parameters]
+        A unit is reduced as soon as all its parameters have their gradients; if that
+        happens on one rank and never on another (a branch the data chooses), the first
+        rank's reduce-scatter pairs with whatever collective the other issues next. So each
+        rank walks the autograd graph from the model's outputs (``params_reached``) and
+        marks each unit with a trainable parameter the graph does not reach; one all-reduce
+        (MAX) of the marks tells every rank the same set, and those units are reduced at
+        the end of backward, with the other pending ones, in unit order on every rank
+        (``_pending_units``; a rank that got none of their gradients adds zeros). The
+        units' gradients wait there in full, ``Unit.unreduced``, as under ``no_sync()``.
+        A reentrant activation checkpoint hides its parameters until backward recomputes
+        it: a unit that ran in this forward and of which the walk reached nothing counts
+        as complete then. What the walk cannot know: a parameter the outputs depend on
+        that still gets no gradient (the loss ignores that output on some rank) leaves
+        its unit unreduced during backward on those ranks, as without this option; and
+        at stage 3 the gathers are collectives too, so every rank must run the same units
+        (as DeepSpeed and FSDP ask)."""
+        reached, hidden = params_reached(outputs)
+        marks = []
+        for unit in self.units:
+            trainable = [s for s in unit.slots if s.trainable] if unit.trainable else []
+            got = sum(1 for s in trainable if id(s.param) in reached)
+            complete = got == len(trainable) or (
+                hidden and got == 0 and unit.index in self._ran_forward
+            )
+            marks.append(0 if complete else 1)
+        self._ran_forward.clear()
+        t = torch.tensor(marks, dtype=torch.int64, device=self.device)
+        merged = zdist.all_reduce_max(t, self.group).tolist()
+        self._deferred.update(u.index for u, m in zip(self.units, merged) if m)
+
     def post_backward(self, unit: Unit) -> None:
         unit.grads_ready = 0
+        if self._sync and unit.index in self._deferred:
+            # Not complete on every rank: kept here and reduced at the end of backward,
+            # with the ranks that never complete it (see [Note: find unused parameters]).
+            unit.reduce_grads(sync=False)
+            unit.grads_final = True
+            self._end_backward_if_done(unit)
+            return
         unit.reduce_grads(sync=self._sync, hold=self._hold_grads(unit))
         if self._sync and self.world > 1:
             h = self._reduced_during_backward
@@ -618,7 +667,14 @@ class ZeroEngine(nn.Module):
         """End of a backward pass: reduce what is pending, release everything."""
         try:
             if self.config.stage >= 2:
-                for unit in self._pending_units(lambda u: u.has_pending_grads(), self._sync):
+                deferred = self._deferred if self._sync else set()
+
+                def pending(u: Unit) -> bool:
+                    return u.has_pending_grads() or (
+                        u.index in deferred and u.unreduced is not None
+                    )
+
+                for unit in self._pending_units(pending, self._sync):
                     unit.reduce_grads(sync=self._sync)
             self._finish_host_copies()
         finally:
@@ -628,6 +684,7 @@ class ZeroEngine(nn.Module):
         """Counters and pins of a backward pass back to their start; every unit released."""
         self._final_callback_queued = False
         self._reduced_during_backward = 0
+        self._deferred.clear()
         for unit in self.units:
             unit.grads_ready = 0
             unit.input_waits = 0
@@ -660,8 +717,9 @@ class ZeroEngine(nn.Module):
                 "backward: a unit got gradients for all its parameters on some ranks but not "
                 "on others (a branch the data chooses). At world size > 1, in each backward, "
                 "a unit must get gradients for all its parameters on every rank or miss at "
-                "least one on every rank; the gradients of this step are wrong, so resume "
-                "from the last checkpoint"
+                "least one on every rank, unless the config sets find_unused_parameters: "
+                "true (ZeroTrainer: --ddp_find_unused_parameters true); the gradients of "
+                "this step are wrong, so resume from the last checkpoint"
             )
         merged = merged[2:]
         for s, flag in zip(slots, merged[len(picked) :]):

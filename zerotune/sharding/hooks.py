@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .engine import ZeroEngine
     from .unit import Unit
 
-__all__ = ["in_backward", "install_hooks", "tensors_in"]
+__all__ = ["in_backward", "install_hooks", "params_reached", "tensors_in"]
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -60,6 +60,34 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
         elif isinstance(item, dict):
             stack.extend(item.values())
     return found
+
+
+def params_reached(outputs: list[torch.Tensor]) -> tuple[set[int], bool]:
+    """``(ids, hidden)``: the ``id`` of every leaf tensor (parameter) a backward from
+    ``outputs`` would give a gradient, found by walking their autograd graph; ``hidden``:
+    the walk met a reentrant activation checkpoint, whose parameters only its recomputation
+    in backward shows."""
+    reached: set[int] = set()
+    hidden = False
+    seen: set = set()
+    stack = []
+    for t in outputs:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            reached.add(id(t))
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)  # AccumulateGrad
+        if leaf is not None:
+            reached.add(id(leaf))
+        elif type(fn).__name__ == "CheckpointFunctionBackward":
+            hidden = True
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return reached, hidden
 
 
 def in_backward() -> bool:
@@ -113,6 +141,8 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
                     hooked = True
             if hooked and unit.waits_for_inputs:
                 _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
+            if unit.index == 0 and engine.finds_unused:
+                engine.agree_on_unused(tensors_in(output))
         engine.post_forward(unit)
         return None
 
