@@ -300,10 +300,29 @@ class ZeroAdamW(torch.optim.Optimizer):
         finally:
             engine._overlap = None
 
+    def state_dict(self):
+        """Refused: the state lives in shards across ranks and tiers (memory, NVMe), not in
+        ``self.state``; a torch-style dict of it would hold only step counts."""
+        raise RuntimeError(
+            "ZeroAdamW.state_dict(): the master weights and moments are sharded across ranks "
+            "and offload tiers; save them with zerotune.save_checkpoint(engine, folder, "
+            "optimizer=opt) and resume with zerotune.load_checkpoint(engine, folder, "
+            "optimizer=opt)"
+        )
+
+    def load_state_dict(self, state_dict) -> None:
+        """Refused, as ``state_dict``: use ``zerotune.load_checkpoint``."""
+        raise RuntimeError(
+            "ZeroAdamW.load_state_dict(): resume with zerotune.load_checkpoint(engine, folder, "
+            "optimizer=opt) from a folder zerotune.save_checkpoint wrote"
+        )
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm (over all ranks) is at most ``max_norm``;
-        returns the norm before clipping (like ``torch.nn.utils.clip_grad_norm_``)."""
+        returns the norm before clipping (like ``torch.nn.utils.clip_grad_norm_`` over the
+        parameters of this optimizer's groups: a trainable parameter in no group is neither
+        counted nor updated)."""
         if self._overlap is not None:
             raise RuntimeError(
                 "clip_grad_norm_ after an overlapped backward: units were updated during "
@@ -457,6 +476,7 @@ class _OverlappedStep:
         self._job = None  # the store's pipeline over the feed (one for the whole backward)
         self._waiting = None  # the I/O handle it waits for, or IDLE
         self._failed: BaseException | None = None  # what ended the pipeline early
+        self._refused = False  # a second backward was refused (check_second_backward)
         if expected:
             self._job = opt.store.pipeline(self._feed, opt._update_chunk)
             self.pump()  # reads ahead start before backward does
@@ -493,9 +513,28 @@ class _OverlappedStep:
                 self._failed = exc
                 raise
 
+    def check_second_backward(self) -> None:
+        """A backward pass starts inside this overlapped step: refused once an earlier one
+        launched updates (they used its gradients alone; the new ones would be lost)."""
+        if not self.launched:
+            return
+        exc = RuntimeError(
+            "overlapped(): a second backward pass inside one overlapped() block: the first "
+            "already updated the units it finished, without this one's gradients; sum the "
+            "losses and call backward once, or wrap only the step's last backward"
+        )
+        self._refused = True  # step() refuses too: the step is incomplete
+        raise exc
+
     def finish(self) -> None:
         self._feed.closed = True
         self.pump(block=True)
+        if self._refused:
+            raise RuntimeError(
+                "overlapped step: a second backward pass was refused; some units of this "
+                "step were updated with the first pass's gradients alone and the others not "
+                "at all: resume from the last checkpoint"
+            )
         if self._failed is not None:
             raise RuntimeError(
                 "overlapped step: the optimizer's update pipeline failed during backward "

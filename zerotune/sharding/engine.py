@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .. import dist as zdist
-from ..config import ZeroConfig, load_config
+from ..config import ConfigError, ZeroConfig, load_config
 from ..memory.host import (
     host_cache_report,
     host_cache_used,
@@ -73,6 +73,36 @@ def _unit_modules(root: nn.Module, other_units: set[int]) -> list[nn.Module]:
     return order
 
 
+def _refuse_embeddings_it_would_break(model: nn.Module, config: ZeroConfig, world: int) -> None:
+    """Embeddings whose contract the sharded engine cannot keep, refused in one sentence:
+    sparse gradients (the gradient shards are dense), and ``max_norm``, which rescales the
+    rows it looks up in place during forward: that change would land in a gathered,
+    offloaded or low-precision copy of the weight and be lost, or differ between ranks."""
+    weights_are_the_master = (
+        world == 1
+        and config.dtype == "fp32"
+        and config.offload_param == "none"
+        and config.offload_optimizer == "none"
+    )
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        kind = type(m).__name__
+        if m.sparse:
+            raise ConfigError(
+                f"{name or 'the model'}: {kind}(sparse=True) makes sparse gradients, which "
+                "zerotune's gradient shards cannot hold; build it with sparse=False"
+            )
+        if m.max_norm is not None and not weights_are_the_master:
+            raise ConfigError(
+                f"{name or 'the model'}: {kind}(max_norm={m.max_norm}) rescales its weight's "
+                "rows in place during forward, and zerotune would lose that change (the "
+                "forward sees a gathered, offloaded or low-precision copy, or each rank "
+                "rescales other rows); set max_norm=None and renormalize explicitly, or train "
+                "in one process, fp32, without offload"
+            )
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy, pinned when an accelerator exists (fast, asynchronous copies)."""
     return t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
@@ -116,6 +146,7 @@ class ZeroEngine(nn.Module):
         # Large linears become tiles before units are formed (see [Note: tiling]); the map
         # lets optimizer groups built from the untiled model find the tiles.
         itemsize = torch.finfo(config.torch_dtype).bits // 8
+        _refuse_embeddings_it_would_break(model, config, self.world)
         self.tiled_from = apply_tiling(model, config.tile_linear_bytes, itemsize)
         if "cpu" in (config.offload_param, config.offload_optimizer):
             # Host memory holds the offloaded state: keep its RSS honest (memory/host.py;
@@ -551,6 +582,20 @@ class ZeroEngine(nn.Module):
                 self._unpin(dep)
         else:
             unit.backward_active = True  # the forward pins become the backward pins
+
+    def check_backward(self) -> None:
+        """A backward pass starts (its first hook): refuse what it cannot do right."""
+        if torch.is_grad_enabled() and self.config.stage == 3:
+            # Autograd records this backward (create_graph=True); the next backward through
+            # that graph reads weights its units let go of at the end of this one.
+            if self.world > 1 or self.config.offload_param != "none":
+                raise RuntimeError(
+                    "zerotune: a backward with create_graph=True (a gradient penalty, a "
+                    "double backward) cannot run at stage 3 when parameters are released "
+                    "between uses (world size > 1 or offload_param); use stage 2"
+                )
+        if self._overlap is not None:
+            self._overlap.check_second_backward()
 
     def pre_backward(self, unit: Unit) -> None:
         if unit.backward_active:

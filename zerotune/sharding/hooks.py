@@ -173,6 +173,7 @@ def _wait_for_input_grads(engine: ZeroEngine, unit: Unit, inputs: list[torch.Ten
 def _pre_backward_hook(engine: ZeroEngine, unit: Unit):
     def hook(grad):
         if not engine._final_callback_queued:
+            engine.check_backward()  # the first hook of a backward pass
             engine._final_callback_queued = True
             Variable._execution_engine.queue_callback(engine.post_backward_final)
         engine.pre_backward(unit)
