@@ -23,10 +23,13 @@ class Block(nn.Module):
         self.c = nn.Linear(8, 8)
 
     def forward(self, x, branches):
-        x = torch.tanh(self.a(x))
+        """``branches``: the optional layers to go through; with "discard" the block's
+        output is computed and dropped (the block passes its input on)."""
+        y = torch.tanh(self.a(x))
         for name in branches:
-            x = x + getattr(self, name)(x)
-        return x
+            if name != "discard":
+                y = y + getattr(self, name)(y)
+        return x if "discard" in branches else y
 
 
 class BranchNet(nn.Module):
@@ -37,9 +40,13 @@ class BranchNet(nn.Module):
         self.blocks = nn.ModuleList([Block(), Block()])
         self.head = nn.Linear(8, 1)
 
-    def forward(self, x, branches=()):
+    def forward(self, x, branches=(), reentrant_last=False):
         for i, block in enumerate(self.blocks):
-            x = block(x, branches[i] if isinstance(branches, list) else branches)
+            b = branches[i] if isinstance(branches, list) else branches
+            if reentrant_last and i == len(self.blocks) - 1:
+                x = torch.utils.checkpoint.checkpoint(block, x, b, use_reentrant=True)
+            else:
+                x = block(x, b)
         return self.head(x).pow(2).mean()
 
 
@@ -102,7 +109,8 @@ def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None,
         return engine, zerotune.ZeroAdamW(engine, lr=LR, weight_decay=WD)
 
     engine, opt = build()
-    losses, deferred = [], []
+    losses = []
+    deferred, stop_recording = record_deferred()
     try:
         for step in range(STEPS):
             if step == resume_at:
@@ -119,7 +127,6 @@ def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None,
                     earlier += float(part.detach())
             x = x[micro - 1 :: micro]
             loss = engine(x, branches_of(step, rank, plan)) / micro
-            deferred.append(sorted(engine.units[i].name for i in engine._deferred))
             try:
                 if overlapped:
                     with opt.overlapped():
@@ -136,6 +143,7 @@ def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None,
         weights = {k: v.numpy() for k, v in engine.full_state_dict().items()}
     finally:
         engine.close()
+        stop_recording()
     # The step count of each parameter this rank's shards hold a part of.
     steps = {
         seg.slot.name: int(opt.state[seg.key]["step"])
@@ -252,6 +260,98 @@ def test_find_unused_parameters_defers_nothing_when_every_rank_is_complete():
         for res in run_world(2, train, plan, config, timeout=120):
             check(res, ref, plan)
             assert res["deferred"] == [blocks] * STEPS, plan
+
+
+# Each case: per step, a list of (rank -> (branches, reentrant_last)) forwards, and the
+# order their losses are taken backward; "no_sync" runs the first ones under no_sync().
+def _case_forwards(case: str, step: int, rank: int):
+    swap = branches_of(step, rank, "swap")
+    full = ("b", "c")
+    if case == "two graphs":  # taken backward in the other order than they were made
+        return [(swap, False), (full, False)], [1, 0], 0
+    if case == "uneven no_sync":  # rank 0 accumulates two micro-batches first, rank 1 one
+        n = 2 if rank == 0 else 1
+        return [(full, False)] * n + [(swap, False)], list(range(n + 1)), n
+    if case == "reentrant":  # block 1 checkpointed; block 0 (outside) runs on both ranks,
+        first = full if rank == 0 else ("discard",)  # its output dropped on rank 1
+        return [([first, full], True)], [0], 0
+    if case == "extra forward":  # a forward whose graph is dropped, then the step's
+        return [(swap, False), (full, False)], [1], 0
+    raise ValueError(case)
+
+
+def _input(x: torch.Tensor, k: int, reentrant: bool) -> torch.Tensor:
+    """The k-th forward's input; one that needs a gradient ahead of a reentrant checkpoint
+    (whose output needs one only if an input does: rank 1's block 0 passes its input on)."""
+    return (x * (k + 1)).requires_grad_(reentrant)
+
+
+def _special(rank, world, case):
+    import torch.distributed as dist
+
+    import zerotune
+
+    torch.manual_seed(0)
+    engine = zerotune.shard(BranchNet(), {"stage": 2, "find_unused_parameters": True})
+    opt = zerotune.ZeroAdamW(engine, lr=LR, weight_decay=WD)
+    deferred, stop_recording = record_deferred()
+    try:
+        for step in range(STEPS):
+            x = data(step)[rank::world]
+            forwards, order, unsynced = _case_forwards(case, step, rank)
+            losses = []
+            for k, (branches, reentrant) in enumerate(forwards):
+                if k < unsynced:
+                    with engine.no_sync():
+                        engine(x * (k + 1), branches, reentrant).backward()
+                    continue
+                losses.append(engine(_input(x, k, reentrant), branches, reentrant))
+            taken = [losses[i - unsynced] for i in order if i >= unsynced]
+            for loss in taken:
+                loss.backward(retain_graph=True)
+            opt.step()
+        dist.barrier()
+        weights = {k: v.numpy() for k, v in engine.full_state_dict().items()}
+    finally:
+        engine.close()
+        stop_recording()
+    return {"weights": weights, "deferred": deferred}
+
+
+@pytest.mark.parametrize("case", ["two graphs", "uneven no_sync", "reentrant", "extra forward"])
+def test_find_unused_parameters_follows_each_forwards_graph(case):
+    # two graphs: each backward defers what its own forward found (the swapped blocks
+    # for one, nothing for the other); uneven no_sync: forwards under no_sync are not
+    # collectives, so ranks may run different numbers of them; reentrant: the block
+    # outside the checkpoint, run but unused on one rank, is still found incomplete (only
+    # the checkpointed one is taken on trust); extra forward: a graph never taken
+    # backward (which would defer both blocks) defers nothing.
+    torch.manual_seed(0)
+    model = BranchNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for step in range(STEPS):
+        x = data(step)
+        total = 0
+        for r in range(2):
+            forwards, order, _ = _case_forwards(case, step, r)
+            for k, (branches, reentrant) in enumerate(forwards):
+                if k in order or k < _case_forwards(case, step, r)[2]:
+                    total = total + model(_input(x[r::2], k, reentrant), branches, reentrant)
+        (total / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    expect = {
+        "two graphs": [[], ["blocks.0", "blocks.1"]],
+        "uneven no_sync": [["blocks.0", "blocks.1"]],
+        "reentrant": [["blocks.0"]],
+        "extra forward": [[]],
+    }[case]
+    for res in run_world(2, _special, case, timeout=120):
+        assert res["deferred"] == expect * STEPS
+        for name, p in model.named_parameters():
+            np.testing.assert_allclose(
+                res["weights"][name], p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name
+            )
 
 
 def _go_on_after_the_error(rank, world):
@@ -484,19 +584,31 @@ def test_find_unused_parameters_keeps_a_model_that_uses_everything_as_it_was(mod
 def _record_deferred(rank, world, model_name):
     from harness import train_zero
 
-    from zerotune.sharding.engine import ZeroEngine
-
-    seen = []
-    original = ZeroEngine.agree_on_unused
-
-    def recording(self, outputs):
-        original(self, outputs)
-        seen.append(sorted(self.units[i].name for i in self._deferred))
-
-    ZeroEngine.agree_on_unused = recording
+    seen, stop_recording = record_deferred()
     try:
         config = {"stage": 3, "find_unused_parameters": True}
         out = train_zero(rank, world, model_name, config, steps=GPT2_STEPS)
     finally:
-        ZeroEngine.agree_on_unused = original
+        stop_recording()
     return {"deferred": seen, **{k: out[k] for k in ("losses", "norms", "weights")}}
+
+
+def record_deferred():
+    """``(seen, stop)``: from now until ``stop()``, each synchronized backward's end appends
+    the names of the units it reduced there because of ``find_unused_parameters``."""
+    from zerotune.sharding.engine import ZeroEngine
+
+    seen = []
+    original = ZeroEngine.post_backward_final
+
+    def recording(self):
+        if self._sync:
+            seen.append(sorted(self.units[i].name for i in self._deferred))
+        original(self)
+
+    ZeroEngine.post_backward_final = recording
+
+    def stop():
+        ZeroEngine.post_backward_final = original
+
+    return seen, stop

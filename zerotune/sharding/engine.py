@@ -204,10 +204,11 @@ class ZeroEngine(nn.Module):
         # 1): the ranks compare it at the end (see _pending_units).
         self._reduced_during_backward = 0
         # find_unused_parameters (see agree_on_unused): units reduced at the end of this
-        # backward, and the units run by the forward being walked.
+        # backward, and the units of the forward being walked that ran inside a reentrant
+        # activation checkpoint (hidden from the walk).
         self.finds_unused = config.find_unused_parameters and config.stage >= 2 and self.world > 1
         self._deferred: set[int] = set()
-        self._ran_forward: set[int] = set()
+        self._hidden_units: set[int] = set()
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
         self.activations = None  # see [Note: activation checkpoint offload] in activations.py
@@ -560,8 +561,9 @@ class ZeroEngine(nn.Module):
     def pre_forward(self, unit: Unit) -> None:
         if unit.index == 0:
             self.prefetcher.start_pass("forward")
-            self._ran_forward.clear()
-        self._ran_forward.add(unit.index)
+            self._hidden_units.clear()
+        if not torch.is_grad_enabled():  # inside a reentrant checkpoint, or no_grad
+            self._hidden_units.add(unit.index)
         self._use("forward", unit)
         self._pin(unit)
         for dep in unit.deps:
@@ -616,8 +618,9 @@ class ZeroEngine(nn.Module):
             self._pin(dep)
 
     def agree_on_unused(self, outputs: list[torch.Tensor]) -> None:
-        """End of a training forward with ``find_unused_parameters``: the units that some
-        rank will not give all their gradients in this backward are reduced at its end.
+        """End of a synchronized training forward with ``find_unused_parameters``: the units
+        that some rank will not give all their gradients are reduced at the end of the
+        backward through these outputs.
 
         [Note: find unused parameters]
         A unit is reduced as soon as all its parameters have their gradients; if that
@@ -625,30 +628,48 @@ class ZeroEngine(nn.Module):
         rank's reduce-scatter pairs with whatever collective the other issues next. So each
         rank walks the autograd graph from the model's outputs (``params_reached``) and
         marks each unit with a trainable parameter the graph does not reach; one all-reduce
-        (MAX) of the marks tells every rank the same set, and those units are reduced at
-        the end of backward, with the other pending ones, in unit order on every rank
-        (``_pending_units``; a rank that got none of their gradients adds zeros). The
-        units' gradients wait there in full, ``Unit.unreduced``, as under ``no_sync()``.
-        A reentrant activation checkpoint hides its parameters until backward recomputes
-        it: a unit that ran in this forward and of which the walk reached nothing counts
-        as complete then. What the walk cannot know: a parameter the outputs depend on
-        that still gets no gradient (the loss ignores that output on some rank) leaves
-        its unit unreduced during backward on those ranks, as without this option; and
-        at stage 3 the gathers are collectives too, so every rank must run the same units
-        (as DeepSpeed and FSDP ask)."""
+        (MAX) of the marks tells every rank the same set. The set belongs to this forward's
+        graph: a hook on its outputs adds it to the backward pass that reaches them (before
+        any unit of that graph is done), so a forward without a backward, or two graphs
+        taken backward one after the other, defer what their own forwards found. Deferred
+        units are reduced at the end of that backward with the other pending ones, in unit
+        order on every rank (``_pending_units``; a rank that got none of their gradients
+        adds zeros); their gradients wait in full meanwhile (``Unit.unreduced``, as under
+        ``no_sync()``). Forwards under ``no_sync()`` reduce nothing and are not walked.
+
+        A reentrant activation checkpoint hides the parameters it runs until backward
+        recomputes it: a unit that ran inside one (with gradients off; or whose outputs
+        come straight from one, as Hugging Face layers checkpoint their own body) and of
+        which the walk reached nothing counts as complete. Limits: every rank must run
+        the same number of synchronized training forwards (each is a collective); the walk
+        sees what the outputs depend on, so a parameter they depend on that still gets no
+        gradient (the loss ignores that output on some rank), or a unit partly used inside
+        a reentrant checkpoint, is not found; and at stage 3 the gathers are collectives
+        too, so every rank must run the same units (as DeepSpeed and FSDP ask)."""
         reached, hidden = params_reached(outputs)
         marks = []
         for unit in self.units:
             trainable = [s for s in unit.slots if s.trainable] if unit.trainable else []
             got = sum(1 for s in trainable if id(s.param) in reached)
             complete = got == len(trainable) or (
-                hidden and got == 0 and unit.index in self._ran_forward
+                hidden and got == 0 and unit.index in self._hidden_units
             )
             marks.append(0 if complete else 1)
-        self._ran_forward.clear()
         t = torch.tensor(marks, dtype=torch.int64, device=self.device)
         merged = zdist.all_reduce_max(t, self.group).tolist()
-        self._deferred.update(u.index for u, m in zip(self.units, merged) if m)
+        deferred = {u.index for u, m in zip(self.units, merged) if m}
+        if not deferred:
+            return
+        engine_ref = weakref.ref(self)
+
+        def defer(grad):
+            engine = engine_ref()
+            if engine is not None:
+                engine._deferred.update(deferred)
+
+        for t in outputs:
+            if t.requires_grad:
+                t.register_hook(defer)
 
     def post_backward(self, unit: Unit) -> None:
         unit.grads_ready = 0

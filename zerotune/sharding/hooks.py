@@ -141,7 +141,11 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
                     hooked = True
             if hooked and unit.waits_for_inputs:
                 _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
-            if unit.index == 0 and engine.finds_unused:
+            if engine.finds_unused and any(
+                type(t.grad_fn).__name__ == "CheckpointFunctionBackward" for t in tensors_in(output)
+            ):
+                engine._hidden_units.add(unit.index)  # its body ran in a reentrant checkpoint
+            if unit.index == 0 and engine.finds_unused and engine._sync:
                 engine.agree_on_unused(tensors_in(output))
         engine.post_forward(unit)
         return None
