@@ -180,15 +180,17 @@ def test_resume_from_mid_run_checkpoint(tmp_path):
     torch.testing.assert_close(logged(again)[-2:], expected[-2:], rtol=RTOL, atol=0)
 
 
-def test_evaluation_during_training_and_best_model(tmp_path):
+@pytest.mark.parametrize("save_strategy", ["steps", "best"])
+def test_evaluation_during_training_and_best_model(tmp_path, save_strategy):
     """eval_strategy steps with load_best_model_at_end: the engine ends with the weights of
-    the best checkpoint (here the first: a larger eval loss is declared better)."""
+    the best checkpoint (here the first: a larger eval loss is declared better), also when
+    the best is the checkpoint just saved (save_strategy best saves only that one)."""
     trainer = zero_run(
         str(tmp_path / "best"),
         zero_stage=3,
         eval_strategy="steps",
         eval_steps=2,
-        save_strategy="steps",
+        save_strategy=save_strategy,
         save_steps=2,
         load_best_model_at_end=True,
         metric_for_best_model="eval_loss",

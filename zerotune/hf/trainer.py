@@ -287,7 +287,12 @@ class ZeroTrainer(Trainer):
         that ``from_pretrained`` loads; every rank must call it."""
         output = Path(output_dir if output_dir is not None else self.args.output_dir)
         if _internal_call and not self.args.save_only_model:
-            return  # inside a checkpoint: the zerotune checkpoint holds the weights
+            # Inside a checkpoint: the zerotune checkpoint holds the weights. The folder must
+            # exist now all the same: the Trainer looks for it right after this call to
+            # record the best checkpoint (load_best_model_at_end).
+            if self.engine.rank == 0:
+                output.mkdir(parents=True, exist_ok=True)
+            return
         dtype = self.args.save_dtype or self.engine.config.dtype
         tokenizer = self.processing_class
         if not hasattr(tokenizer, "save_pretrained"):
