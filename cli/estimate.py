@@ -136,7 +136,31 @@ def estimate(
         _fail(str(exc))
     if model is not None:
         plan.model = model
+        plan.random_init = _without_weights(model)
     if as_json:
         click.echo(json.dumps(plan.to_dict()))
     else:
         click.echo(plan.format())
+
+
+def _without_weights(model: str) -> bool:
+    """Whether ``zerotune finetune --model MODEL`` needs ``--init random``: a config file,
+    a folder without safetensors, or a preset name that is not a model in the local Hugging
+    Face cache."""
+    from pathlib import Path
+
+    from zerotune.hf.presets import list_presets
+
+    path = Path(model)
+    if path.is_file():
+        return True
+    if path.is_dir():
+        return not any(path.glob("*.safetensors"))
+    if model not in list_presets():
+        return False  # a hub id: its weights
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return not isinstance(try_to_load_from_cache(model, "config.json"), str)
+    except Exception:  # noqa: BLE001 - not a valid repo id either: the preset it is
+        return True

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -45,7 +46,12 @@ DEFAULT_JOB_ARGS = {
     "save_steps": 20,
 }
 # Defaults for every run that differ from TrainingArguments' own.
-CLI_ARGS = {"logging_steps": 5, "report_to": "none", "save_total_limit": 2}
+CLI_ARGS = {
+    "logging_steps": 5,
+    "report_to": "none",
+    "save_total_limit": 2,
+    "include_num_input_tokens_seen": True,  # the summary's token count (partial batches too)
+}
 
 
 class BadInput(click.ClickException):
@@ -188,6 +194,11 @@ class Job:
 @click.option(
     "--resume", is_flag=True, help="Resume from the newest complete checkpoint in --output-dir."
 )
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace what an earlier run left in --output-dir (refused without it).",
+)
 @click.argument("hf_args", nargs=-1, type=click.UNPROCESSED)
 def finetune(**options) -> None:
     """Fully fine-tune a causal LM with ZeRO-3 / ZeRO-Infinity.
@@ -246,14 +257,28 @@ def _zero_settings(options: dict) -> dict:
         with _fail_on(ConfigError):
             base = read_zero_config_file(options["zero_config"])
     default_job = options["model"] is None
-    stage = int(options["stage"]) if options["stage"] else base.get("stage", 3)
-    offload = options["offload"] or (DEFAULT_OFFLOAD if default_job and not base else None)
+    # The TrainingArguments spellings (--zero_stage, --offload_param, --offload_optimizer)
+    # win over --stage / --offload, which win over the config file.
+    passed = {k: _flag_value(options["hf_args"], k) for k in _PASSED_ZERO_FLAGS}
+    stage_flag = passed["zero_stage"]
+    if stage_flag is not None and stage_flag.isdigit():
+        stage = int(stage_flag)
+    else:
+        stage = int(options["stage"]) if options["stage"] else base.get("stage", 3)
+    explicit = passed["offload_param"] or passed["offload_optimizer"]
+    offload = options["offload"] or (
+        DEFAULT_OFFLOAD if default_job and not base and not explicit else None
+    )
     settings: dict = {"zero_stage": stage}
     if offload is not None:
         settings["offload_optimizer"] = offload
         settings["offload_param"] = offload if stage == 3 else "none"
-    param = settings.get("offload_param", base.get("offload_param", "none"))
-    optim = settings.get("offload_optimizer", base.get("offload_optimizer", "none"))
+    param = passed["offload_param"] or settings.get(
+        "offload_param", base.get("offload_param", "none")
+    )
+    optim = passed["offload_optimizer"] or settings.get(
+        "offload_optimizer", base.get("offload_optimizer", "none")
+    )
     activations = _flag_value(options["hf_args"], "offload_activations") or base.get(
         "offload_activations", "none"
     )
@@ -262,6 +287,7 @@ def _zero_settings(options: dict) -> dict:
     elif options["nvme_path"]:
         raise BadInput("--nvme-path is set but nothing is offloaded to nvme (add --offload nvme)")
     merged = {**base, **{_CONFIG_KEYS.get(k, k): v for k, v in settings.items()}}
+    merged.update(offload_param=param, offload_optimizer=optim)  # passed-through flags win
     merged["offload_activations"] = activations  # a passed-through flag; checked here too
     if "nvme_path" in settings and merged["nvme_path"] is None:
         merged["nvme_path"] = tempfile.gettempdir()  # stands for the folder made later
@@ -274,6 +300,7 @@ def _zero_settings(options: dict) -> dict:
 
 
 _CONFIG_KEYS = {"zero_stage": "stage"}
+_PASSED_ZERO_FLAGS = ("zero_stage", "offload_param", "offload_optimizer")
 
 
 def _flag_value(argv: list[str] | tuple[str, ...], name: str) -> str | None:
@@ -322,7 +349,124 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
             f"--eval_strategy {args.eval_strategy.value} needs held-out data: add --eval-split "
             "0.1 (for example)"
         )
+    _check_job_args(args)
     return args
+
+
+# The metrics this command's evaluation reports (it computes the loss only).
+_EVAL_METRICS = ("loss", "eval_loss")
+
+
+def _check_job_args(args) -> None:
+    """TrainingArguments that the Trainer would only trip over once the run has started (a
+    traceback, an output folder half made), refused first."""
+    if args.max_steps == 0 or (args.max_steps < 0 and args.num_train_epochs <= 0):
+        raise BadInput(
+            "nothing to train: give --max_steps of at least 1, or --num_train_epochs above 0"
+        )
+    activations = args.zero.offload_activations
+    if activations != "none" and not (
+        args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)
+    ):
+        raise BadInput(
+            f"--offload_activations {activations} moves the saved inputs of checkpointed "
+            "blocks: add --gradient_checkpointing"
+        )
+    if args.load_best_model_at_end and args.metric_for_best_model not in _EVAL_METRICS:
+        raise BadInput(
+            f"--metric_for_best_model {args.metric_for_best_model}: the evaluation of "
+            "zerotune finetune reports the loss only; use --metric_for_best_model loss"
+        )
+    _check_scheduler(args)
+    from transformers.integrations import get_available_reporting_integrations
+
+    available = set(get_available_reporting_integrations())
+    for name in args.report_to or []:
+        if name not in ("none", "all") and name not in available:
+            raise BadInput(
+                f"--report_to {name}: its package is not installed (installed: "
+                f"{', '.join(sorted(available)) or 'none'}); install it or use --report_to none"
+            )
+    if args.push_to_hub and os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        raise BadInput("--push_to_hub needs the network, and HF_HUB_OFFLINE is set")
+    if args.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+        raise BadInput("--use_liger_kernel needs the liger-kernel package, which is not installed")
+
+
+def _check_scheduler(args) -> None:
+    """Build the chosen LR schedule once on a stand-in optimizer: a schedule that needs
+    arguments it was not given (--lr_scheduler_kwargs) fails here, in one line."""
+    import torch
+    from transformers import get_scheduler
+
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    steps = args.max_steps if args.max_steps > 0 else 100
+    name = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    if name == "reduce_lr_on_plateau":
+        return  # needs evaluation, which the Trainer checks itself with a clear message
+    try:
+        get_scheduler(
+            name,
+            stand_in,
+            num_warmup_steps=args.get_warmup_steps(steps),
+            num_training_steps=steps,
+            scheduler_specific_kwargs=args.lr_scheduler_kwargs or {},
+        )
+    except (TypeError, ValueError) as exc:
+        raise BadInput(
+            f"--lr_scheduler_type {name}: {str(exc).splitlines()[0]} (pass them as "
+            "--lr_scheduler_kwargs '{\"name\": value}')"
+        ) from None
+
+
+# What a finished (or interrupted) run of this command leaves in its output folder.
+_RUN_OUTPUTS = ("run_summary.json", "training_args.json", "model.safetensors", "loss_curve.png")
+
+
+def _check_output_dir(out: Path, options: dict, args, model_source) -> None:
+    """The output folder can be made and written, and holds no earlier run unless the run
+    resumes it or --overwrite says to replace it (checkpoints of two runs side by side
+    would be rotated away, or resumed from, as if they were this run's)."""
+    if isinstance(model_source, Path) and out.exists() and out.resolve() == model_source.resolve():
+        raise BadInput(f"--output-dir {out} is the model's own folder; choose another one")
+    if not out.exists():
+        ancestor = out.parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise BadInput(f"cannot create --output-dir {out}: {ancestor} is not a folder")
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise BadInput(
+                f"cannot create --output-dir {out}: no permission to write in {ancestor}"
+            )
+        return
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise BadInput(f"--output-dir {out}: no permission to write there")
+    entries = list(out.iterdir())
+    if not entries or options["resume"] or args.resume_from_checkpoint:
+        return
+    if not options["overwrite"]:
+        raise BadInput(
+            f"--output-dir {out} is not empty: add --resume to continue the run there, "
+            "--overwrite to replace it, or choose another folder"
+        )
+    earlier_run = any(
+        e.name in _RUN_OUTPUTS or (e.is_dir() and e.name.startswith("checkpoint-")) for e in entries
+    )
+    if not earlier_run:
+        raise BadInput(
+            f"--overwrite: {out} holds files that zerotune finetune did not write; choose an "
+            "empty folder"
+        )
+
+
+def _clear_output_dir(out: Path) -> None:
+    """--overwrite, once the run's checks have passed: the earlier run's files go."""
+    for entry in list(out.iterdir()) if out.is_dir() else []:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def _check_resume(options: dict, args) -> None:
@@ -461,12 +605,15 @@ def _prepare(options: dict) -> Job:
         args = _parse_training_args(options, zero, nvme_path)
         if options["resume"] or args.resume_from_checkpoint:
             _check_resume(options, args)
+        _check_output_dir(Path(args.output_dir), options, args, source)
         tokenizer, tok_kind = _resolve_tokenizer(options, source, config)
         if init == "random":  # the model's special tokens are the tokenizer's
             for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
                 if getattr(tokenizer, key, None) is not None:
                     setattr(config, key, getattr(tokenizer, key))
         context = _context_length(config)
+        if options["block_size"] is not None and options["block_size"] < 1:
+            raise BadInput(f"--block-size must be at least 1, got {options['block_size']}")
         block = options["block_size"] or min(context, 1024)
         if block > context:
             raise BadInput(f"--block-size {block} exceeds the model's context length {context}")
@@ -521,6 +668,8 @@ def _launch(nproc: int, options: dict) -> None:
     from torch.distributed.run import main as torchrun
 
     job = _prepare(options)  # bad input stops here, before any process starts
+    if options["overwrite"]:
+        _clear_output_dir(Path(job.args.output_dir))
     try:
         _tokenize(job)
     except BaseException:
@@ -581,8 +730,8 @@ class _DropBadInputExit(logging.Filter):
 def _child_argv(options: dict) -> list[str]:
     argv: list[str] = []
     for key, value in options.items():
-        if key == "hf_args" or value is None or value is False:
-            continue
+        if key == "hf_args" or value is None or value is False or key == "overwrite":
+            continue  # (--overwrite: the parent has cleared the folder already)
         flag = "--" + key.replace("_", "-")
         if key == "zero_config":
             flag = "--config"
@@ -595,6 +744,8 @@ def _child_argv(options: dict) -> list[str]:
 # --------------------------------------------------------------------------------- run
 def _run(options: dict) -> None:
     job = _prepare(options)  # first: it fails fast on bad input, before the slow imports
+    if options["overwrite"]:
+        _clear_output_dir(Path(job.args.output_dir))
     from zerotune.config import ConfigError
     from zerotune.hf import ZeroTrainer, build_engine
     from zerotune.init.pretrained import ModelLoadError
@@ -623,7 +774,10 @@ def _run(options: dict) -> None:
 
         trainer.add_callback(StartStep())
         resume = args.resume_from_checkpoint or (True if options["resume"] else None)
-        result = trainer.train(resume_from_checkpoint=resume)
+        from zerotune.checkpoint import CheckpointError
+
+        with _fail_on(CheckpointError):  # a checkpoint that turns out damaged on loading
+            result = trainer.train(resume_from_checkpoint=resume)
         eval_metrics = None
         if job.eval is not None:
             eval_metrics = trainer.evaluate()
@@ -657,8 +811,10 @@ def _finish(job: Job, trainer, result, eval_metrics, memory, elapsed: float) -> 
     evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
     steps_run = result.global_step - job.start_step
     world = trainer.engine.world
-    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
-    tokens = steps_run * batch * job.block_size
+    tokens = None  # counted by the Trainer unless --include_num_input_tokens_seen no
+    if args.include_num_input_tokens_seen != "no":
+        start = getattr(trainer, "_initial_num_input_tokens_seen", 0)
+        tokens = int(trainer.state.num_input_tokens_seen - start)
     runtime = result.metrics.get("train_runtime") or elapsed
     png = _plot_losses(out / "loss_curve.png", losses, evals, job.model_name)
     summary = {
@@ -677,7 +833,7 @@ def _finish(job: Job, trainer, result, eval_metrics, memory, elapsed: float) -> 
         "steps_this_run": steps_run,
         "tokens_this_run": tokens,
         "train_runtime_s": runtime,
-        "tokens_per_s": tokens / runtime if runtime else None,
+        "tokens_per_s": tokens / runtime if runtime and tokens is not None else None,
         "losses": losses,
         "eval_loss": eval_metrics.get("eval_loss") if eval_metrics else None,
         "memory_rank0": memory,
@@ -703,7 +859,11 @@ def _finish(job: Job, trainer, result, eval_metrics, memory, elapsed: float) -> 
         f"  data     {job.dataset}: {len(job.train)} blocks of {job.block_size} tokens "
         f"({job.columns.describe()}; {job.tokenizer_kind})",
         f"  steps    {steps_run} this run (global step {result.global_step}), "
-        f"{tokens:,} tokens, {summary['tokens_per_s'] or 0:,.0f} tokens/s",
+        + (
+            f"{tokens:,} tokens, {summary['tokens_per_s'] or 0:,.0f} tokens/s"
+            if tokens is not None
+            else "tokens not counted (--include_num_input_tokens_seen no)"
+        ),
         loss_line,
         f"  memory   per rank, peak: accelerator {mib(memory['accelerator_peak'])}, host "
         f"{mib(memory['host_peak'])} (RSS), nvme {mib(memory['nvme'] or None)} (swap files)",

@@ -69,6 +69,12 @@ def test_default_job(default_run, env):
     assert losses[-1] < losses[0] - 1.0, losses
     assert s["elapsed_s"] < 120
     assert "zerotune finetune: done" in proc.stdout and "tokens/s" in proc.stdout
+    # Tokens as trained: each epoch's last batch holds what is left of the blocks.
+    blocks, batch = s["train_blocks"], 8
+    per_epoch = -(-blocks // batch)
+    epochs, rest = divmod(40, per_epoch)
+    trained = epochs * blocks + min(rest * batch, blocks)
+    assert s["tokens_this_run"] == trained * s["block_size"], (blocks, s["tokens_this_run"])
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-20", "checkpoint-40"]
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))  # the temp swap folder is gone
@@ -204,6 +210,37 @@ def test_ranks_without_nvme_room_print_one_line(env, tmp_path):
         subprocess.run(["umount", str(small)])
 
 
+def test_the_output_folder_of_an_earlier_run(default_run, env, tmp_path):
+    """A folder holding an earlier run is refused (its checkpoints would be rotated away or
+    resumed from as this run's) unless --resume or --overwrite; --overwrite replaces it, but
+    not a folder of other files. The TrainingArguments offload flags replace the default
+    job's NVMe tiers."""
+    out, _ = default_run
+    earlier = tmp_path / "earlier"
+    shutil.copytree(out, earlier)
+    before = sorted(p.name for p in earlier.iterdir())
+    proc = finetune(env, "--output-dir", earlier, "--max_steps", "2", check=False)
+    assert proc.returncode == 2 and "is not empty: add --resume" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in earlier.iterdir()) == before
+    finetune(env, "--output-dir", earlier, "--max_steps", "2", "--overwrite",
+             "--offload_param", "cpu", "--offload_optimizer", "cpu")  # fmt: skip
+    s = summary(earlier)
+    assert s["global_step"] == 2
+    assert [p.name for p in earlier.glob("checkpoint-*")] == ["checkpoint-2"]  # 20, 40 gone
+    assert (s["zero"]["offload_param"], s["zero"]["offload_optimizer"]) == ("cpu", "cpu")
+    assert s["zero"]["nvme_path"] is None
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    proc = finetune(env, "--output-dir", other, "--overwrite", check=False)
+    assert proc.returncode == 2 and "did not write" in proc.stderr, proc.stderr
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    proc = finetune(env, "--output-dir", a_file / "sub", check=False)
+    assert proc.returncode == 2 and "is not a folder" in proc.stderr, proc.stderr
+
+
 def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "no closing brace"\n')
@@ -229,6 +266,33 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
             ["--resume_from_checkpoint", tmp_path],
             "not a ZeroTrainer checkpoint",
         ),
+        # TrainingArguments values the Trainer would only trip over once running
+        "negative lr": (["--learning_rate", "-1"], "--learning_rate must be >= 0"),
+        "zero epsilon": (["--adam_epsilon", "0"], "--adam_epsilon must be > 0"),
+        "zero batch": (["--per_device_train_batch_size", "0"], "must be at least 1"),
+        "zero accumulation": (["--gradient_accumulation_steps", "0"], "must be at least 1"),
+        "nothing to train": (["--max_steps", "0"], "nothing to train"),
+        "activations unchecked": (["--offload_activations", "cpu"], "--gradient_checkpointing"),
+        "schedule without kwargs": (
+            ["--lr_scheduler_type", "warmup_stable_decay"],
+            "--lr_scheduler_type warmup_stable_decay",
+        ),
+        "unknown best metric": (
+            [
+                "--load_best_model_at_end",
+                "--eval_strategy",
+                "steps",
+                "--eval-split",
+                "0.1",
+                "--metric_for_best_model",
+                "accuracy",
+            ],
+            "reports the loss only",
+        ),  # fmt: skip
+        "compile": (["--torch_compile"], "--torch_compile is not supported"),
+        "optim args": (["--optim_args", "foo=1"], "--optim_args is not read"),
+        "no tensorboard": (["--report_to", "tensorboard"], "its package is not installed"),
+        "zero block size": (["--block-size", "0"], "--block-size must be at least 1"),
     }
     try:
         procs = {

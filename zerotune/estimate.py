@@ -966,6 +966,8 @@ def _format(plan: MemoryPlan) -> str:
         lines += [f"  {last.name}: {w}" for w in last.why_not]
     else:
         model = "MODEL" if plan.model == "a bare parameter count" else plan.model
+        if getattr(plan, "random_init", False):
+            model += " --init random"  # a preset or a config: no weights to load
         lines.append(f"recommended: {rec.name}")
         lines.append(f"  zerotune finetune --model {model} {rec.flags(plan.nvme_path)}")
         if not rec.expressible:

@@ -121,6 +121,7 @@ class ZeroTrainingArguments(TrainingArguments):
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
         self._check_contradictions()
+        self._check_values()
         # The engine holds the parameters in bf16/fp16 itself: hide the flags from the parent
         # (which would turn on accelerate's autocast and, for bf16 on CPU, refuse), then
         # restore them so the arguments still read as given.
@@ -172,6 +173,60 @@ class ZeroTrainingArguments(TrainingArguments):
         if "nvme" in offload and not self.nvme_path and not base.get("nvme_path"):
             raise ConfigError(
                 "NVMe offload needs --nvme_path (a folder on a fast local disk for the swap files)."
+            )
+
+    def _check_values(self) -> None:
+        """Values that would fail later (inside the first step, or as a traceback of the
+        Trainer's data loader) or train silently wrong, refused here in one sentence."""
+        if self.learning_rate < 0:
+            raise ConfigError(f"--learning_rate must be >= 0, got {self.learning_rate}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ConfigError(f"--{name} must be in [0, 1), got {value}")
+        if not self.adam_epsilon > 0:
+            raise ConfigError(
+                f"--adam_epsilon must be > 0, got {self.adam_epsilon} (with 0, an element whose "
+                "gradient and moments are zero becomes 0/0 = NaN)"
+            )
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise ConfigError(
+                f"--max_grad_norm must be >= 0 (0 turns clipping off), got {self.max_grad_norm}"
+            )
+        for name in (
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+        ):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {value}")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(
+                f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}"
+            )
+        if self.dataloader_persistent_workers and self.dataloader_num_workers == 0:
+            raise ConfigError(
+                "--dataloader_persistent_workers needs --dataloader_num_workers of at least 1"
+            )
+        if self.torch_compile:
+            raise ConfigError(
+                "--torch_compile is not supported by ZeroTrainer: the engine gathers and "
+                "releases parameters in module hooks that a compiled graph would skip; "
+                "drop the flag."
+            )
+        if self.optim_args:
+            raise ConfigError(
+                "--optim_args is not read by ZeroAdamW; set --adam_beta1, --adam_beta2, "
+                "--adam_epsilon and --weight_decay instead."
+            )
+        if "underflow_overflow" in str(self.debug):
+            raise ConfigError(
+                "--debug underflow_overflow is not supported by ZeroTrainer: its hooks read "
+                "every weight after each module, and at stage 3 the weights are released "
+                "between uses."
             )
 
     def _raw_config(self) -> dict[str, Any]:

@@ -132,8 +132,15 @@ class ZeroAdamW(torch.optim.Optimizer):
         adamw_mode: bool = True,
         bias_correction: bool = True,
     ):
-        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"invalid Adam hyper-parameters: lr={lr} betas={betas} eps={eps}")
+        if lr < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(
+                f"invalid Adam hyper-parameters: lr={lr} betas={betas} weight_decay={weight_decay}"
+            )
+        if not eps > 0:
+            raise ValueError(
+                f"invalid Adam hyper-parameters: eps={eps} (it must be > 0: with 0, an element "
+                "whose gradient and moments are zero becomes 0/0 = NaN)"
+            )
         if getattr(engine, "optimizer", None) is not None:
             raise ValueError("this engine already has an optimizer")
         self.engine = engine
