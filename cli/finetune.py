@@ -336,6 +336,8 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
             value = nvme_path
         if value is not None:
             argv += [f"--{key}", str(value)]
+    if _flag_value(options["hf_args"], "output_dir") is not None:
+        raise BadInput("give the output folder once, as --output-dir (not also --output_dir)")
     argv += list(options["hf_args"])  # last: an explicit --zero_stage / --offload_param wins
     with _fail_on(ValueError):
         args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
@@ -487,6 +489,8 @@ def _resolve_model(options: dict):
 
     name = options["model"] or DEFAULT_MODEL
     init = options["init"] or ("random" if options["model"] is None else "pretrained")
+    if _looks_like_a_path(name) and not Path(name).exists():
+        raise BadInput(f"--model {name}: no such file or folder")
     if init == "random":
         try:
             config = model_config(name)
@@ -519,6 +523,12 @@ def _resolve_model(options: dict):
     return name, init, folder, config
 
 
+def _looks_like_a_path(name: str) -> bool:
+    """A name meant as a local path (not a hub id ``org/name``): absolute, relative to
+    ``.`` / ``..`` / ``~``, or ending in .json."""
+    return name.startswith(("/", "./", "../", "~")) or name.endswith(".json")
+
+
 def _hub_config(name: str):
     try:
         from transformers import AutoConfig
@@ -534,6 +544,8 @@ def _resolve_tokenizer(options: dict, source, config):
     from zerotune.hf.data import byte_tokenizer
 
     given = options["tokenizer"]
+    if given is not None and _looks_like_a_path(given) and not Path(given).exists():
+        raise BadInput(f"--tokenizer {given}: no such folder")
     folder = source if isinstance(source, Path) else None
     if folder is None and options["model"] and Path(options["model"]).is_dir():
         folder = Path(options["model"])  # --init random from a folder: its tokenizer

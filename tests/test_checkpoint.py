@@ -297,6 +297,15 @@ def test_no_checkpoint_at_all(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"empty: no complete checkpoint"):
         load_checkpoint(fresh_odd(), tmp_path / "empty")
+    # A Trainer's output folder: the message names its newest checkpoint (by number).
+    for step in (9, 10):
+        (tmp_path / "run" / f"checkpoint-{step}").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"give one of them, e.g. .*run/checkpoint-10$"):
+        load_checkpoint(fresh_odd(), tmp_path / "run")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"holds model weights already"):
+        load_checkpoint(fresh_odd(), tmp_path / "model")
 
 
 def test_other_parameter_groups_are_refused(root):

@@ -293,6 +293,8 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         "optim args": (["--optim_args", "foo=1"], "--optim_args is not read"),
         "no tensorboard": (["--report_to", "tensorboard"], "its package is not installed"),
         "zero block size": (["--block-size", "0"], "--block-size must be at least 1"),
+        "missing model folder": (["--model", tmp_path / "nope"], "no such file or folder"),
+        "two output folders": (["--output_dir", tmp_path / "b"], "give the output folder once"),
     }
     try:
         procs = {

@@ -197,6 +197,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if chosen is None:
         found = find_checkpoints(path)
         what = f" ({len(found)} incomplete: interrupted saves)" if found else ""
+        trainer = sorted(
+            (p for p in path.glob("checkpoint-*") if p.is_dir() and p.name[11:].isdigit()),
+            key=lambda p: int(p.name[11:]),
+        )
+        if trainer:  # a ZeroTrainer / zerotune finetune output folder
+            what += f"; it holds Trainer checkpoints: give one of them, e.g. {trainer[-1]}"
+        elif any(path.glob("*.safetensors")):
+            what += "; it holds model weights already (a Hugging Face folder, not a checkpoint)"
         raise CheckpointError(f"{path}: no complete checkpoint in this folder{what}")
     return chosen
 
