@@ -342,9 +342,12 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
     with _fail_on(ValueError):
         args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
+        names = [f.split("=")[0].lstrip("-").replace("-", "_") for f in rest]
+        hints = [_RENAMED[n] for n in names if n in _RENAMED]
+        hint = f"; {'; '.join(hints)}" if hints else ""
         raise BadInput(
             f"unknown option(s): {' '.join(rest)} (neither a zerotune finetune nor a "
-            "TrainingArguments flag; see zerotune finetune --help)"
+            f"TrainingArguments flag; see zerotune finetune --help){hint}"
         )
     if options["eval_split"] == 0 and str(getattr(args.eval_strategy, "value", "no")) != "no":
         raise BadInput(
@@ -469,6 +472,15 @@ def _clear_output_dir(out: Path) -> None:
             shutil.rmtree(entry)
         else:
             entry.unlink()
+
+
+# TrainingArguments flags that transformers 5 renamed or folded into others.
+_RENAMED = {
+    "warmup_ratio": "transformers 5 takes a fraction in --warmup_steps (e.g. --warmup_steps 0.1)",
+    "group_by_length": "use --train_sampling_strategy group_by_length",
+    "evaluation_strategy": "use --eval_strategy",
+    "overwrite_output_dir": "use --overwrite (or --resume to continue the run)",
+}
 
 
 def _check_resume(options: dict, args) -> None:

@@ -262,6 +262,7 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         "nvme without space": (["--offload", "nvme", "--nvme-path", small], "free; this run needs"),
         "bad choice": (["--stage", "4"], "Invalid value for '--stage'"),
         "unknown flag": (["--no_such_flag", "3"], "unknown option(s): --no_such_flag 3"),
+        "renamed flag": (["--warmup_ratio", "0.1"], "fraction in --warmup_steps"),
         "nothing to resume": (
             ["--resume_from_checkpoint", tmp_path],
             "not a ZeroTrainer checkpoint",
