@@ -612,3 +612,41 @@ def record_deferred():
         ZeroEngine.post_backward_final = original
 
     return seen, stop
+
+
+class Routed(nn.Module):
+    """Two experts of one size, each its own unit; a batch goes through one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, expert: int):
+        return self.head(torch.tanh(self.experts[expert](x))).pow(2).mean()
+
+
+def _route_by_rank(rank, world, find_unused):
+    import zerotune
+
+    torch.manual_seed(0)
+    config = {"stage": 3, "unit_modules": ["Linear"], "find_unused_parameters": find_unused}
+    engine = zerotune.shard(Routed(), config)
+    try:
+        # Each rank gathers one expert, then the head: the same sizes in the same order, so
+        # the all-gathers pair rank 0's expert 0 with rank 1's expert 1 without a failure.
+        loss = engine(data(0)[rank::world], rank)
+        return {"loss": float(loss)}
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    finally:
+        engine.close()
+
+
+def test_ranks_that_ran_different_units_at_stage_3_are_stopped_after_forward():
+    # Without the option the mixed parameters go unnoticed (the losses are computed from
+    # gathers that paired different experts); with it the forward's fingerprint of its
+    # gathers differs between the ranks and both raise.
+    assert all("loss" in r for r in run_world(2, _route_by_rank, False, timeout=60))
+    for res in run_world(2, _route_by_rank, True, timeout=60):
+        assert "gathered different units in this forward" in res.get("error", ""), res

@@ -209,6 +209,13 @@ class ZeroEngine(nn.Module):
         self.finds_unused = config.find_unused_parameters and config.stage >= 2 and self.world > 1
         self._deferred: set[int] = set()
         self._hidden_units: set[int] = set()
+        # The order of the units this forward all-gathered, fingerprinted (stage 3): the
+        # ranks compare it with the marks, as a rank that ran other units than another
+        # pairs its gathers with different units (parameters mixed, when sizes agree).
+        self._gathered_in_forward = 0
+        if self.finds_unused:
+            for unit in self.units:
+                unit.on_gather = self._note_gather
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
         self.activations = None  # see [Note: activation checkpoint offload] in activations.py
@@ -562,6 +569,7 @@ class ZeroEngine(nn.Module):
         if unit.index == 0:
             self.prefetcher.start_pass("forward")
             self._hidden_units.clear()
+            self._gathered_in_forward = 0
         if not torch.is_grad_enabled():  # inside a reentrant checkpoint, or no_grad
             self._hidden_units.add(unit.index)
         self._use("forward", unit)
@@ -645,7 +653,11 @@ class ZeroEngine(nn.Module):
         sees what the outputs depend on, so a parameter they depend on that still gets no
         gradient (the loss ignores that output on some rank), or a unit partly used inside
         a reentrant checkpoint, is not found; and at stage 3 the gathers are collectives
-        too, so every rank must run the same units (as DeepSpeed and FSDP ask)."""
+        too, so every rank must run the same units (as DeepSpeed and FSDP ask). Where they
+        do not and their gathers still pair up (units of one size: experts routed by the
+        data), the same all-reduce compares a fingerprint of the units each rank gathered
+        in this forward, in order, and every rank raises instead of training on the mixed
+        parameters."""
         reached, hidden = params_reached(outputs)
         marks = []
         for unit in self.units:
@@ -655,9 +667,16 @@ class ZeroEngine(nn.Module):
                 hidden and got == 0 and unit.index in self._hidden_units
             )
             marks.append(0 if complete else 1)
-        t = torch.tensor(marks, dtype=torch.int64, device=self.device)
+        h = self._gathered_in_forward
+        t = torch.tensor([h, -h, *marks], dtype=torch.int64, device=self.device)
         merged = zdist.all_reduce_max(t, self.group).tolist()
-        deferred = {u.index for u, m in zip(self.units, merged) if m}
+        if merged[0] != -merged[1]:
+            raise RuntimeError(
+                "zerotune: the ranks gathered different units in this forward (a unit one "
+                "rank ran and another did not): at stage 3 every rank must run the same "
+                "units, or their gathers pair up wrongly; this forward's outputs are wrong"
+            )
+        deferred = {u.index for u, m in zip(self.units, merged[2:]) if m}
         if not deferred:
             return
         engine_ref = weakref.ref(self)
@@ -670,6 +689,10 @@ class ZeroEngine(nn.Module):
         for t in outputs:
             if t.requires_grad:
                 t.register_hook(defer)
+
+    def _note_gather(self, unit: Unit) -> None:
+        h = self._gathered_in_forward
+        self._gathered_in_forward = (h * 1_000_003 + unit.index + 1) % (1 << 61)
 
     def post_backward(self, unit: Unit) -> None:
         unit.grads_ready = 0

@@ -146,7 +146,11 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
             ):
                 engine._hidden_units.add(unit.index)  # its body ran in a reentrant checkpoint
             if unit.index == 0 and engine.finds_unused and engine._sync:
-                engine.agree_on_unused(tensors_in(output))
+                try:
+                    engine.agree_on_unused(tensors_in(output))
+                except BaseException:
+                    engine.post_forward(unit)  # the pins of this forward go either way
+                    raise
         engine.post_forward(unit)
         return None
 

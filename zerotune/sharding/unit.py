@@ -140,6 +140,7 @@ class Unit:
         self.grad_device = device  # the host, with optimizer offload
         self.grad_is_zero = True  # grad_shard holds no gradient yet (contents are stale)
         self.unreduced: torch.Tensor | None = None  # full-size grads kept under no_sync()
+        self.on_gather = None  # called with the unit as its all-gather is issued (world > 1)
 
         self.state = UnitState.SHARDED
         self._placeholders = False  # released parameters keep their shapes (keep_shapes)
@@ -202,6 +203,7 @@ class Unit:
                 return
             send = self.pool.acquire(self.shard_numel, self.dtype)
             send.copy_(self.shard, non_blocking=True)
+        self._note_gather()
         work = zdist.all_gather_into(self.flat, send, group=self.group, async_op=async_op)
         staged = send if send is not self.shard else None
         if work is None:
@@ -243,6 +245,11 @@ class Unit:
         if not async_op:
             self.wait()
 
+    def _note_gather(self) -> None:
+        """An all-gather of this unit is issued (the engine fingerprints their order)."""
+        if self.on_gather is not None and self.world > 1:
+            self.on_gather(self)
+
     def wait(self) -> None:
         if self.state is not UnitState.GATHERING:
             return
@@ -260,6 +267,7 @@ class Unit:
             if tmp is not None:
                 if tmp.device != self.device and self.world > 1:
                     tmp = tmp.to(self.device)  # collectives run on the device
+                self._note_gather()
                 zdist.all_gather_into(self.flat, tmp, group=self.group)  # a copy at world 1
                 del tmp
         else:
