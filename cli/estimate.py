@@ -115,6 +115,12 @@ def estimate(
         except Exception as exc:  # noqa: BLE001 - any failure to read the model is bad input
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             _fail(f"--model {model}: {first}")
+        from .finetune import _context_length
+
+        config = getattr(target, "config", None)
+        context = _context_length(config, default=None) if config is not None else None
+        if seq_len is not None and context is not None and seq_len > context:
+            _fail(f"--seq-len {seq_len} exceeds the model's context length {context}")
     try:
         plan = make_plan(
             target,

@@ -588,12 +588,13 @@ def _has_tokenizer(folder: Path) -> bool:
     return any((folder / n).is_file() for n in names)
 
 
-def _context_length(config) -> int:
+def _context_length(config, default: int | None = 1024) -> int | None:
+    """The model's context length from its config, or ``default`` when it names none."""
     for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
             return value
-    return 1024
+    return default
 
 
 def _prepare(options: dict) -> Job:

@@ -456,6 +456,7 @@ BAD_INPUT = [
     (["--model", "no-such-model"], "no-such-model"),
     ([], "--model or --params"),
     (["--params", "1e9", "--bogus"], "--bogus"),
+    (["--model", "tiny-gpt2", "--seq-len", "4096"], "exceeds the model's context length 128"),
 ]
 
 
