@@ -252,6 +252,11 @@ def _zero_settings(options: dict) -> dict:
     from zerotune.config import ConfigError, ZeroConfig
     from zerotune.hf.configs import read_zero_config_file
 
+    passed_config = _flag_value(options["hf_args"], "zero_config")
+    if passed_config is not None:
+        if options["zero_config"] not in (None, passed_config):
+            raise BadInput("give the zerotune config once (--config or --zero_config)")
+        options["zero_config"] = passed_config  # the same file, read once, as --config
     base: dict = {}
     if options["zero_config"]:
         with _fail_on(ConfigError):
@@ -377,10 +382,10 @@ def _check_job_args(args) -> None:
             f"--offload_activations {activations} moves the saved inputs of checkpointed "
             "blocks: add --gradient_checkpointing"
         )
-    if args.load_best_model_at_end and args.metric_for_best_model not in _EVAL_METRICS:
+    if args.metric_for_best_model is not None and args.metric_for_best_model not in _EVAL_METRICS:
         raise BadInput(
             f"--metric_for_best_model {args.metric_for_best_model}: the evaluation of "
-            "zerotune finetune reports the loss only; use --metric_for_best_model loss"
+            "zerotune finetune computes no metric but the loss; use --metric_for_best_model loss"
         )
     _check_scheduler(args)
     from transformers.integrations import get_available_reporting_integrations
@@ -424,14 +429,49 @@ def _check_scheduler(args) -> None:
         ) from None
 
 
-# What a finished (or interrupted) run of this command leaves in its output folder.
-_RUN_OUTPUTS = ("run_summary.json", "training_args.json", "model.safetensors", "loss_curve.png")
+# What a run of this command writes into its output folder (the model, its tokenizer, the
+# Trainer's checkpoints, the summary): an earlier run's, and what --overwrite deletes.
+_RUN_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "chat_template.jinja",
+        "training_args.json",
+        "run_summary.json",
+        "loss_curve.png",
+    }
+)
+
+
+def _is_run_output(entry: Path) -> bool:
+    name = entry.name
+    if entry.is_dir() and not entry.is_symlink():
+        return name.startswith(("checkpoint-", ".zerotune-model-"))
+    return name in _RUN_FILES or (name.startswith("model-") and name.endswith(".safetensors"))
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
 
 
 def _check_output_dir(out: Path, options: dict, args, model_source) -> None:
-    """The output folder can be made and written, and holds no earlier run unless the run
-    resumes it or --overwrite says to replace it (checkpoints of two runs side by side
-    would be rotated away, or resumed from, as if they were this run's)."""
+    """The output folder can be made and written, and holds no earlier run (its model,
+    checkpoints, summary) unless the run resumes it or --overwrite says to replace it:
+    checkpoints of two runs side by side would be rotated away, or resumed from, as if
+    they were this run's. Other files in it are left alone, --overwrite or not."""
+    resuming = options["resume"] or bool(args.resume_from_checkpoint)
+    if options["overwrite"] and resuming:
+        raise BadInput("--overwrite replaces the run that --resume would continue: give one")
     if isinstance(model_source, Path) and out.exists() and out.resolve() == model_source.resolve():
         raise BadInput(f"--output-dir {out} is the model's own folder; choose another one")
     if not out.exists():
@@ -447,27 +487,36 @@ def _check_output_dir(out: Path, options: dict, args, model_source) -> None:
         return
     if not os.access(out, os.W_OK | os.X_OK):
         raise BadInput(f"--output-dir {out}: no permission to write there")
-    entries = list(out.iterdir())
-    if not entries or options["resume"] or args.resume_from_checkpoint:
-        return
+    earlier = sorted(e.name for e in out.iterdir() if _is_run_output(e))
+    if not earlier:
+        return  # empty, or files of the user's own: the run writes next to them
+    if options["resume"] or (
+        args.resume_from_checkpoint and _inside(Path(args.resume_from_checkpoint), out)
+    ):
+        return  # continuing the run that is there
+    shown = ", ".join(earlier[:4]) + (", ..." if len(earlier) > 4 else "")
     if not options["overwrite"]:
         raise BadInput(
-            f"--output-dir {out} is not empty: add --resume to continue the run there, "
+            f"--output-dir {out} holds an earlier run ({shown}): add --resume to continue it, "
             "--overwrite to replace it, or choose another folder"
         )
-    earlier_run = any(
-        e.name in _RUN_OUTPUTS or (e.is_dir() and e.name.startswith("checkpoint-")) for e in entries
-    )
-    if not earlier_run:
-        raise BadInput(
-            f"--overwrite: {out} holds files that zerotune finetune did not write; choose an "
-            "empty folder"
-        )
+    inputs = {"--model": model_source if isinstance(model_source, Path) else None}
+    for flag, key in (("--tokenizer", "tokenizer"), ("--dataset", "dataset")):
+        if options[key] and Path(options[key]).exists():
+            inputs[flag] = Path(options[key])
+    for flag, path in inputs.items():
+        if path is not None and _inside(path, out):
+            raise BadInput(
+                f"--overwrite: {flag} {path} is inside --output-dir {out}; move it out first"
+            )
 
 
 def _clear_output_dir(out: Path) -> None:
-    """--overwrite, once the run's checks have passed: the earlier run's files go."""
+    """--overwrite, once the model is built (bad input has been found by then): the earlier
+    run's files go; other files stay."""
     for entry in list(out.iterdir()) if out.is_dir() else []:
+        if not _is_run_output(entry):
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
@@ -602,6 +651,10 @@ def _prepare(options: dict) -> Job:
     folder."""
     from zerotune.hf.data import DataError, choose_columns, load_raw_dataset
 
+    for key in ("model", "tokenizer", "dataset", "output_dir", "nvme_path", "zero_config"):
+        value = options[key]
+        if isinstance(value, str) and value.startswith("~"):
+            options[key] = os.path.expanduser(value)  # quoted, so the shell left it
     out = Path(options["output_dir"])
     if out.exists() and not out.is_dir():
         raise BadInput(f"--output-dir {out} exists and is not a folder")
@@ -693,8 +746,6 @@ def _launch(nproc: int, options: dict) -> None:
     from torch.distributed.run import main as torchrun
 
     job = _prepare(options)  # bad input stops here, before any process starts
-    if options["overwrite"]:
-        _clear_output_dir(Path(job.args.output_dir))
     try:
         _tokenize(job)
     except BaseException:
@@ -755,8 +806,8 @@ class _DropBadInputExit(logging.Filter):
 def _child_argv(options: dict) -> list[str]:
     argv: list[str] = []
     for key, value in options.items():
-        if key == "hf_args" or value is None or value is False or key == "overwrite":
-            continue  # (--overwrite: the parent has cleared the folder already)
+        if key == "hf_args" or value is None or value is False:
+            continue
         flag = "--" + key.replace("_", "-")
         if key == "zero_config":
             flag = "--config"
@@ -769,8 +820,6 @@ def _child_argv(options: dict) -> list[str]:
 # --------------------------------------------------------------------------------- run
 def _run(options: dict) -> None:
     job = _prepare(options)  # first: it fails fast on bad input, before the slow imports
-    if options["overwrite"]:
-        _clear_output_dir(Path(job.args.output_dir))
     from zerotune.config import ConfigError
     from zerotune.hf import ZeroTrainer, build_engine
     from zerotune.init.pretrained import ModelLoadError
@@ -779,6 +828,12 @@ def _run(options: dict) -> None:
         args = job.args
         with _fail_on(ConfigError, ModelLoadError):
             engine = build_engine(job.model_source, args)  # NVMe space is checked here
+        if options["overwrite"]:  # the input is good: the earlier run's files go now
+            from zerotune import dist as zdist
+
+            if engine.rank == 0:
+                _clear_output_dir(Path(args.output_dir))
+            zdist.barrier(engine.group)
         _tokenize(job)
         from transformers import default_data_collator
 

@@ -212,29 +212,49 @@ def test_ranks_without_nvme_room_print_one_line(env, tmp_path):
 
 def test_the_output_folder_of_an_earlier_run(default_run, env, tmp_path):
     """A folder holding an earlier run is refused (its checkpoints would be rotated away or
-    resumed from as this run's) unless --resume or --overwrite; --overwrite replaces it, but
-    not a folder of other files. The TrainingArguments offload flags replace the default
-    job's NVMe tiers."""
+    resumed from as this run's) unless --resume or --overwrite; --overwrite replaces that
+    run's files once the input has been checked and leaves the user's own alone, and
+    refuses to run with --resume or on inputs inside the folder. The TrainingArguments
+    offload flags replace the default job's NVMe tiers."""
     out, _ = default_run
     earlier = tmp_path / "earlier"
     shutil.copytree(out, earlier)
+    (earlier / "notes.txt").write_text("mine")
     before = sorted(p.name for p in earlier.iterdir())
-    proc = finetune(env, "--output-dir", earlier, "--max_steps", "2", check=False)
-    assert proc.returncode == 2 and "is not empty: add --resume" in proc.stderr, proc.stderr
-    assert sorted(p.name for p in earlier.iterdir()) == before
+    refused = {
+        "holds an earlier run (checkpoint-20, checkpoint-40, config.json": [],
+        "--overwrite replaces the run that --resume would continue": ["--overwrite", "--resume"],
+        "--dataset": ["--overwrite", "--dataset", earlier / "notes.txt"],
+        "safetensors": ["--overwrite", "--model", tmp_path / "broken"],  # found on loading
+    }
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text((out / "config.json").read_text())
+    (tmp_path / "broken" / "model.safetensors").write_bytes(b"\x05")
+    for message, extra in refused.items():
+        proc = finetune(env, "--output-dir", earlier, "--max_steps", "2", *extra, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, (message, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert sorted(p.name for p in earlier.iterdir()) == before, message
     finetune(env, "--output-dir", earlier, "--max_steps", "2", "--overwrite",
              "--offload_param", "cpu", "--offload_optimizer", "cpu")  # fmt: skip
     s = summary(earlier)
     assert s["global_step"] == 2
     assert [p.name for p in earlier.glob("checkpoint-*")] == ["checkpoint-2"]  # 20, 40 gone
+    assert (earlier / "notes.txt").read_text() == "mine"
     assert (s["zero"]["offload_param"], s["zero"]["offload_optimizer"]) == ("cpu", "cpu")
     assert s["zero"]["nvme_path"] is None
+    # A folder of the user's own files only is no earlier run: the run writes next to them.
     other = tmp_path / "other"
     other.mkdir()
-    (other / "notes.txt").write_text("mine")
-    proc = finetune(env, "--output-dir", other, "--overwrite", check=False)
-    assert proc.returncode == 2 and "did not write" in proc.stderr, proc.stderr
-    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    (other / ".gitkeep").write_text("")
+    finetune(env, "--output-dir", other, "--max_steps", "2")
+    assert (other / ".gitkeep").exists() and summary(other)["global_step"] == 2
+    # The zerotune config given by its TrainingArguments name sets the default job's tiers.
+    stage2 = tmp_path / "stage2.yaml"
+    stage2.write_text("stage: 2\n")
+    finetune(env, "--output-dir", tmp_path / "zc", "--max_steps", "1", "--zero_config", stage2)
+    zero = summary(tmp_path / "zc")["zero"]
+    assert (zero["stage"], zero["offload_optimizer"], zero["offload_param"]) == (2, "none", "none")
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     proc = finetune(env, "--output-dir", a_file / "sub", check=False)
@@ -288,9 +308,27 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
                 "--metric_for_best_model",
                 "accuracy",
             ],
-            "reports the loss only",
+            "computes no metric but the loss",
+        ),
+        "best metric to save by": (
+            [
+                "--save_strategy",
+                "best",
+                "--eval_strategy",
+                "steps",
+                "--eval-split",
+                "0.1",
+                "--metric_for_best_model",
+                "accuracy",
+            ],
+            "computes no metric but the loss",
+        ),
+        "compile mode": (["--torch_compile_mode", "default"], "--torch_compile_mode"),
+        "two configs": (
+            ["--config", "zero3", "--zero_config", impossible],
+            "config once",
         ),  # fmt: skip
-        "compile": (["--torch_compile"], "--torch_compile is not supported"),
+        "compile": (["--torch_compile"], "is not supported by ZeroTrainer"),
         "optim args": (["--optim_args", "foo=1"], "--optim_args is not read"),
         "no tensorboard": (["--report_to", "tensorboard"], "its package is not installed"),
         "zero block size": (["--block-size", "0"], "--block-size must be at least 1"),

@@ -211,11 +211,11 @@ class ZeroTrainingArguments(TrainingArguments):
             raise ConfigError(
                 "--dataloader_persistent_workers needs --dataloader_num_workers of at least 1"
             )
-        if self.torch_compile:
+        if self.torch_compile or self.torch_compile_mode or self.torch_compile_backend:
             raise ConfigError(
-                "--torch_compile is not supported by ZeroTrainer: the engine gathers and "
-                "releases parameters in module hooks that a compiled graph would skip; "
-                "drop the flag."
+                "--torch_compile (or --torch_compile_mode / --torch_compile_backend) is not "
+                "supported by ZeroTrainer: the engine gathers and releases parameters in "
+                "module hooks that a compiled graph would skip; drop the flag."
             )
         if self.optim_args:
             raise ConfigError(
