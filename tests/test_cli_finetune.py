@@ -273,6 +273,7 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)])
     if mount.returncode != 0:
         pytest.fail("this test needs to mount a small tmpfs (run as root)")
+    evaluated = ["--eval_strategy", "steps", "--eval-split", "0.1"]
     cases = {
         "unknown model": (["--model", "no-such-org/no-such-model"], "unknown model"),
         "preset without --init": (["--model", "gpt2-xl"], "add --init random"),
@@ -299,28 +300,11 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
             "--lr_scheduler_type warmup_stable_decay",
         ),
         "unknown best metric": (
-            [
-                "--load_best_model_at_end",
-                "--eval_strategy",
-                "steps",
-                "--eval-split",
-                "0.1",
-                "--metric_for_best_model",
-                "accuracy",
-            ],
+            ["--load_best_model_at_end", *evaluated, "--metric_for_best_model", "accuracy"],
             "computes no metric but the loss",
         ),
         "best metric to save by": (
-            [
-                "--save_strategy",
-                "best",
-                "--eval_strategy",
-                "steps",
-                "--eval-split",
-                "0.1",
-                "--metric_for_best_model",
-                "accuracy",
-            ],
+            ["--save_strategy", "best", *evaluated, "--metric_for_best_model", "accuracy"],
             "computes no metric but the loss",
         ),
         "compile mode": (["--torch_compile_mode", "default"], "--torch_compile_mode"),

@@ -667,16 +667,14 @@ class ZeroEngine(nn.Module):
                 hidden and got == 0 and unit.index in self._hidden_units
             )
             marks.append(0 if complete else 1)
-        h = self._gathered_in_forward
-        t = torch.tensor([h, -h, *marks], dtype=torch.int64, device=self.device)
-        merged = zdist.all_reduce_max(t, self.group).tolist()
-        if merged[0] != -merged[1]:
+        same, merged = self._agree(self._gathered_in_forward, marks)
+        if not same:
             raise RuntimeError(
                 "zerotune: the ranks gathered different units in this forward (a unit one "
                 "rank ran and another did not): at stage 3 every rank must run the same "
                 "units, or their gathers pair up wrongly; this forward's outputs are wrong"
             )
-        deferred = {u.index for u, m in zip(self.units, merged[2:]) if m}
+        deferred = {u.index for u, m in zip(self.units, merged) if m}
         if not deferred:
             return
         engine_ref = weakref.ref(self)
@@ -689,6 +687,13 @@ class ZeroEngine(nn.Module):
         for t in outputs:
             if t.requires_grad:
                 t.register_hook(defer)
+
+    def _agree(self, fingerprint: int, flags: list[int]) -> tuple[bool, list[int]]:
+        """One all-reduce (MAX) over the ranks: whether they all hold the same
+        ``fingerprint``, and each of ``flags`` OR'ed."""
+        t = torch.tensor([fingerprint, -fingerprint, *flags], dtype=torch.int64, device=self.device)
+        merged = zdist.all_reduce_max(t, self.group).tolist()
+        return merged[0] == -merged[1], merged[2:]
 
     def _note_gather(self, unit: Unit) -> None:
         h = self._gathered_in_forward
@@ -797,9 +802,8 @@ class ZeroEngine(nn.Module):
         slots = [s for u in self.units for s in u.slots]
         got = [int(s.got_grad or (s.trainable and s.param.grad is not None)) for s in slots]
         h, self._reduced_during_backward = self._reduced_during_backward, 0
-        t = torch.tensor([h, -h] + picked + got, dtype=torch.int64, device=self.device)
-        merged = zdist.all_reduce_max(t, self.group).tolist()
-        if merged[0] != -merged[1]:
+        same, merged = self._agree(h, picked + got)
+        if not same:
             # Their reduce-scatters paired different units: the gradients are mixed.
             raise RuntimeError(
                 "zerotune: the ranks reduced the gradients of different units during this "
@@ -810,7 +814,6 @@ class ZeroEngine(nn.Module):
                 "true (ZeroTrainer: --ddp_find_unused_parameters true); the gradients of "
                 "this step are wrong, so resume from the last checkpoint"
             )
-        merged = merged[2:]
         for s, flag in zip(slots, merged[len(picked) :]):
             s.got_grad = bool(flag)
         return [u for u, p in zip(self.units, merged) if p]
