@@ -469,8 +469,10 @@ def _check_output_dir(out: Path, options: dict, args, model_source) -> None:
     checkpoints, summary) unless the run resumes it or --overwrite says to replace it:
     checkpoints of two runs side by side would be rotated away, or resumed from, as if
     they were this run's. Other files in it are left alone, --overwrite or not."""
-    resuming = options["resume"] or bool(args.resume_from_checkpoint)
-    if options["overwrite"] and resuming:
+    continues = options["resume"] or bool(
+        args.resume_from_checkpoint and _inside(Path(args.resume_from_checkpoint), out)
+    )  # the run that is there (a checkpoint elsewhere starts this folder afresh)
+    if options["overwrite"] and continues:
         raise BadInput("--overwrite replaces the run that --resume would continue: give one")
     if isinstance(model_source, Path) and out.exists() and out.resolve() == model_source.resolve():
         raise BadInput(f"--output-dir {out} is the model's own folder; choose another one")
@@ -490,10 +492,8 @@ def _check_output_dir(out: Path, options: dict, args, model_source) -> None:
     earlier = sorted(e.name for e in out.iterdir() if _is_run_output(e))
     if not earlier:
         return  # empty, or files of the user's own: the run writes next to them
-    if options["resume"] or (
-        args.resume_from_checkpoint and _inside(Path(args.resume_from_checkpoint), out)
-    ):
-        return  # continuing the run that is there
+    if continues:
+        return
     shown = ", ".join(earlier[:4]) + (", ..." if len(earlier) > 4 else "")
     if not options["overwrite"]:
         raise BadInput(
