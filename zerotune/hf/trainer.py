@@ -305,7 +305,8 @@ class ZeroTrainer(Trainer):
         if self.engine.rank == 0 and not self.args.disable_tqdm and not _internal_call:
             from tqdm.auto import tqdm
 
-            bar = tqdm(desc="Writing the model", unit="B", unit_scale=True, leave=False)
+            # delay: a write over in less than a second shows no bar (it would show 0 B)
+            bar = tqdm(desc="Writing the model", unit="B", unit_scale=True, leave=False, delay=1)
 
         def progress(nbytes: int, total: int) -> None:
             bar.total = total
