@@ -24,8 +24,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -773,8 +775,17 @@ def _launch(nproc: int, options: dict) -> None:
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     quiet = _DropBadInputExit()
     agent_log.addFilter(quiet)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         torchrun(argv)
+    except SignalException as exc:  # Ctrl-C or a kill of this process: the ranks are stopped
+        click.echo(
+            f"zerotune finetune: stopped by {exc.sigval.name}; the complete checkpoints in "
+            f"{job.args.output_dir} resume with --resume",
+            err=True,
+        )
+        sys.exit(128 + int(exc.sigval))
     except ChildFailedError as exc:
         codes = [f.exitcode for f in exc.failures.values()]
         code = BAD_INPUT if BAD_INPUT in codes else next((c for c in codes if c), 1)
@@ -818,7 +829,15 @@ def _child_argv(options: dict) -> list[str]:
 
 
 # --------------------------------------------------------------------------------- run
+def _exit_on_sigterm(signum, frame) -> None:
+    # torchrun stops the other ranks with SIGTERM when one fails or is interrupted: leave
+    # through the finally blocks (a temporary NVMe folder is removed) instead of dying.
+    sys.exit(128 + signum)
+
+
 def _run(options: dict) -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     job = _prepare(options)  # first: it fails fast on bad input, before the slow imports
     from zerotune.config import ConfigError
     from zerotune.hf import ZeroTrainer, build_engine
