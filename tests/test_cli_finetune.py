@@ -354,3 +354,35 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         assert cases[name][1] in lines[0], (name, lines[0])
     assert not (tmp_path / "out").exists()  # nothing written for any of them
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
+
+
+def test_an_interrupted_multi_process_run_ends_in_one_line(env, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) of a
+    --nproc-per-node 2 run: exit code 130, one line naming the signal and --resume, no
+    traceback, complete checkpoints kept, the temporary NVMe folder gone."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [*COMMAND, "--output-dir", str(out), "--nproc-per-node", "2", "--max_steps", "2000",
+         "--save_steps", "4", "--disable_tqdm", "true"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not list(out.glob("checkpoint-*/trainer_state.json")):  # one is complete
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.count("stopped by SIGINT") == 1 and "--resume" in stderr
+    assert list(out.glob("checkpoint-*"))
+    assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
