@@ -492,10 +492,8 @@ def _check_output_dir(out: Path, options: dict, args, model_source) -> None:
     if not os.access(out, os.W_OK | os.X_OK):
         raise BadInput(f"--output-dir {out}: no permission to write there")
     earlier = sorted(e.name for e in out.iterdir() if _is_run_output(e))
-    if not earlier:
-        return  # empty, or files of the user's own: the run writes next to them
-    if continues:
-        return
+    if not earlier or continues:
+        return  # nothing of an earlier run (the run writes next to the user's files), or its own
     shown = ", ".join(earlier[:4]) + (", ..." if len(earlier) > 4 else "")
     if not options["overwrite"]:
         raise BadInput(

@@ -49,6 +49,7 @@ __all__ = [
     "rank_file_name",
     "read_manifest",
     "resolve_checkpoint",
+    "trainer_checkpoints",
 ]
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,23 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return _choose(root, warn=False) if root.is_dir() else None
 
 
+_TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def trainer_checkpoints(root: str | Path) -> list[Path]:
+    """The Trainer's ``checkpoint-N`` folders under ``root`` (each may hold a zerotune
+    checkpoint in ``zero/``), oldest first by N; none when ``root`` is not a folder."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _TRAINER_CHECKPOINT.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint folder to load from ``path``: a checkpoint folder; or a folder of
     checkpoints, where ``latest`` names the one to load (when it names no complete checkpoint,
@@ -197,10 +215,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if chosen is None:
         found = find_checkpoints(path)
         what = f" ({len(found)} incomplete: interrupted saves)" if found else ""
-        trainer = sorted(
-            (p for p in path.glob("checkpoint-*") if p.is_dir() and p.name[11:].isdigit()),
-            key=lambda p: int(p.name[11:]),
-        )
+        trainer = trainer_checkpoints(path)
         if trainer:  # a ZeroTrainer / zerotune finetune output folder
             what += f"; it holds Trainer checkpoints: give one of them, e.g. {trainer[-1]}"
         elif any(path.glob("*.safetensors")):

@@ -52,7 +52,7 @@ from transformers import PretrainedConfig, Trainer, TrainerCallback
 
 from .. import dist as zdist
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_hf
-from ..checkpoint.manifest import MARKER
+from ..checkpoint.manifest import MARKER, trainer_checkpoints
 from ..estimate import check_estimate
 from ..init import from_pretrained, zero_init
 from ..optim import ZeroAdamW
@@ -71,7 +71,6 @@ log = logging.getLogger(__name__)
 log.addFilter(zdist.RankFilter())
 
 ZERO_DIR = "zero"  # the zerotune checkpoint inside a Trainer checkpoint folder
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$|^model\.safetensors\.index\.json$")
 
 
@@ -439,15 +438,7 @@ class _CheckEstimateOnce(TrainerCallback):
 def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The newest ``checkpoint-N`` under ``output_dir`` whose trainer state and zerotune
     checkpoint were both written to the end (a save killed half-way is skipped)."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return None
-    found = []
-    for p in root.iterdir():
-        m = _CHECKPOINT.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    for _, p in sorted(found, reverse=True):
+    for p in reversed(trainer_checkpoints(output_dir)):
         if (p / "trainer_state.json").is_file() and (p / ZERO_DIR / MARKER).is_file():
             return str(p)
         log.warning("zerotune: %s is incomplete (its save was interrupted); skipping it", p)

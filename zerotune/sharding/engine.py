@@ -103,6 +103,12 @@ def _refuse_embeddings_it_would_break(model: nn.Module, config: ZeroConfig, worl
             )
 
 
+def _fingerprint(h: int, unit: Unit) -> int:
+    """``h`` extended by ``unit``: a fingerprint of a sequence of units, in order, that the
+    ranks compare (``ZeroEngine._agree``)."""
+    return (h * 1_000_003 + unit.index + 1) % (1 << 61)
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy, pinned when an accelerator exists (fast, asynchronous copies)."""
     return t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
@@ -570,8 +576,8 @@ class ZeroEngine(nn.Module):
             self.prefetcher.start_pass("forward")
             self._hidden_units.clear()
             self._gathered_in_forward = 0
-        if not torch.is_grad_enabled():  # inside a reentrant checkpoint, or no_grad
-            self._hidden_units.add(unit.index)
+        if self.finds_unused and not torch.is_grad_enabled():
+            self._hidden_units.add(unit.index)  # inside a reentrant checkpoint, or no_grad
         self._use("forward", unit)
         self._pin(unit)
         for dep in unit.deps:
@@ -696,8 +702,7 @@ class ZeroEngine(nn.Module):
         return merged[0] == -merged[1], merged[2:]
 
     def _note_gather(self, unit: Unit) -> None:
-        h = self._gathered_in_forward
-        self._gathered_in_forward = (h * 1_000_003 + unit.index + 1) % (1 << 61)
+        self._gathered_in_forward = _fingerprint(self._gathered_in_forward, unit)
 
     def post_backward(self, unit: Unit) -> None:
         unit.grads_ready = 0
@@ -710,8 +715,7 @@ class ZeroEngine(nn.Module):
             return
         unit.reduce_grads(sync=self._sync, hold=self._hold_grads(unit))
         if self._sync and self.world > 1:
-            h = self._reduced_during_backward
-            self._reduced_during_backward = (h * 1_000_003 + unit.index + 1) % (1 << 61)
+            self._reduced_during_backward = _fingerprint(self._reduced_during_backward, unit)
         if unit._host_copy is not None:
             # Its gradients are on their way to the host: finish the previous unit's now
             # (its copies ran while this unit's backward did), this one's after the next.

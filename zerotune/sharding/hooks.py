@@ -84,10 +84,16 @@ def params_reached(outputs: list[torch.Tensor]) -> tuple[set[int], bool]:
         leaf = getattr(fn, "variable", None)  # AccumulateGrad
         if leaf is not None:
             reached.add(id(leaf))
-        elif type(fn).__name__ == "CheckpointFunctionBackward":
+        elif _is_reentrant_checkpoint(fn):
             hidden = True
         stack.extend(nxt for nxt, _ in fn.next_functions)
     return reached, hidden
+
+
+def _is_reentrant_checkpoint(fn) -> bool:
+    """Whether autograd node ``fn`` is a reentrant activation checkpoint's (its forward ran
+    without a graph; backward recomputes it)."""
+    return type(fn).__name__ == "CheckpointFunctionBackward"
 
 
 def in_backward() -> bool:
@@ -129,29 +135,27 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
         active = engine.external.active
         if active and active[-1] is unit:
             active.pop()
-        engine.external.on_output(unit, tensors_in(output))
+        outputs = tensors_in(output)
+        engine.external.on_output(unit, outputs)
         if in_backward():
             engine.forward_in_backward_done(unit)
             return None
-        if torch.is_grad_enabled():
-            hooked = False
-            for t in tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(_pre_backward_hook(engine, unit))
-                    hooked = True
-            if hooked and unit.waits_for_inputs:
-                _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
-            if engine.finds_unused and any(
-                type(t.grad_fn).__name__ == "CheckpointFunctionBackward" for t in tensors_in(output)
-            ):
-                engine._hidden_units.add(unit.index)  # its body ran in a reentrant checkpoint
-            if unit.index == 0 and engine.finds_unused and engine._sync:
-                try:
-                    engine.agree_on_unused(tensors_in(output))
-                except BaseException:
-                    engine.post_forward(unit)  # the pins of this forward go either way
-                    raise
-        engine.post_forward(unit)
+        try:
+            if torch.is_grad_enabled():
+                hooked = False
+                for t in outputs:
+                    if t.requires_grad:
+                        t.register_hook(_pre_backward_hook(engine, unit))
+                        hooked = True
+                if hooked and unit.waits_for_inputs:
+                    _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
+                if engine.finds_unused:
+                    if any(_is_reentrant_checkpoint(t.grad_fn) for t in outputs):
+                        engine._hidden_units.add(unit.index)  # its body ran in one
+                    if unit.index == 0 and engine._sync:
+                        engine.agree_on_unused(outputs)
+        finally:
+            engine.post_forward(unit)  # the pins of this forward go, whatever happened
         return None
 
     return hook
