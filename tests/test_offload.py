@@ -366,6 +366,44 @@ def test_nvme_gathers_map_the_parameter_file(tmp_path):
     engine.close()
 
 
+def test_overlapped_updates_find_their_units_released(tmp_path, monkeypatch):
+    """An overlapped step updates each unit once its backward is over, after the unit let
+    go of its mapping of the parameter file: no unit copies its weights to keep them
+    private (it did, for most blocks, when the update ran before the release: a fresh
+    copy of a block's weights each step)."""
+    import torch
+    from conftest import tiny_gpt2
+
+    import zerotune
+    from zerotune.sharding.unit import Unit, UnitState
+
+    copies = []
+    keep_private = Unit.keep_private
+
+    def counted(unit):
+        if unit._mapped and unit.state is not UnitState.SHARDED:
+            copies.append(unit.name)
+        keep_private(unit)
+
+    monkeypatch.setattr(Unit, "keep_private", counted)
+    model = tiny_gpt2(seed=0, layers=4)
+    config = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"}
+    engine = zerotune.shard(model, {**config, "nvme_path": str(tmp_path)})
+    assert all(u.map_params for u in engine.units if u.param_extent is not None)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    launched = []
+    for _ in range(3):
+        ids = torch.randint(0, 96, (2, 8), generator=g)
+        with opt.overlapped():
+            engine(input_ids=ids, labels=ids).loss.backward()
+        launched.append(len(opt._overlap.launched))
+        opt.step()
+    engine.close()
+    assert min(launched) >= 4, launched  # the blocks were updated during backward
+    assert copies == []
+
+
 # ------------------------------------------------------------------ overlapped step
 OVERLAP_CONFIGS = [
     {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "grad_host_bytes": 0},

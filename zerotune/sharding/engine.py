@@ -722,11 +722,13 @@ class ZeroEngine(nn.Module):
             if self._copying is not None and self._copying is not unit:
                 self._copying.finish_host_copy()
             self._copying = unit
+        unit.grads_final = True
+        # Released first, when nothing else holds it: an update writing the parameter file
+        # under a gathered unit that maps it would make it copy its weights (keep_private).
+        self._end_backward_if_done(unit)
         if self._overlap is not None and self._sync:
             unit.finish_host_copy()
             self._overlap.launch(unit)  # its gradient shard is final: update it now
-        unit.grads_final = True
-        self._end_backward_if_done(unit)
 
     def inputs_backward_done(self, unit: Unit) -> None:
         """The gradients of every input of ``unit``'s forward calls exist. Units owning
