@@ -160,10 +160,12 @@ def tiny_gpt2(seed: int = 0, layers: int = 2, tie: bool = True, **overrides):
 
 
 def tiny_llama_config(kind: str = "llama"):
-    """A two-layer Llama or Qwen2 config (Qwen2 with tied embeddings)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A two-layer Llama, Qwen2 or Gemma2 config (Qwen2 and Gemma2 with tied embeddings;
+    Gemma2's embedding scales its output by a buffer and has a padding row)."""
+    from transformers import Gemma2Config, LlamaConfig, Qwen2Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma2": Gemma2Config}[kind]
+    extra = dict(head_dim=16, pad_token_id=0) if kind == "gemma2" else {}
     return cls(
         num_hidden_layers=2,
         hidden_size=32,
@@ -171,7 +173,8 @@ def tiny_llama_config(kind: str = "llama"):
         num_attention_heads=2,
         num_key_value_heads=1,
         vocab_size=96,
-        tie_word_embeddings=(kind == "qwen2"),
+        tie_word_embeddings=(kind != "llama"),
+        **extra,
     )
 
 

@@ -33,6 +33,7 @@ def folders(tmp_path_factory):
         "gpt2_sharded": str(_save("gpt2", root / "gpt2_sharded", shard_size="20KB")),
         "llama": str(_save("llama", root / "llama")),
         "qwen2": str(_save("qwen2", root / "qwen2")),
+        "gemma2": str(_save("gemma2", root / "gemma2")),  # its init indexes the padding row
     }
 
 

@@ -80,15 +80,25 @@ def _init_function(model: nn.Module) -> Callable[[nn.Module], None]:
 
 @contextlib.contextmanager
 def hidden(params: list[nn.Parameter], device: torch.device):
-    """Point ``params`` at empty tensors for a while (so an init function skips them)."""
-    saved = [p.data for p in params]
+    """Point ``params`` at empty tensors for a while, marked initialized for transformers'
+    init functions, so that an init function leaves them alone (HF's ``_init_weights``
+    otherwise indexes an embedding's padding row, which an empty tensor does not have)."""
+    saved = [(p.data, p.__dict__.get("_is_hf_initialized", _UNSET)) for p in params]
     for p in params:
         p.data = torch.empty(0, dtype=p.dtype, device=device)
+        p._is_hf_initialized = True
     try:
         yield
     finally:
-        for p, d in zip(params, saved):
-            p.data = d
+        for p, (data, flag) in zip(params, saved):
+            p.data = data
+            if flag is _UNSET:
+                del p._is_hf_initialized
+            else:
+                p._is_hf_initialized = flag
+
+
+_UNSET = object()
 
 
 class _Materializer:
