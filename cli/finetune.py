@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 BAD_INPUT = 2
 
@@ -224,6 +225,10 @@ def finetune(**options) -> None:
       zerotune finetune --output-dir out --resume --max_steps 120
     """
     nproc = options.pop("nproc_per_node")
+    if options["resume"]:
+        ctx = click.get_current_context()
+        given = {k for k in options if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
+        _adopt_recorded_job(options, given)
     under_launcher = (
         "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
     )
@@ -450,8 +455,25 @@ _RUN_FILES = frozenset(
         "training_args.json",
         "run_summary.json",
         "loss_curve.png",
+        "zerotune_job.json",
     }
 )
+# What defines a run's training data and model, recorded in its output folder when it starts
+# (``zerotune_job.json``): --resume reuses what it is not given and refuses what differs.
+_JOB_RECORD = "zerotune_job.json"
+_RECORDED = (
+    "model",
+    "init",
+    "tokenizer",
+    "dataset",
+    "text_column",
+    "prompt_column",
+    "response_column",
+    "train_on_prompt",
+    "block_size",
+    "eval_split",
+)
+_DTYPE_FLAGS = ("--bf16", "--fp16")
 
 
 def _is_run_output(entry: Path) -> bool:
@@ -530,6 +552,60 @@ _RENAMED = {
     "evaluation_strategy": "use --eval_strategy",
     "overwrite_output_dir": "use --overwrite (or --resume to continue the run)",
 }
+
+
+def _as_recorded(value):
+    """A local path as an absolute one (a resume may run from another folder)."""
+    if isinstance(value, str) and value and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
+def _job_record(options: dict, args) -> dict:
+    record = {key: _as_recorded(options[key]) for key in _RECORDED}
+    record["dtype"] = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return record
+
+
+def _write_job_record(out: Path, record: dict) -> None:
+    tmp = out / f".{_JOB_RECORD}.partial"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out / _JOB_RECORD)
+
+
+def _adopt_recorded_job(options: dict, given: set[str]) -> None:
+    """--resume continues the run in --output-dir as it was started: the model, data and
+    dtype options it is not given come from the run's record; ones that differ from it are
+    refused (they would silently train another job from the checkpoint)."""
+    path = Path(options["output_dir"]).expanduser() / _JOB_RECORD
+    if not path.is_file():
+        return  # a run of an older zerotune, or checkpoints copied in: nothing to compare
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"--resume: cannot read {path} ({exc})") from None
+    differ = []
+    for key in _RECORDED:
+        if key not in record:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key not in given:
+            options[key] = record[key]
+        elif _as_recorded(options[key]) != record[key]:
+            differ.append(f"{flag} {record[key]} (now {options[key]})")
+    dtype = record.get("dtype", "fp32")
+    flags = [a.split("=")[0] for a in options["hf_args"] if a.split("=")[0] in _DTYPE_FLAGS]
+    if not flags and dtype != "fp32":
+        options["hf_args"] = (*options["hf_args"], f"--{dtype}")
+    elif flags and any(f != f"--{dtype}" for f in flags):
+        differ.append(f"{dtype} (now {' '.join(flags)})")
+    if differ:
+        raise BadInput(
+            f"--resume: this run was started with {'; '.join(differ)}. Resume with the run's "
+            "own options (leave them out to reuse them), or train on from one of its "
+            "checkpoints into another folder: --resume_from_checkpoint "
+            f"{options['output_dir']}/checkpoint-N --output-dir NEW"
+        )
 
 
 def _check_resume(options: dict, args) -> None:
@@ -851,6 +927,10 @@ def _run(options: dict) -> None:
             if engine.rank == 0:
                 _clear_output_dir(Path(args.output_dir))
             zdist.barrier(engine.group)
+        if engine.rank == 0:  # what --resume continues
+            out = Path(args.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            _write_job_record(out, _job_record(options, args))
         _tokenize(job)
         from transformers import default_data_collator
 

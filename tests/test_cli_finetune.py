@@ -103,6 +103,44 @@ def test_resume_continues_with_the_same_losses(default_run, env, tmp_path):
                                rtol=1e-5, atol=0)  # fmt: skip
 
 
+def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
+    """--resume continues the run as it was started: the dataset, block size and dtype it
+    is not given come from the run's record (they used to fall back to the defaults: another
+    corpus, fp32), and ones that differ are refused in one line."""
+    data = tmp_path / "data.txt"
+    data.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(300)))
+    out = tmp_path / "out"
+    finetune(env, "--dataset", data, "--block-size", "32", "--bf16", "--output-dir", out,
+             "--max_steps", "2", "--save_steps", "1")  # fmt: skip
+    record = json.loads((out / "zerotune_job.json").read_text())
+    assert record["dataset"] == str(data.resolve()) and record["dtype"] == "bf16"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()  # a relative --output-dir, from another working folder
+    proc = subprocess.run(
+        [*COMMAND, "--output-dir", os.path.relpath(out, elsewhere), "--resume",
+         "--max_steps", "3", "--save_steps", "1"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=elsewhere,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary(out)
+    assert s["dataset"] == str(data.resolve()) and s["block_size"] == 32
+    assert s["zero"]["dtype"] == "bf16"
+    assert (s["global_step"], s["steps_this_run"]) == (3, 1)
+    other = tmp_path / "other.txt"
+    other.write_text(data.read_text())
+    for extra, named in (
+        (["--dataset", other], f"--dataset {data.resolve()} (now {other})"),
+        (["--block-size", "16"], "--block-size 32 (now 16)"),
+        (["--fp16"], "bf16 (now --fp16)"),
+    ):
+        proc = finetune(env, "--output-dir", out, "--resume", "--max_steps", "4", *extra,
+                        check=False)  # fmt: skip
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert named in proc.stderr and "--resume_from_checkpoint" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert summary(out)["global_step"] == 3  # nothing was trained or written by those
+
+
 def test_local_model_folder_and_jsonl(env, tmp_path):
     """A local HF folder (with its tokenizer) and prompt/response jsonl, ZeRO-2 with CPU
     optimizer offload, an eval split."""
