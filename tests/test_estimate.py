@@ -291,6 +291,14 @@ def test_recommends_the_weakest_option_that_fits():
     rec = estimate(**tiny, nvme_space="1TB").recommended
     assert (rec.stage, rec.offload_param, rec.offload_optimizer) == (3, "nvme", "nvme")
     assert estimate(**tiny, nvme_space="100GB").recommended is None
+    # Gradients in bf16 have no finetune flag: the command takes a config file saying so.
+    plan = estimate(params=7.5e9, gpu_memory="80GB", host_memory="512GB", grad_dtype="bf16")
+    assert plan.config_file() == {
+        "stage": 1, "offload_param": "none", "offload_optimizer": "cpu", "grad_dtype": "bf16"
+    }  # fmt: skip
+    assert " --stage 1 --config zerotune.yaml --bf16" in plan.command()
+    assert "zerotune.yaml holding {stage: 1, offload_param: none, offload_optimizer: cpu, " \
+        "grad_dtype: bf16}" in plan.format()  # fmt: skip
 
 
 def test_more_ranks_need_less_per_gpu_and_padding_is_counted():
@@ -421,6 +429,11 @@ def test_cli_json_for_a_parameter_count():
     first = data["options"][0]
     assert first["stage"] == 1 and first["fits"] is True
     assert data["recommended"]["flags"] == "--stage 1 --offload none"
+    # A bare count has no shape: no activations, so no block size or batch is assumed; the
+    # plan's bf16 and 8 processes a node are.
+    assert data["recommended"]["command"] == (
+        "zerotune finetune --model MODEL --stage 1 --offload none --bf16 --nproc-per-node 8"
+    )
 
 
 def test_cli_table_for_a_model(tmp_path):
@@ -444,6 +457,13 @@ def test_cli_table_for_a_model(tmp_path):
     assert "1,557,611,200 parameters" in text and "recommended:" in text
     # gpt2-xl is a preset, not in this (offline) cache: the command starts from random weights
     assert "zerotune finetune --model gpt2-xl --init random --stage" in text
+    # The command runs the job the plan is for: its dtype, sequence length, micro-batch,
+    # checkpointing and processes (finetune's own defaults are fp32, the context up to
+    # 1024, a batch of 8, no checkpointing, one process).
+    (command,) = [line.strip() for line in text.splitlines() if "zerotune finetune" in line]
+    for flag in ("--bf16", "--block-size 1024", "--per_device_train_batch_size 1",
+                 "--activation_checkpointing", "--nproc-per-node 8"):  # fmt: skip
+        assert f" {flag}" in command, (flag, command)
     assert text.count("\n") > 15
 
 

@@ -517,12 +517,12 @@ class Option:
             out["optim_state_bits"] = self.optim_state_bits
         return out
 
-    def flags(self, nvme_path: str | None = None) -> str:
+    def flags(self, nvme_path: str | None = None, config_file: bool = False) -> str:
         """The ``zerotune finetune`` options for this configuration (``--offload X`` offloads
-        the optimizer and, at stage 3, the parameters; other mixes go in a config file whose
-        keys ``config()`` gives)."""
+        the optimizer and, at stage 3, the parameters; other mixes, or ``config_file``, go
+        in a config file whose keys ``config()`` gives)."""
         parts = [f"--stage {self.stage}"]
-        if self.expressible:
+        if self.expressible and not config_file:
             parts.append(f"--offload {self.offload_optimizer}")
         else:
             parts.append("--config zerotune.yaml")
@@ -605,8 +605,32 @@ class MemoryPlan:
                 "offload_optimizer": rec.offload_optimizer,
                 "config": rec.config(self.nvme_path),
                 "flags": rec.flags(self.nvme_path),
+                "command": self.command(),
             },
         }
+
+    def command(self) -> str | None:
+        """The ``zerotune finetune`` command line of the recommended option (None when
+        nothing fits): its ZeRO tiers and what the plan assumed of the job."""
+        rec = self.recommended
+        if rec is None:
+            return None
+        model = "MODEL" if self.model == "a bare parameter count" else self.model
+        if getattr(self, "random_init", False):
+            model += " --init random"  # a preset or a config: no weights to load
+        zero = rec.flags(self.nvme_path, config_file=self.config_file() is not None)
+        return f"zerotune finetune --model {model} {zero}{_job_flags(self)}"
+
+    def config_file(self) -> dict | None:
+        """The keys of the config file the recommended command needs (a mix of tiers
+        ``--offload`` cannot say, or gradients not in fp32, which no flag sets), or None."""
+        rec = self.recommended
+        if rec is None or (rec.expressible and self.grad_dtype == "fp32"):
+            return None
+        keys = rec.config(self.nvme_path)
+        if self.grad_dtype != "fp32":
+            keys["grad_dtype"] = self.grad_dtype
+        return keys
 
     def format(self) -> str:
         """A table for people."""
@@ -965,15 +989,39 @@ def _format(plan: MemoryPlan) -> str:
         last = plan.options[-1]
         lines += [f"  {last.name}: {w}" for w in last.why_not]
     else:
-        model = "MODEL" if plan.model == "a bare parameter count" else plan.model
-        if getattr(plan, "random_init", False):
-            model += " --init random"  # a preset or a config: no weights to load
         lines.append(f"recommended: {rec.name}")
-        lines.append(f"  zerotune finetune --model {model} {rec.flags(plan.nvme_path)}")
-        if not rec.expressible:
-            keys = ", ".join(f"{k}: {v}" for k, v in rec.config(plan.nvme_path).items())
-            lines.append(f"  with zerotune.yaml holding {{{keys}}}")
+        lines.append(f"  {plan.command()}")
+        keys = plan.config_file()
+        if keys is not None:
+            held = ", ".join(f"{k}: {v}" for k, v in keys.items())
+            lines.append(f"  with zerotune.yaml holding {{{held}}}")
+        nodes = -(-plan.world_size // plan.gpus_per_node)
+        if nodes > 1:
+            lines.append(
+                f"  on each of the {nodes} nodes, under torchrun --nnodes {nodes} "
+                f"--nproc-per-node {plan.gpus_per_node} (in place of --nproc-per-node)"
+            )
     return "\n".join(lines)
+
+
+def _job_flags(plan: MemoryPlan) -> str:
+    """The ``zerotune finetune`` options for what the plan assumed besides the ZeRO tiers
+    (dtype, 8-bit moments, sequence length, micro-batch, checkpointing, processes): without
+    them the command would run another job than the one that fits."""
+    parts = []
+    if plan.dtype in ("bf16", "fp16"):
+        parts.append(f"--{plan.dtype}")  # finetune trains in fp32 unless told
+    if plan.optim_state_bits == 8:
+        parts.append("--optim adamw_8bit")
+    act = plan.activations
+    if act is not None:
+        parts.append(f"--block-size {act['seq_len']}")
+        parts.append(f"--per_device_train_batch_size {act['micro_batch']}")
+        if act["checkpointing"]:
+            parts.append("--activation_checkpointing")
+    if plan.gpus_per_node > 1:
+        parts.append(f"--nproc-per-node {plan.gpus_per_node}")
+    return "".join(" " + p for p in parts)
 
 
 # ----------------------------------------------------------------- checking at run time
