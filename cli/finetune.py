@@ -237,7 +237,18 @@ def finetune(**options) -> None:
     if nproc is not None and nproc > 1 and not under_launcher:
         _launch(nproc, options)
         return
-    _run(options)
+    try:
+        _run(options)
+    except KeyboardInterrupt:
+        # Ctrl-C: the checkpoints written so far are complete (a partial one is not marked
+        # so). Ranks under a launcher leave quietly: the launcher says it once.
+        if not under_launcher:
+            click.echo(
+                f"zerotune finetune: stopped by SIGINT; the complete checkpoints in "
+                f"{options['output_dir']} resume with --resume",
+                err=True,
+            )
+        sys.exit(128 + signal.SIGINT)
 
 
 # ------------------------------------------------------------------------------ checks

@@ -394,16 +394,18 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
 
 
-def test_an_interrupted_multi_process_run_ends_in_one_line(env, tmp_path):
-    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) of a
-    --nproc-per-node 2 run: exit code 130, one line naming the signal and --resume, no
-    traceback, complete checkpoints kept, the temporary NVMe folder gone."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_an_interrupted_run_ends_in_one_line(nproc, env, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) of a run in one
+    process or --nproc-per-node 2: exit code 130, one line naming the signal and --resume
+    (one process printed click's 'Aborted!' and exited with 1), no traceback, complete
+    checkpoints kept, the temporary NVMe folder gone."""
     import signal
     import time
 
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [*COMMAND, "--output-dir", str(out), "--nproc-per-node", "2", "--max_steps", "2000",
+        [*COMMAND, "--output-dir", str(out), "--nproc-per-node", str(nproc), "--max_steps", "2000",
          "--save_steps", "4", "--disable_tqdm", "true"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
@@ -422,5 +424,6 @@ def test_an_interrupted_multi_process_run_ends_in_one_line(env, tmp_path):
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert stderr.count("stopped by SIGINT") == 1 and "--resume" in stderr
+    assert "Aborted!" not in stderr, stderr[-3000:]
     assert list(out.glob("checkpoint-*"))
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
