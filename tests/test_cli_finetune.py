@@ -324,7 +324,7 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         "unknown model": (["--model", "no-such-org/no-such-model"], "unknown model"),
         "preset without --init": (["--model", "gpt2-xl"], "add --init random"),
         "missing column": (["--dataset", good_json], "no text column"),
-        "unreadable file": (["--dataset", bad_json], "cannot read dataset"),
+        "unreadable file": (["--dataset", bad_json], "bad.jsonl, line 1, column 28: not valid"),
         "impossible config": (["--config", impossible], "impossible zerotune configuration"),
         "nvme without space": (["--offload", "nvme", "--nvme-path", small], "free; this run needs"),
         "bad choice": (["--stage", "4"], "Invalid value for '--stage'"),

@@ -97,8 +97,19 @@ def test_column_choice():
 def test_bad_data(tok, tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "x"\n')
-    with pytest.raises(DataError, match="cannot read dataset"):
+    expected = r"broken.jsonl, line 1, column 13: not valid JSON \(Expecting ',' delimiter\)"
+    with pytest.raises(DataError, match=expected):
         load_raw_dataset(broken)
+    # Lines counted from 1, blank ones too (the reader says "row 2" and skips blanks).
+    third = tmp_path / "third.jsonl"
+    third.write_text('{"text": "a"}\n\n{"text": bad}\n{"text": "b"}\n')
+    expected = r"third.jsonl, line 3, column 10: not valid JSON \(Expecting value\)"
+    with pytest.raises(DataError, match=expected):
+        load_raw_dataset(third)
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n"), ("empty.json", "")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DataError, match=f"dataset .*{name} is empty"):
+            load_raw_dataset(tmp_path / name)
     odd = tmp_path / "data.xlsx"
     odd.write_text("x")
     with pytest.raises(DataError, match="unknown file type"):

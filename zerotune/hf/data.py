@@ -20,6 +20,7 @@ download and ``save_pretrained`` writes a ``tokenizer.json`` that ``AutoTokenize
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,10 +139,38 @@ def load_raw_dataset(source: str | os.PathLike):
                 builder, data_files=[str(f) for f in files], split="train", **kwargs
             )
     except Exception as exc:  # noqa: BLE001 - a parse error of any reader becomes one line
-        raise DataError(f"cannot read dataset {path} as {builder}: {_first_line(exc)}") from None
+        found = _json_problem(files) if builder == "json" else None
+        raise DataError(
+            found or f"cannot read dataset {path} as {builder}: {_first_line(exc)}"
+        ) from None
     if len(ds) == 0:
         raise DataError(f"dataset {path} is empty")
     return ds
+
+
+def _json_problem(files: list[Path]) -> str | None:
+    """After the json reader failed: what is wrong, in the user's terms (its own messages
+    say 'StopIteration' for an empty file and count rows from 0): an empty file, or the
+    first line of a .jsonl file that is not JSON, counted from 1."""
+    for f in files:
+        empty = True
+        with open(f, encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                empty = False
+                if f.suffix.lower() != ".jsonl":
+                    break
+                try:
+                    json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as exc:
+                    return (
+                        f"dataset {f}, line {number}, column {exc.colno}: not valid JSON "
+                        f"({exc.msg})"
+                    )
+        if empty:
+            return f"dataset {f} is empty"
+    return None
 
 
 def _load_hub_dataset(name: str):
