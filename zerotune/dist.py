@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -58,6 +59,7 @@ def shutdown() -> None:
     exception", exit -6) while its peers go away; every process that ends with one should
     call this first, on error paths too."""
     if is_initialized():
+        gc.collect()  # engines let go of (reference cycles) hold on to the group's resources
         dist.destroy_process_group()
 
 
