@@ -154,6 +154,7 @@ def test_cli_exports(trained, tmp_path):
         ("bad_dtype", "dtype must be one of bf16, fp16, fp32"),
         ("bad_size", "max_shard_size: cannot read"),
         ("empty_root", "no complete checkpoint"),
+        ("output_under_a_file", "is not a folder"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(trained, tmp_path, case, message):
@@ -175,6 +176,9 @@ def test_cli_bad_input_is_one_line_and_exit_2(trained, tmp_path, case, message):
     elif case == "empty_root":
         ckpt = tmp_path / "empty"
         ckpt.mkdir()
+    elif case == "output_under_a_file":
+        (tmp_path / "a-file").write_text("mine")
+        out = tmp_path / "a-file" / "sub" / "hf"
     code, output = cli(ckpt, out, *extra)
     assert code == 2, output
     lines = output.strip().splitlines()

@@ -101,6 +101,18 @@ def test_checkpoint_without_base_model_prefix_loads(folders, tmp_path):
         assert torch.equal(got[k], v), k
 
 
+def test_a_config_file_instead_of_a_folder_is_explained(folders):
+    import zerotune
+    from zerotune.init.pretrained import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="is a file; give the model folder") as info:
+        zerotune.from_pretrained(f"{folders['gpt2']}/config.json")
+    assert "--init random" in str(info.value) and "zerotune.zero_init" in str(info.value)
+    with pytest.raises(ModelLoadError, match="is a file") as info:
+        zerotune.from_pretrained(f"{folders['gpt2']}/model.safetensors")
+    assert "--init random" not in str(info.value)
+
+
 def test_missing_model_id_offline_gives_one_clear_error(monkeypatch):
     import zerotune
     from zerotune.init.pretrained import ModelLoadError

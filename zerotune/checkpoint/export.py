@@ -88,12 +88,21 @@ def _shard_limit(max_shard_size: int | str) -> int:
 
 
 def check_output(output: Path, overwrite: bool) -> None:
-    """Refuse an output that exists and is not an empty folder (unless ``overwrite``)."""
+    """Refuse an output that exists and is not an empty folder (unless ``overwrite``), or
+    whose folder cannot be made or written (the files are written next to it, then
+    renamed)."""
     if output.exists() or output.is_symlink():
         if not output.is_dir():
             raise ExportError(f"{output}: exists and is not a folder")
         if not overwrite and any(output.iterdir()):
             raise ExportError(f"{output}: exists and is not empty (overwrite it with --overwrite)")
+    parent = Path(os.path.abspath(output)).parent
+    while not parent.exists():  # made on the way
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ExportError(f"{output}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"{output}: no permission to write in {parent}")
 
 
 class HFFolderWriter:

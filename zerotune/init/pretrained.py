@@ -154,7 +154,15 @@ def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
             raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
         return path
     if path.exists():
-        raise ModelLoadError(f"{path} is a file; give the model folder that holds config.json")
+        hint = ""
+        if path.suffix == ".json":  # a config alone has no weights to load
+            hint = (
+                " (a config.json alone builds a model from random weights: zerotune finetune "
+                "--init random, or zerotune.zero_init)"
+            )
+        raise ModelLoadError(
+            f"{path} is a file; give the model folder that holds config.json{hint}"
+        )
     name = str(name_or_path)
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
     try:
