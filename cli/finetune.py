@@ -1045,7 +1045,8 @@ def _finish(job: Job, trainer, result, eval_metrics, memory, elapsed: float) -> 
         f"  model    {job.model_name} ({job.init} init, {trainer.num_parameters / 1e6:.2f}M "
         f"parameters); {describe_config(trainer.engine.config)}; world size {world}",
         f"  data     {job.dataset}: {len(job.train)} blocks of {job.block_size} tokens "
-        f"({job.columns.describe()}; {job.tokenizer_kind})",
+        + (f"(+{len(job.eval)} held out) " if job.eval is not None else "")
+        + f"({job.columns.describe()}; {job.tokenizer_kind})",
         f"  steps    {steps_run} this run (global step {result.global_step}), "
         + (
             f"{tokens:,} tokens, {summary['tokens_per_s'] or 0:,.0f} tokens/s"

@@ -157,10 +157,13 @@ def test_local_model_folder_and_jsonl(env, tmp_path):
     rows = [{"prompt": f"Q: {a}+{a % 7}=", "response": f" {a + a % 7}\n"} for a in range(300)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    finetune(env, "--model", folder, "--dataset", data, "--output-dir", out, "--stage", "2",
-             "--offload", "cpu", "--eval-split", "0.2", "--block-size", "32",
-             "--max_steps", "4", "--logging_steps", "1", "--learning_rate", "1e-2")  # fmt: skip
+    proc = finetune(env, "--model", folder, "--dataset", data, "--output-dir", out,
+                    "--stage", "2", "--offload", "cpu", "--eval-split", "0.2", "--block-size",
+                    "32", "--max_steps", "4", "--logging_steps", "1",
+                    "--learning_rate", "1e-2")  # fmt: skip
     s = summary(out)
+    blocks = f"{s['train_blocks']} blocks of 32 tokens (+{s['eval_blocks']} held out)"
+    assert blocks in proc.stdout, proc.stdout
     assert s["init"] == "pretrained" and s["columns"].startswith("prompt column 'prompt'")
     assert (s["zero"]["stage"], s["zero"]["offload_optimizer"]) == (2, "cpu")
     assert s["eval_blocks"] > 0 and s["eval_loss"] is not None
@@ -203,6 +206,9 @@ def test_hub_id_from_the_local_cache_with_memory_options(env, tmp_path):
     memory = s["memory_rank0"]
     assert memory["engine_checkpoints_device"] == 0
     assert memory["engine_checkpoints_offloaded_peak"] > 0
+    # The swap files counted include the activation checkpoints' (the summary said none).
+    assert memory["nvme"] == memory["engine_checkpoints_file"] > 0
+    assert f"nvme {memory['nvme'] / 2**20:,.1f} MiB (swap files)" in proc.stdout
     assert s["losses"][-1][1] < s["losses"][0][1]
     assert "activation checkpoints on nvme, 8-bit Adam states" in proc.stderr + proc.stdout
     # Not in the cache: one line naming the cache, exit code 2.

@@ -404,7 +404,8 @@ class ZeroTrainer(Trainer):
     # ------------------------------------------------------------------------ reporting
     def memory_summary(self) -> dict[str, int | None]:
         """Peak bytes per memory tier of this rank: accelerator (None without one), host
-        (peak resident set of this process), nvme (swap files), and the engine's report."""
+        (peak resident set of this process), nvme (swap files: parameters, gradients and
+        optimizer state, and offloaded activation checkpoints), and the engine's report."""
         report = self.engine.memory_report()
         accel = None
         if self.engine.device.type == "cuda":
@@ -412,7 +413,7 @@ class ZeroTrainer(Trainer):
         return {
             "accelerator_peak": accel,
             "host_peak": _peak_rss(),
-            "nvme": report.get("nvme", 0),
+            "nvme": report.get("nvme", 0) + report.get("checkpoints_file", 0),
             **{f"engine_{k}": v for k, v in report.items()},
         }
 
