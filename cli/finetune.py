@@ -525,6 +525,8 @@ def _check_output_dir(out: Path, options: dict, args, model_source) -> None:
     if not os.access(out, os.W_OK | os.X_OK):
         raise BadInput(f"--output-dir {out}: no permission to write there")
     earlier = sorted(e.name for e in out.iterdir() if _is_run_output(e))
+    if earlier == [_JOB_RECORD]:
+        earlier = []  # a run stopped before it wrote anything else: nothing to keep
     if not earlier or continues:
         return  # nothing of an earlier run (the run writes next to the user's files), or its own
     shown = ", ".join(earlier[:4]) + (", ..." if len(earlier) > 4 else "")
@@ -938,10 +940,6 @@ def _run(options: dict) -> None:
             if engine.rank == 0:
                 _clear_output_dir(Path(args.output_dir))
             zdist.barrier(engine.group)
-        if engine.rank == 0:  # what --resume continues
-            out = Path(args.output_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            _write_job_record(out, _job_record(options, args))
         _tokenize(job)
         from transformers import default_data_collator
 
@@ -961,6 +959,10 @@ def _run(options: dict) -> None:
                 job.start_step = state.global_step  # after a resume: the checkpoint's step
 
         trainer.add_callback(StartStep())
+        if engine.rank == 0:  # what --resume continues (written once the input is good)
+            out = Path(args.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            _write_job_record(out, _job_record(options, args))
         resume = args.resume_from_checkpoint or (True if options["resume"] else None)
         from zerotune.checkpoint import CheckpointError
 

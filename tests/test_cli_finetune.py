@@ -139,6 +139,12 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
         assert named in proc.stderr and "--resume_from_checkpoint" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert summary(out)["global_step"] == 3  # nothing was trained or written by those
+    # A record alone (a run stopped before its first checkpoint) is no run to protect.
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "zerotune_job.json").write_text(json.dumps(record))
+    finetune(env, "--output-dir", lone, "--max_steps", "1")
+    assert json.loads((lone / "zerotune_job.json").read_text())["dataset"] is None
 
 
 def test_local_model_folder_and_jsonl(env, tmp_path):
