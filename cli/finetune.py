@@ -576,7 +576,7 @@ def _as_recorded(value):
 
 def _job_record(options: dict, args) -> dict:
     record = {key: _as_recorded(options[key]) for key in _RECORDED}
-    record["dtype"] = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    record["dtype"] = args.zero.dtype  # from --bf16 / --fp16 or the config file
     return record
 
 
@@ -586,39 +586,58 @@ def _write_job_record(out: Path, record: dict) -> None:
     os.replace(tmp, out / _JOB_RECORD)
 
 
-def _adopt_recorded_job(options: dict, given: set[str]) -> None:
-    """--resume continues the run in --output-dir as it was started: the model, data and
-    dtype options it is not given come from the run's record; ones that differ from it are
-    refused (they would silently train another job from the checkpoint)."""
+def _read_job_record(options: dict) -> dict | None:
     path = Path(options["output_dir"]).expanduser() / _JOB_RECORD
     if not path.is_file():
-        return  # a run of an older zerotune, or checkpoints copied in: nothing to compare
+        return None  # a run of an older zerotune, or checkpoints copied in: nothing to compare
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise BadInput(f"--resume: cannot read {path} ({exc})") from None
+    if not isinstance(record, dict):
+        raise BadInput(f"--resume: cannot read {path} (not a JSON object)")
+    return record
+
+
+def _refuse_resume(options: dict, differ: list[str]) -> None:
+    raise BadInput(
+        f"--resume: this run was started with {'; '.join(differ)}. Resume with the run's "
+        "own options (leave them out to reuse them), or train on from one of its "
+        "checkpoints into another folder: --resume_from_checkpoint "
+        f"{options['output_dir']}/checkpoint-N --output-dir NEW"
+    )
+
+
+def _adopt_recorded_job(options: dict, given: set[str]) -> None:
+    """--resume continues the run in --output-dir as it was started: the model, data and
+    dtype options it is not given come from the run's record; ones that differ from it are
+    refused (they would silently train another job from the checkpoint). The dtype given
+    is compared once the arguments are parsed (``_check_recorded_dtype``)."""
+    record = _read_job_record(options)
+    if record is None:
+        return
     differ = []
     for key in _RECORDED:
         if key not in record:
             continue
-        flag = "--" + key.replace("_", "-")
         if key not in given:
             options[key] = record[key]
         elif _as_recorded(options[key]) != record[key]:
-            differ.append(f"{flag} {record[key]} (now {options[key]})")
-    dtype = record.get("dtype", "fp32")
-    flags = [a.split("=")[0] for a in options["hf_args"] if a.split("=")[0] in _DTYPE_FLAGS]
-    if not flags and dtype != "fp32":
-        options["hf_args"] = (*options["hf_args"], f"--{dtype}")
-    elif flags and any(f != f"--{dtype}" for f in flags):
-        differ.append(f"{dtype} (now {' '.join(flags)})")
+            was = "the default" if record[key] is None else record[key]
+            differ.append(f"--{key.replace('_', '-')} {was} (now {options[key]})")
     if differ:
-        raise BadInput(
-            f"--resume: this run was started with {'; '.join(differ)}. Resume with the run's "
-            "own options (leave them out to reuse them), or train on from one of its "
-            "checkpoints into another folder: --resume_from_checkpoint "
-            f"{options['output_dir']}/checkpoint-N --output-dir NEW"
-        )
+        _refuse_resume(options, differ)
+    dtype = record.get("dtype", "fp32")
+    named = any(a.split("=")[0] in _DTYPE_FLAGS for a in options["hf_args"])
+    if dtype != "fp32" and not named and "zero_config" not in given:
+        options["hf_args"] = (*options["hf_args"], f"--{dtype}")
+
+
+def _check_recorded_dtype(options: dict, args) -> None:
+    """--resume: the dtype the arguments give (flags or config file) is the run's."""
+    record = _read_job_record(options)
+    if record is not None and record.get("dtype", args.zero.dtype) != args.zero.dtype:
+        _refuse_resume(options, [f"dtype {record['dtype']} (now {args.zero.dtype})"])
 
 
 def _check_resume(options: dict, args) -> None:
@@ -772,6 +791,8 @@ def _prepare(options: dict) -> Job:
         args = _parse_training_args(options, zero, nvme_path)
         if options["resume"] or args.resume_from_checkpoint:
             _check_resume(options, args)
+        if options["resume"]:
+            _check_recorded_dtype(options, args)
         _check_output_dir(Path(args.output_dir), options, args, source)
         tokenizer, tok_kind = _resolve_tokenizer(options, source, config)
         if init == "random":  # the model's special tokens are the tokenizer's

@@ -131,7 +131,8 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
     for extra, named in (
         (["--dataset", other], f"--dataset {data.resolve()} (now {other})"),
         (["--block-size", "16"], "--block-size 32 (now 16)"),
-        (["--fp16"], "bf16 (now --fp16)"),
+        (["--fp16"], "dtype bf16 (now fp16)"),
+        (["--bf16", "False"], "dtype bf16 (now fp32)"),  # the flag's value, not its name
     ):
         proc = finetune(env, "--output-dir", out, "--resume", "--max_steps", "4", *extra,
                         check=False)  # fmt: skip
@@ -139,6 +140,14 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
         assert named in proc.stderr and "--resume_from_checkpoint" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert summary(out)["global_step"] == 3  # nothing was trained or written by those
+    # A config file that gives the same dtype is the run's own.
+    config = tmp_path / "bf16.yaml"
+    config.write_text("stage: 3\ndtype: bf16\n")
+    finetune(env, "--output-dir", out, "--resume", "--config", config, "--max_steps", "4")
+    assert summary(out)["zero"]["dtype"] == "bf16" and summary(out)["global_step"] == 4
+    (out / "zerotune_job.json").write_text("[]")  # damaged: one line, not a traceback
+    proc = finetune(env, "--output-dir", out, "--resume", check=False)
+    assert proc.returncode == 2 and "not a JSON object" in proc.stderr, proc.stderr[-2000:]
     # A record alone (a run stopped before its first checkpoint) is no run to protect.
     lone = tmp_path / "lone"
     lone.mkdir()

@@ -113,6 +113,20 @@ def test_a_config_file_instead_of_a_folder_is_explained(folders):
     assert "--init random" not in str(info.value)
 
 
+def test_hidden_parameters_come_back_as_they_were():
+    # A tied weight listed twice is hidden and restored once; the HF "initialized" mark
+    # is only there while hidden.
+    from zerotune.init.construct import hidden
+
+    p = torch.nn.Parameter(torch.ones(3))
+    q = torch.nn.Parameter(torch.ones(2))
+    q._is_hf_initialized = False
+    with hidden([p, q, p], torch.device("cpu")):
+        assert p.numel() == 0 and p._is_hf_initialized and q._is_hf_initialized
+    assert torch.equal(p.data, torch.ones(3)) and not hasattr(p, "_is_hf_initialized")
+    assert torch.equal(q.data, torch.ones(2)) and q._is_hf_initialized is False
+
+
 def test_missing_model_id_offline_gives_one_clear_error(monkeypatch):
     import zerotune
     from zerotune.init.pretrained import ModelLoadError

@@ -106,6 +106,17 @@ def test_bad_data(tok, tmp_path):
     expected = r"third.jsonl, line 3, column 10: not valid JSON \(Expecting value\)"
     with pytest.raises(DataError, match=expected):
         load_raw_dataset(third)
+    # In a folder, an empty file next to a broken one is not what failed.
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("")
+    (folder / "b.jsonl").write_text('{"text": "a"}\n{"text": "b\rc"}\n')  # a raw CR
+    expected = r"b.jsonl, line 2, column 12: not valid JSON \(Invalid control"
+    with pytest.raises(DataError, match=expected):
+        load_raw_dataset(folder)
+    (folder / "b.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=f"dataset {folder} is empty"):
+        load_raw_dataset(folder)
     for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n"), ("empty.json", "")):
         (tmp_path / name).write_text(text)
         with pytest.raises(DataError, match=f"dataset .*{name} is empty"):

@@ -57,6 +57,7 @@ free for them.
 from __future__ import annotations
 
 import logging
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -527,7 +528,7 @@ class Option:
         else:
             parts.append("--config zerotune.yaml")
         if "nvme" in (self.offload_param, self.offload_optimizer):
-            parts.append(f"--nvme-path {nvme_path or '/path/on/nvme'}")
+            parts.append(f"--nvme-path {shlex.quote(nvme_path or '/path/on/nvme')}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -603,8 +604,8 @@ class MemoryPlan:
                 "stage": rec.stage,
                 "offload_param": rec.offload_param,
                 "offload_optimizer": rec.offload_optimizer,
-                "config": rec.config(self.nvme_path),
-                "flags": rec.flags(self.nvme_path),
+                "config": self.config_file() or rec.config(self.nvme_path),
+                "flags": rec.flags(self.nvme_path, config_file=self.config_file() is not None),
                 "command": self.command(),
             },
         }
@@ -615,7 +616,7 @@ class MemoryPlan:
         rec = self.recommended
         if rec is None:
             return None
-        model = "MODEL" if self.model == "a bare parameter count" else self.model
+        model = "MODEL" if self.model == "a bare parameter count" else shlex.quote(self.model)
         if getattr(self, "random_init", False):
             model += " --init random"  # a preset or a config: no weights to load
         zero = rec.flags(self.nvme_path, config_file=self.config_file() is not None)

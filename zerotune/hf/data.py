@@ -150,15 +150,16 @@ def load_raw_dataset(source: str | os.PathLike):
 
 def _json_problem(files: list[Path]) -> str | None:
     """After the json reader failed: what is wrong, in the user's terms (its own messages
-    say 'StopIteration' for an empty file and count rows from 0): an empty file, or the
-    first line of a .jsonl file that is not JSON, counted from 1."""
+    say 'StopIteration' for an empty file and count rows from 0): the first line of a
+    .jsonl file that is not JSON, counted from 1, or files that are all empty."""
+    empty = []
     for f in files:
-        empty = True
-        with open(f, encoding="utf-8", errors="replace") as lines:
+        blank = True
+        with open(f, encoding="utf-8", errors="replace", newline="\n") as lines:
             for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
-                empty = False
+                blank = False
                 if f.suffix.lower() != ".jsonl":
                     break
                 try:
@@ -168,8 +169,10 @@ def _json_problem(files: list[Path]) -> str | None:
                         f"dataset {f}, line {number}, column {exc.colno}: not valid JSON "
                         f"({exc.msg})"
                     )
-        if empty:
-            return f"dataset {f} is empty"
+        if blank:
+            empty.append(f)
+    if len(empty) == len(files):  # one empty file among others is not what failed
+        return f"dataset {empty[0] if len(files) == 1 else empty[0].parent} is empty"
     return None
 
 

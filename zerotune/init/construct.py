@@ -83,6 +83,7 @@ def hidden(params: list[nn.Parameter], device: torch.device):
     """Point ``params`` at empty tensors for a while, marked initialized for transformers'
     init functions, so that an init function leaves them alone (HF's ``_init_weights``
     otherwise indexes an embedding's padding row, which an empty tensor does not have)."""
+    params = list({id(p): p for p in params}.values())  # each once (tied weights)
     saved = [(p.data, p.__dict__.get("_is_hf_initialized", _UNSET)) for p in params]
     for p in params:
         p.data = torch.empty(0, dtype=p.dtype, device=device)
