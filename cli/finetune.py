@@ -398,7 +398,7 @@ def _check_job_args(args) -> None:
     ):
         raise BadInput(
             f"--offload_activations {activations} moves the saved inputs of checkpointed "
-            "blocks: add --gradient_checkpointing"
+            "blocks: add --activation_checkpointing (or --gradient_checkpointing)"
         )
     if args.metric_for_best_model is not None and args.metric_for_best_model not in _EVAL_METRICS:
         raise BadInput(

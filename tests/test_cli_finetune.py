@@ -361,7 +361,7 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         "zero batch": (["--per_device_train_batch_size", "0"], "must be at least 1"),
         "zero accumulation": (["--gradient_accumulation_steps", "0"], "must be at least 1"),
         "nothing to train": (["--max_steps", "0"], "nothing to train"),
-        "activations unchecked": (["--offload_activations", "cpu"], "--gradient_checkpointing"),
+        "activations unchecked": (["--offload_activations", "cpu"], "--activation_checkpointing"),
         "schedule without kwargs": (
             ["--lr_scheduler_type", "warmup_stable_decay"],
             "--lr_scheduler_type warmup_stable_decay",

@@ -103,7 +103,7 @@ class ZeroTrainingArguments(TrainingArguments):
     )  # fmt: skip
     offload_activations: str | None = field(
         default=None,
-        metadata={"help": "With --gradient_checkpointing: where the saved inputs of "
+        metadata={"help": "With --activation_checkpointing: where the saved inputs of "
                   "checkpointed blocks wait for backward.", "choices": ["none", "cpu", "nvme"]},
     )  # fmt: skip
     tile_linear_bytes: int | str | None = field(
