@@ -512,15 +512,11 @@ def _check_output_dir(out: Path, options: dict, args, model_source) -> None:
     if isinstance(model_source, Path) and out.exists() and out.resolve() == model_source.resolve():
         raise BadInput(f"--output-dir {out} is the model's own folder; choose another one")
     if not out.exists():
-        ancestor = out.parent
-        while not ancestor.exists():
-            ancestor = ancestor.parent
-        if not ancestor.is_dir():
-            raise BadInput(f"cannot create --output-dir {out}: {ancestor} is not a folder")
-        if not os.access(ancestor, os.W_OK | os.X_OK):
-            raise BadInput(
-                f"cannot create --output-dir {out}: no permission to write in {ancestor}"
-            )
+        from zerotune.checkpoint.files import cannot_create
+
+        why = cannot_create(out.parent)
+        if why is not None:
+            raise BadInput(f"cannot create --output-dir {out}: {why}")
         return
     if not os.access(out, os.W_OK | os.X_OK):
         raise BadInput(f"--output-dir {out}: no permission to write there")

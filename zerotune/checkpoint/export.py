@@ -41,7 +41,14 @@ import torch
 from .. import dist as zdist
 from ..config import ConfigError, parse_bytes
 from ..sharding.tiling import TiledWeight, iter_row_bands, tiled_weights
-from .files import TensorFileReader, TensorFileWriter, TensorSpec, atomic_write_bytes, fsync_dir
+from .files import (
+    TensorFileReader,
+    TensorFileWriter,
+    TensorSpec,
+    atomic_write_bytes,
+    cannot_create,
+    fsync_dir,
+)
 from .io import _agree, _RankFiles, model_files, open_checkpoint, persistent_buffers
 from .manifest import BUFFERS
 
@@ -96,13 +103,9 @@ def check_output(output: Path, overwrite: bool) -> None:
             raise ExportError(f"{output}: exists and is not a folder")
         if not overwrite and any(output.iterdir()):
             raise ExportError(f"{output}: exists and is not empty (overwrite it with --overwrite)")
-    parent = Path(os.path.abspath(output)).parent
-    while not parent.exists():  # made on the way
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ExportError(f"{output}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExportError(f"{output}: no permission to write in {parent}")
+    why = cannot_create(Path(os.path.abspath(output)).parent)
+    if why is not None:
+        raise ExportError(f"{output}: {why}")
 
 
 class HFFolderWriter:

@@ -31,6 +31,7 @@ __all__ = [
     "TensorFileReader",
     "TensorFileWriter",
     "atomic_write_bytes",
+    "cannot_create",
     "fsync_dir",
     "sha256_file",
     "st_dtype",
@@ -50,6 +51,19 @@ def st_dtype(dtype: torch.dtype) -> str:
 
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def cannot_create(folder: Path) -> str | None:
+    """Why ``folder`` (missing, to be made with its parents) could not be made, or None: the
+    nearest existing ancestor is not a folder, or this user may not write in it."""
+    ancestor = folder
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is not a folder"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"no permission to write in {ancestor}"
+    return None
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
