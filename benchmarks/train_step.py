@@ -14,13 +14,17 @@ one JSON line with ``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain)
         --optim adamw_8bit                      # + nvme_bytes_ratio (8-bit / fp32 states)
     python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
         --overlap-step                          # optimizer I/O during backward
+    python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
+        --overlap-step --compare-carry          # + the same without carrying into forward
     python benchmarks/train_step.py --offload-activations nvme --nvme-path /tmp \
         --batch 8 --seq 512                     # checkpoints offloaded vs kept, both checkpointed
 
 With ``--optim adamw_8bit`` zerotune runs twice in the same invocation, with fp32 Adam states
 and with 8-bit ones (``optim_state_bits: 8``); the summary describes the 8-bit run and adds
 ``nvme_bytes_ratio`` (disk bytes read + written per step, 8-bit / fp32) and the other
-ratios against the fp32-state run. With ``--offload-activations`` zerotune runs with
+ratios against the fp32-state run. With ``--compare-carry`` (and ``--overlap-step``)
+zerotune also runs with ``overlapped(carry=False)``: every update finished in ``step()``
+instead of the last ones going on during the next forward. With ``--offload-activations`` zerotune runs with
 activation checkpointing on, once keeping the checkpoints and once offloading them; the
 summary describes the offloaded run and adds its ratios against the kept one.
 
@@ -74,6 +78,11 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="zerotune: update each unit during backward (ZeroAdamW.overlapped())",
     )
+    ap.add_argument(
+        "--compare-carry",
+        action="store_true",
+        help="with --overlap-step: also run zerotune with overlapped(carry=False)",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument(
         "--rounds",
@@ -83,7 +92,13 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument(
         "--variant",
-        choices=["plain", "zerotune", "zerotune-fp32-states", "zerotune-kept-checkpoints"],
+        choices=[
+            "plain",
+            "zerotune",
+            "zerotune-fp32-states",
+            "zerotune-kept-checkpoints",
+            "zerotune-no-carry",
+        ],
         help=argparse.SUPPRESS,
     )
     return ap.parse_args()
@@ -138,7 +153,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         loss = runner(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
         if args.overlap_step and args.variant != "plain":
-            with opt.overlapped():
+            with opt.overlapped(carry=args.variant != "zerotune-no-carry"):
                 loss.backward()
         else:
             loss.backward()
@@ -206,6 +221,10 @@ def main() -> None:
         variants.append("zerotune-fp32-states")
     if args.offload_activations != "none":
         variants.append("zerotune-kept-checkpoints")
+    if args.compare_carry:
+        if not args.overlap_step:
+            sys.exit("--compare-carry needs --overlap-step")
+        variants.append("zerotune-no-carry")
     variants.append("zerotune")
     if args.rounds < 1:
         sys.exit("--rounds must be at least 1")
@@ -267,6 +286,7 @@ def main() -> None:
     for other, key in (
         ("zerotune-fp32-states", "nvme_bytes_ratio"),
         ("zerotune-kept-checkpoints", "moved_bytes_ratio"),
+        ("zerotune-no-carry", "moved_bytes_ratio_vs_no_carry"),
     ):
         if other in results:
             o = results[other]

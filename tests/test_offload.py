@@ -558,7 +558,7 @@ def test_overlapped_step_reads_ahead_of_backward(tmp_path):
         units = [engine.units[i] for i in opt._launch_order]
         expected = [(u, c) for u in units for c in store.chunks(u)]
         read0 = store.bytes_read
-        with opt.overlapped():
+        with opt.overlapped(carry=False):  # each step's reads counted within it
             ahead.append(store.bytes_read - read0)
             loss = loss_of(engine, ids)
             engine.backward(loss)
@@ -776,3 +776,132 @@ def test_host_pool_keeps_only_buffers_that_recur(tmp_path):
     # block-sized buffers are all reused.
     assert made[1] == made[2] == len(one_off), (made, one_off)
     engine.close()
+
+
+# ------------------------------------------------- a step carried into the next forward
+def _train_carried(tmp_path, monkeypatch, carry: bool, steps: int = 6, config=None):
+    """World size 1, both tiers on NVMe: forward outside ``overlapped()``, an LR scheduler
+    stepped right after each ``step()``. I/O reports itself done only once waited for, so
+    the pipeline falls behind during backward and ``step()`` always has a backlog.
+    Returns losses, the units each ``step()`` left unfinished, every unit's state read
+    right after ``step()``, and the final weights."""
+    import torch
+    from harness import LR, WD, batches, build, loss_of, no_decay_groups
+
+    import zerotune
+    from zerotune.memory.aio import IOHandle
+
+    monkeypatch.setattr(IOHandle, "done", lambda self: False)
+    tmp_path.mkdir()
+    config = dict(config or OVERLAP_CONFIGS[0], nvme_path=str(tmp_path))
+    config.setdefault("staging_bytes", 3 * 16 * 4096 * 3)
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    engine = zerotune.shard(model, config)
+    opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
+    losses, left, states = [], [], []
+    for ids in batches("gpt2", steps):
+        loss = loss_of(engine, ids)
+        with opt.overlapped(carry=carry):
+            loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        left.append(0 if opt._carry is None else len(opt._carry.unfinished))
+        losses.append(float(loss.detach()))
+    states = {u.index: engine.unit_state(u) for u in engine.units if u.trainable}
+    assert opt._carry is None  # reading the state finished the carried updates
+    weights = engine.full_state_dict()
+    staging = engine.staging
+    assert len(staging._free) * staging.slot == staging.allocated  # every slot came back
+    engine.close()
+    return losses, left, states, weights
+
+
+def test_a_step_carried_into_the_next_forward_matches_plain_adamw(tmp_path, monkeypatch):
+    """``step()`` returns with updates still queued (the units backward finished last) and
+    the next forward finishes each before gathering it: losses and weights are those of
+    plain AdamW with the same scheduler (whose change right after ``step()`` must not
+    reach the carried updates), and the state read after the last step is bit for bit
+    that of steps finished in ``step()``."""
+    import numpy as np
+    import torch
+    from harness import LR, WD, batches, build, loss_of, no_decay_groups
+
+    model = build("gpt2")
+    opt = torch.optim.AdamW(no_decay_groups(model, WD), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
+    ref_losses = []
+    for ids in batches("gpt2", 6):
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+
+    losses, left, states, weights = _train_carried(tmp_path / "a", monkeypatch, carry=True)
+    assert min(left) > 0, left  # every step carried updates into the next forward
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(
+            np.asarray(weights[name]), p.detach().numpy(), rtol=1e-5, atol=2e-5, err_msg=name
+        )
+    plain = _train_carried(tmp_path / "b", monkeypatch, carry=False)
+    assert max(plain[1]) == 0
+    assert losses == plain[0]
+    for index, state in states.items():
+        for key, value in state.items():
+            assert torch.equal(value, plain[2][index][key]), (index, key)
+
+
+def test_a_carried_step_with_8bit_moments_and_gradients_in_memory(tmp_path, monkeypatch):
+    """The same with 8-bit moments on NVMe, the parameters and gradients in memory (the
+    update then refreshes the parameter shard itself): bit for bit as without carrying."""
+    import torch
+
+    config = OVERLAP_CONFIGS[1]
+    carried = _train_carried(tmp_path / "a", monkeypatch, carry=True, steps=4, config=config)
+    plain = _train_carried(tmp_path / "b", monkeypatch, carry=False, steps=4, config=config)
+    assert min(carried[1]) > 0 and max(plain[1]) == 0
+    assert carried[0] == plain[0]
+    for name, w in plain[3].items():
+        assert torch.equal(carried[3][name], w), name
+
+
+def test_a_carried_update_that_fails_stops_training(tmp_path, monkeypatch):
+    """An update failing after ``step()`` (carried into the next forward) comes out of
+    that forward, and of every later use, as one error saying the step is incomplete;
+    ``close()`` still works and gives every staging slot back."""
+    import pytest as _pytest
+    from harness import batches, build, loss_of
+
+    import zerotune
+    from zerotune.memory.aio import IOHandle
+
+    monkeypatch.setattr(IOHandle, "done", lambda self: False)
+    config = dict(OVERLAP_CONFIGS[0], nvme_path=str(tmp_path), staging_bytes=3 * 16 * 4096 * 3)
+    engine = zerotune.shard(build("gpt2"), config)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    ids = batches("gpt2", 1)[0]
+    loss = loss_of(engine, ids)
+    with opt.overlapped():
+        loss.backward()
+    opt.step()
+    assert opt._carry is not None and opt._carry.unfinished
+    real = opt._update_chunk
+
+    def failing(*args):
+        raise ValueError("update failed on purpose")
+
+    monkeypatch.setattr(opt, "_update_chunk", failing)
+    for _ in range(2):
+        with _pytest.raises(RuntimeError, match="failed after step\\(\\).*resume from"):
+            loss_of(engine, ids)
+    monkeypatch.setattr(opt, "_update_chunk", real)
+    with _pytest.raises(RuntimeError, match="failed after step"):
+        engine.unit_state(engine.units[-1])
+    staging = engine.staging
+    engine.close()
+    assert len(staging._free) * staging.slot == staging.allocated

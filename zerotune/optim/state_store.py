@@ -238,6 +238,17 @@ class Feed:
         self.items: deque = deque(items)
         self.closed = closed
         self.expected = list(expected)
+        self.todo: deque = deque()  # taken by the pipeline, waiting for a staging slot
+
+    def promote(self, unit) -> None:
+        """Update ``unit``'s chunks before the others not started yet (each unit's chunks
+        keep their order): something is about to need its new values."""
+        for queue in (self.todo, self.items):
+            if any(item[0] is unit for item in queue):
+                mine = [item for item in queue if item[0] is unit]
+                rest = [item for item in queue if item[0] is not unit]
+                queue.clear()
+                queue.extend(mine + rest)
 
     @classmethod
     def of(cls, feed) -> Feed:
@@ -294,6 +305,8 @@ class Scratch:
 
 
 class ResidentStore:
+    carries = False  # nothing to wait for: an overlapped step finishes in step()
+
     def __init__(self, units, bits: int = 32):
         self.moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.q8: dict[int, Q8Moments] = {}
@@ -453,6 +466,8 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
 
 
 class NvmeStore:
+    carries = True  # an overlapped step's updates may run on into the next forward
+
     def __init__(self, swap, staging, layout: OptimLayout):
         self.swap, self.staging, self.layout = swap, staging, layout
         self.bytes_read = 0
@@ -552,7 +567,7 @@ class NvmeStore:
         slots = self.layout.slots
         writes: deque = deque()  # (handles, buf) of updated chunks
         started: deque = deque()  # entries whose reads are issued, in order
-        todo: deque = deque()  # launched chunks not started yet
+        todo = feed.todo  # launched chunks not started yet (``Feed.promote`` reorders)
         ahead: dict = {}  # (unit index, c0) -> entry read ahead of its unit's launch
         seen: set = set()  # (unit index, c0) of chunks started or in todo
         planned: deque = deque(feed.expected)

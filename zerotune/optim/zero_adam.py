@@ -75,6 +75,29 @@ there (``_hold_grads`` in engine.py).
 It needs what an early update cannot undo or rescale: no global-norm clipping (the norm needs
 every gradient first), no fp16 loss scaling (an overflow anywhere must skip every update),
 stage 2 or 3 (stage 1 keeps whole gradients until the step) and a synchronized backward.
+
+[Note: carrying the step into the next forward]
+The updates still queued when backward ends are those of the units backward finished last:
+at stage 3 the first blocks and the input embedding, the units the next forward needs
+first. With NVMe they are the disk's backlog from backward, and ``step()`` used to wait for
+all of it (the "tail") while the disk then idles through the whole next forward. With
+``overlapped(carry=True)`` (the default) ``step()`` returns once the parameters that stay
+gathered (persistent units) are updated, and the rest of the pipeline runs on in the next
+forward: the engine's pre-forward hooks resume it between layers, a unit about to be
+gathered is first moved to the front of the queue and updated (``settle``), and a unit
+prefetch would gather early is only moved to the front. Everything else that reads or
+writes a unit's state finishes the whole pipeline first: the next backward (its first
+hook), ``step()``, ``overlapped()``, ``clip_grad_norm_``, ``unit_state`` /
+``load_unit_state`` (checkpoints, export), ``full_state_dict``, ``close``. The updates are
+the ones ``step()`` would have made: the step counts were taken at launch, and the
+hyper-parameters are frozen at ``step()`` (a scheduler stepping right after it changes the
+next step's, as without carrying); the gradients they read stay where they are until their
+update is done (``Unit.update_pending``: ``zero_grad`` keeps a held gradient), and nothing
+writes a gradient before the next backward, which settles first. An error in a carried
+update comes out of the call that resumed it (a forward, a checkpoint) and from every
+later one: some units of that step were updated and some not, so it says to resume from a
+checkpoint. Not with ``track_norm`` (the norm would be known only after the carried
+updates; ZeroTrainer logs it each step) nor with a store in memory (nothing to wait for).
 """
 
 from __future__ import annotations
@@ -202,6 +225,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._grad_norm: float | None = None
         self._overlap: _OverlappedStep | None = None  # see [Note: overlapped step]
         self._launch_order: list[int] = []  # unit indices, as the last overlapped step went
+        # The last overlapped step's pipeline, still running into the next forward, and
+        # the hyper-parameters its updates use (see [Note: carrying the step into the next
+        # forward]).
+        self._carry: _OverlappedStep | None = None
+        self._frozen_groups: list[dict] | None = None
         # With overlapped(track_norm=True): this rank's sum of grad**2, added chunk by chunk
         # as the updates read the gradients, and the norm step() fills in.
         self._norm_sq: torch.Tensor | None = None
@@ -274,13 +302,16 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._sum_sq = sq
 
     @contextlib.contextmanager
-    def overlapped(self, track_norm: bool = False):
+    def overlapped(self, track_norm: bool = False, carry: bool = True):
         """Run the last backward of a step inside: each unit is updated as soon as its
         gradient is final, overlapping the optimizer's I/O with the rest of backward; then
         call ``step()`` as usual (see [Note: overlapped step]). Not with clipping, fp16 or
         stage 1, nor inside ``no_sync()``. With ``track_norm`` the global gradient norm is
         summed from the chunks the updates read: ``pending_grad_norm`` is a 0-dim tensor
-        that ``step()`` fills (and ``StepInfo.grad_norm``)."""
+        that ``step()`` fills (and ``StepInfo.grad_norm``). With ``carry`` (and optimizer
+        state on NVMe, without ``track_norm``) the updates still queued at ``step()`` go on
+        during the next forward (see [Note: carrying the step into the next forward])."""
+        self.settle()
         engine = self.engine
         if engine.scaler is not None:
             raise RuntimeError(
@@ -301,7 +332,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         if track_norm:
             self._norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
             self.pending_grad_norm = torch.zeros(())
-        self._overlap = engine._overlap = _OverlappedStep(self)
+        self._overlap = engine._overlap = _OverlappedStep(
+            self, carry=carry and not track_norm and self.store.carries
+        )
         try:
             yield
         finally:
@@ -335,6 +368,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 "clip_grad_norm_ after an overlapped backward: units were updated during "
                 "backward, before the global norm existed; clip without overlapped()"
             )
+        self.settle()
         self._prepare()
         if self._overflow:
             return torch.tensor(float("inf"))
@@ -355,10 +389,25 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroAdamW.step does not take a closure")
         overlap, self._overlap = self._overlap, None
+        self.settle()  # the step before's, should nothing have needed it since
         launched: dict[int, None] = {}  # units updated during backward already
         if overlap is not None:
-            overlap.finish()
+            overlap.close()
             launched = overlap.launched
+            if overlap.carry and any(u.index not in launched for u in self._live_units()):
+                overlap.carry = False  # step() updates more units: the pipeline is busy
+            if overlap.carry:
+                # Units that stay gathered are not gathered again: they need their values now.
+                for unit in self.engine.units_kept_gathered():
+                    overlap.settle(unit)
+                if overlap.unfinished:
+                    self._frozen_groups = [dict(g, params=None) for g in self.param_groups]
+                    self._carry = self.engine._carry = overlap
+                    overlap._phase = "after step() (carried into the next forward)"
+                else:
+                    overlap.finish()
+            else:
+                overlap.finish()
         self._prepare()
         scaler = self.engine.scaler
         info = StepInfo(
@@ -414,7 +463,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             a, b = max(seg.start, c0), min(seg.end, c1)
             if a >= b or not seg.counted:
                 continue
-            group = self.param_groups[seg.group]
+            groups = self._frozen_groups if self._frozen_groups is not None else self.param_groups
+            group = groups[seg.group]
             beta1, beta2 = group["betas"]
             kwargs = dict(
                 step=self.state[seg.key]["step"],
@@ -459,6 +509,33 @@ class ZeroAdamW(torch.optim.Optimizer):
             lowp = out[a:b] if out is not None else None
             update(master[a:b], grad[a:b], m[a:b], v[a:b], out_lowp=lowp, **kwargs)
 
+    def settle(self, unit=None, overwrite: bool = False) -> None:
+        """Finish the updates the last step carried into this forward (see [Note: carrying
+        the step into the next forward]): all of them, or ``unit``'s (moved to the front).
+        ``overwrite``: the caller replaces every unit's state (a checkpoint loads), so a
+        carry that failed is dropped instead of raising again."""
+        carry = self._carry
+        if carry is None:
+            return
+        if overwrite and carry.failed:
+            carry.abandon()
+        else:
+            carry.settle(unit)
+        if not carry.unfinished:
+            self._carry = self.engine._carry = None
+            self._frozen_groups = None
+            carry.finish()
+
+    def promote(self, unit) -> None:
+        """Move ``unit``'s carried update to the front of the queue (it is needed soon)."""
+        if self._carry is not None:
+            self._carry.feed.promote(unit)
+
+    def pump(self) -> None:
+        """Advance the carried updates as far as their I/O allows, without waiting."""
+        if self._carry is not None:
+            self._carry.pump()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
 
@@ -467,11 +544,14 @@ class ZeroAdamW(torch.optim.Optimizer):
 
 
 class _OverlappedStep:
-    """The units updated during one overlapped backward ([Note: overlapped step])."""
+    """The units updated during one overlapped backward ([Note: overlapped step]), and
+    after ``step()`` in the next forward ([Note: carrying the step into the next forward])."""
 
-    def __init__(self, opt: ZeroAdamW) -> None:
+    def __init__(self, opt: ZeroAdamW, carry: bool = False) -> None:
         self.opt = opt
+        self.carry = carry
         self.launched: dict[int, None] = {}  # unit indices, in launch order
+        self.unfinished: dict[int, object] = {}  # launched units not updated yet
         # Chunks of launched units, in launch order; expected: those of the last
         # overlapped step's units in its order, which an NVMe store reads ahead of their
         # launch (see [Note: reading ahead of backward] in state_store.py).
@@ -479,14 +559,21 @@ class _OverlappedStep:
         expected = [
             (units[i], c0, c1) for i in opt._launch_order for c0, c1 in opt.store.chunks(units[i])
         ]
-        self._feed = Feed(closed=False, expected=expected)
+        self.feed = Feed(closed=False, expected=expected)
         self._job = None  # the store's pipeline over the feed (one for the whole backward)
         self._waiting = None  # the I/O handle it waits for, or IDLE
         self._failed: BaseException | None = None  # what ended the pipeline early
+        self._phase = "during backward"  # when it runs, for the error message
         self._refused = False  # a second backward was refused (check_second_backward)
         if expected:
-            self._job = opt.store.pipeline(self._feed, opt._update_chunk)
+            self._job = opt.store.pipeline(self.feed, self._update)
             self.pump()  # reads ahead start before backward does
+
+    def _update(self, unit, c0, c1, *state) -> None:
+        self.opt._update_chunk(unit, c0, c1, *state)
+        if c1 == unit.shard_numel:
+            self.unfinished.pop(unit.index, None)
+            unit.update_pending = False
 
     def launch(self, unit) -> None:
         """``unit``'s gradient shard is final: queue its update and start what can start."""
@@ -495,10 +582,12 @@ class _OverlappedStep:
         if segs is None or unit.grad_is_zero or unit.index in self.launched:
             return
         self.launched[unit.index] = None
+        self.unfinished[unit.index] = unit
+        unit.update_pending = True
         opt._count_step(unit)
-        self._feed.items.extend((unit, c0, c1) for c0, c1 in opt.store.chunks(unit))
+        self.feed.items.extend((unit, c0, c1) for c0, c1 in opt.store.chunks(unit))
         if self._job is None:
-            self._job = opt.store.pipeline(self._feed, opt._update_chunk)
+            self._job = opt.store.pipeline(self.feed, self._update)
         self.pump()
 
     def pump(self, block: bool = False) -> None:
@@ -507,18 +596,59 @@ class _OverlappedStep:
         while self._job is not None:
             waiting = self._waiting
             if waiting is IDLE:
-                if not self._feed.items and not self._feed.closed:
+                if not self.feed.items and not self.feed.closed:
                     return
             elif waiting is not None and not block and not waiting.done():
                 return
-            try:
-                self._waiting = next(self._job)  # resuming waits for the last handle
-            except StopIteration:
-                self._job = self._waiting = None
-            except BaseException as exc:
-                self._job = self._waiting = None
-                self._failed = exc
-                raise
+            self._resume()
+
+    def _resume(self) -> None:
+        """Run the pipeline to its next wait (waiting first for the handle it gave)."""
+        self._check_failed()
+        try:
+            self._waiting = next(self._job)  # resuming waits for the last handle
+        except StopIteration:
+            self._job = self._waiting = None
+        except BaseException as exc:
+            self._job = self._waiting = None
+            self._failed = exc
+            if self.opt._carry is self:  # past step(): say what it means for training
+                self._check_failed()
+            raise
+
+    def settle(self, unit=None) -> None:
+        """Run the pipeline until ``unit`` (moved to the front first) is updated, or with
+        None to the end. The feed is closed by then (``close``)."""
+        if unit is not None and unit.index not in self.unfinished:
+            return
+        self._check_failed()
+        if unit is not None:
+            self.feed.promote(unit)
+        while self._job is not None and (unit is None or unit.index in self.unfinished):
+            self._resume()
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    def abandon(self) -> None:
+        """Forget the updates a failure left undone (their units' state is about to be
+        replaced); the pipeline gave its staging slots back when it failed."""
+        for unit in self.unfinished.values():
+            unit.update_pending = False
+            unit.drop_held_grad()
+        self.unfinished.clear()
+        self.feed.items.clear()
+        self.feed.todo.clear()
+        self._failed = None
+
+    def _check_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(
+                f"overlapped step: the optimizer's update pipeline failed {self._phase} "
+                f"({self._failed!r}); some units of that step were not updated: resume "
+                "from the last checkpoint"
+            ) from self._failed
 
     def check_second_backward(self) -> None:
         """A backward pass starts inside this overlapped step: refused once an earlier one
@@ -533,21 +663,26 @@ class _OverlappedStep:
         self._refused = True  # step() refuses too: the step is incomplete
         raise exc
 
-    def finish(self) -> None:
-        self._feed.closed = True
-        self.pump(block=True)
+    def close(self) -> None:
+        """Backward is over: no more units come. Refuses a step a second backward broke."""
+        self.feed.closed = True
+        self.opt._launch_order = list(self.launched)
         if self._refused:
+            self.carry = False
+            self.pump(block=True)
             raise RuntimeError(
                 "overlapped step: a second backward pass was refused; some units of this "
                 "step were updated with the first pass's gradients alone and the others not "
                 "at all: resume from the last checkpoint"
             )
-        if self._failed is not None:
-            raise RuntimeError(
-                "overlapped step: the optimizer's update pipeline failed during backward "
-                f"({self._failed!r}); some units of this step were not updated: resume from "
-                "the last checkpoint"
-            ) from self._failed
-        self.opt._launch_order = list(self.launched)
-        if self._feed.items:  # an update lost would be silent: refuse instead
+        self._check_failed()
+        self._phase = "in step()"
+
+    def finish(self) -> None:
+        """Run every queued update to its end."""
+        self.feed.closed = True
+        self.pump(block=True)
+        self._check_failed()
+        if self.feed.items or self.feed.todo or self.unfinished:
+            # an update lost would be silent: refuse instead
             raise RuntimeError("overlapped step: the pipeline ended with updates still queued")

@@ -198,6 +198,9 @@ class ZeroEngine(nn.Module):
         self.pool.keep_only(pool_keep_sizes(trainable, config, self.world, self.device.type))
         self._sync = True
         self._overlap = None  # the optimizer's overlapped step, during its backward
+        # The optimizer's step still updating units in the next forward (see [Note:
+        # carrying the step into the next forward] in optim/zero_adam.py).
+        self._carry = None
         # The unit whose gradients are on their way to the host (finished after the next).
         self._copying: Unit | None = None
         dm = getattr(torch, self.device.type, None)
@@ -431,6 +434,7 @@ class ZeroEngine(nn.Module):
 
     def close(self) -> None:
         """Finish pending I/O and remove this rank's swap files (also done at exit)."""
+        self.settle_optimizer(overwrite=True)  # a carry that failed has said so already
         for u in self.units:
             u.wait_writes()
         if self.activations is not None:
@@ -538,9 +542,22 @@ class ZeroEngine(nn.Module):
 
     # ------------------------------------------------------------------ unit life cycle
     # See [Note: unit life cycle] in hooks.py.
+    def settle_optimizer(self, unit: Unit | None = None, overwrite: bool = False) -> None:
+        """Finish the optimizer updates the last step carried into this forward: ``unit``'s,
+        or all of them (see [Note: carrying the step into the next forward] in
+        optim/zero_adam.py)."""
+        if self._carry is not None:
+            self.optimizer.settle(unit, overwrite=overwrite)
+
+    def units_kept_gathered(self) -> list[Unit]:
+        """The units gathered now or for good (persistent): not gathered again before use."""
+        return [u for u in self.units if u.persistent or u.state is not UnitState.SHARDED]
+
     def _pin(self, unit: Unit) -> None:
         unit.pins += 1
         self._make_room(unit)
+        if unit.update_pending:
+            self.settle_optimizer(unit)
         unit.gather()
 
     def _unpin(self, unit: Unit) -> None:
@@ -569,7 +586,10 @@ class ZeroEngine(nn.Module):
 
     def _use(self, kind: str, unit: Unit) -> None:
         for nxt in self.prefetcher.on_use(kind, unit):
-            nxt.gather(async_op=True)
+            if nxt.update_pending:
+                self.optimizer.promote(nxt)  # gathered once updated, when it is needed
+            else:
+                nxt.gather(async_op=True)
 
     def pre_forward(self, unit: Unit) -> None:
         if unit.index == 0:
@@ -578,6 +598,8 @@ class ZeroEngine(nn.Module):
             self._gathered_in_forward = 0
         if self.finds_unused and not torch.is_grad_enabled():
             self._hidden_units.add(unit.index)  # inside a reentrant checkpoint, or no_grad
+        if self._carry is not None:
+            self.optimizer.pump()  # the last step's updates, between this forward's layers
         self._use("forward", unit)
         self._pin(unit)
         for dep in unit.deps:
@@ -600,7 +622,9 @@ class ZeroEngine(nn.Module):
             unit.backward_active = True  # the forward pins become the backward pins
 
     def check_backward(self) -> None:
-        """A backward pass starts (its first hook): refuse what it cannot do right."""
+        """A backward pass starts (its first hook): refuse what it cannot do right, and
+        finish the last step's updates before any gradient is written."""
+        self.settle_optimizer()
         if torch.is_grad_enabled() and self.config.stage == 3:
             # Autograd records this backward (create_graph=True); the next backward through
             # that graph reads weights its units let go of at the end of this one.
@@ -868,6 +892,7 @@ class ZeroEngine(nn.Module):
         ``exp_avg_sq.q8``, ``exp_avg_sq.absmax``; see optim/quant8.py). The tensors are the
         live ones: checkpoints read them, and ``load_unit_state`` writes them."""
         optimizer = getattr(self, "optimizer", None)
+        self.settle_optimizer()
         if optimizer is not None and unit.index in optimizer._unit_segments:
             return optimizer.store.read_unit(unit)
         return {"master": unit.master}
@@ -877,6 +902,7 @@ class ZeroEngine(nn.Module):
         """Overwrite this rank's slices of ``unit`` (keys as in ``unit_state``) and bring the
         compute-dtype copy (and, for gathered units, the whole buffer) up to date. Every rank
         must call it for every unit: gathered units all-gather."""
+        self.settle_optimizer(overwrite=True)
         optimizer = getattr(self, "optimizer", None)
         with_optimizer = optimizer is not None and unit.index in optimizer._unit_segments
         # fp32 moments are accepted for 8-bit units too (they are quantized).

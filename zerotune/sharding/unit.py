@@ -154,6 +154,9 @@ class Unit:
         # The final gradient shard kept in memory for an overlapped update instead of a
         # round trip through ``grad_extent`` (see [Note: overlapped step] in zero_adam.py).
         self.held_grad: torch.Tensor | None = None
+        # An overlapped step's update of this unit is queued or running (it may run on
+        # into the next forward): its gradient stays until the update is done.
+        self.update_pending = False
         self._held_pooled = True  # it came from host_pool (else: a parameter's own .grad)
         self._read = None  # (handle, staging tensor or None) of a parameter read in flight
         self._send = None  # a device copy of a host shard that a gather in flight sends
@@ -641,7 +644,8 @@ class Unit:
 
     def zero_grad(self) -> None:
         self.finish_host_copy()  # its buffer goes back only once the copy is done
-        self.drop_held_grad()
+        if not self.update_pending:  # else the update drops it once done
+            self.drop_held_grad()
         self.grad_is_zero = True
         self.unreduced = None
         for s in self.slots:
