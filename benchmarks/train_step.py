@@ -24,9 +24,10 @@ and with 8-bit ones (``optim_state_bits: 8``); the summary describes the 8-bit r
 ``nvme_bytes_ratio`` (disk bytes read + written per step, 8-bit / fp32) and the other
 ratios against the fp32-state run. With ``--compare-carry`` (and ``--overlap-step``)
 zerotune also runs with ``overlapped(carry=False)``: every update finished in ``step()``
-instead of the last ones going on during the next forward. With ``--offload-activations`` zerotune runs with
-activation checkpointing on, once keeping the checkpoints and once offloading them; the
-summary describes the offloaded run and adds its ratios against the kept one.
+instead of the last ones going on during the next forward. With ``--offload-activations``
+zerotune runs with activation checkpointing on, once keeping the checkpoints and once
+offloading them; the summary describes the offloaded run and adds its ratios against the
+kept one.
 
 On a machine whose speed drifts (a shared VM), ``--rounds R`` runs all the variants R
 times in turn (plain, zerotune, plain, zerotune, ...): the table shows each variant's median

@@ -350,6 +350,9 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
     defaults = dict(CLI_ARGS)
     if options["model"] is None:
         defaults.update(DEFAULT_JOB_ARGS)
+        if _flag_value(options["hf_args"], "num_train_epochs") is not None:
+            # The default job's 40 steps would override the epochs asked for.
+            del defaults["max_steps"]
     parser.set_defaults(**defaults)
     argv = ["--output_dir", options["output_dir"]]
     if options["zero_config"]:

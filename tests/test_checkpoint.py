@@ -334,6 +334,49 @@ def test_keep_last_rotation_and_interrupted_leftovers(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "step-00000004"
 
 
+def test_saving_again_under_a_name_replaces_the_checkpoint_whole(tmp_path, monkeypatch):
+    """A save under the name of a complete checkpoint leaves that one complete until the
+    new one is (it used to be removed first): a save failing midway keeps the old one
+    loadable, and one that completes replaces it, through the atomic exchange and through
+    the fallback of two renames."""
+    from zerotune.checkpoint import files, io
+
+    engine, opt, _ = make_engine(build("odd"))
+    save_checkpoint(engine, tmp_path, step=1, name="last")
+    before = engine.full_state_dict()
+    engine.backward(loss_of(engine, batches("odd", 1)[0]))
+    opt.step()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(io, "_write_side_files", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(engine, tmp_path, step=2, name="last")
+    monkeypatch.undo()
+    again = fresh_odd()
+    assert load_checkpoint(again, tmp_path).step == 1
+    assert weights_equal(again, before)
+    for exchange in (True, False):
+        if not exchange:
+            monkeypatch.setattr(io, "exchange_paths", lambda a, b: False)
+        save_checkpoint(engine, tmp_path, step=2, name="last")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "latest"]
+        again = fresh_odd()
+        assert load_checkpoint(again, tmp_path).step == 2
+        assert weights_equal(again, engine.full_state_dict())
+    assert files.exchange_paths(tmp_path / "last", tmp_path / "latest")  # Linux: it exists
+    files.exchange_paths(tmp_path / "last", tmp_path / "latest")
+
+
+def test_saving_into_a_file_is_one_error(tmp_path):
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    for target in (a_file, a_file / "under"):
+        with pytest.raises(CheckpointError, match=r"cannot save a checkpoint into .*not a folder"):
+            save_checkpoint(fresh_odd(), target, step=1)
+
+
 def test_saving_into_a_checkpoint_folder_is_refused(root):
     with pytest.raises(CheckpointError, match=r"is a checkpoint folder; save into its parent"):
         save_checkpoint(fresh_odd(), root / "step-00000002", step=3)

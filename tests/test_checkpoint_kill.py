@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 # A server that imports once and forks one trainer per request, so each run starts in
 # milliseconds instead of seconds; the trainer is the process that gets killed. The server
 # runs no tensor op before forking (OpenMP is not fork-safe once its threads exist).
@@ -27,7 +29,7 @@ from conftest import odd_net
 cpu_adam.backend()  # load the C++ op once, here
 torch.optim.SGD([torch.nn.Parameter(torch.empty(0))])  # torch.optim's lazy imports, here
 
-def train(root, total):
+def train(root, total, name):
     torch.set_num_threads(1)
     engine = zerotune.shard(odd_net(seed=0), {"stage": 3})
     opt = zerotune.ZeroAdamW(engine, lr=1e-2)
@@ -41,17 +43,18 @@ def train(root, total):
         loss.backward()
         opt.step()
         print("loss", step, float(loss.detach()).hex(), flush=True)
-        zerotune.save_checkpoint(engine, root, step=step + 1, keep_last=2)
+        name_ = None if name == "-" else name
+        zerotune.save_checkpoint(engine, root, step=step + 1, keep_last=2, name=name_)
         print("saved", step + 1, flush=True)
 
 print("ready", flush=True)
 for line in sys.stdin:
-    root, total = line.split()
+    root, total, name = line.split()
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            train(root, int(total))
+            train(root, int(total), name)
         except BaseException as exc:
             print("error", repr(exc), flush=True)
             code = 1
@@ -107,10 +110,11 @@ class Server:
             if line and line[0] == word:
                 return line, seen
 
-    def run(self, root: Path, total: int, kill_after: float | None):
-        """One trainer run; killed ``kill_after`` seconds after it resumed, or run to the end.
-        Returns (resumed step, [(step, loss)], last saved step, killed)."""
-        self.proc.stdin.write(f"{root} {total}\n")
+    def run(self, root: Path, total: int, kill_after: float | None, name: str | None = None):
+        """One trainer run; killed ``kill_after`` seconds after it resumed, or run to the end;
+        ``name``: every save under this one name (else step-N). Returns (resumed step,
+        [(step, loss)], last saved step, killed)."""
+        self.proc.stdin.write(f"{root} {total} {name or '-'}\n")
         self.proc.stdin.flush()
         (_, pid), _ = self.expect("child")
         (_, resumed), seen = self.expect("resumed")
@@ -128,7 +132,10 @@ class Server:
         self.proc.wait(timeout=30)
 
 
-def test_sigkill_during_saves_always_leaves_the_last_complete_checkpoint(tmp_path):
+@pytest.mark.parametrize("name", [None, "last"], ids=["step-names", "one-name"])
+def test_sigkill_during_saves_always_leaves_the_last_complete_checkpoint(tmp_path, name):
+    """Also when every save has the same name (it replaces the one before: the old one must
+    stay whole until the new one is complete; it used to be removed first)."""
     server = Server(tmp_path)
     try:
         rng = random.Random(20240601)
@@ -137,14 +144,14 @@ def test_sigkill_during_saves_always_leaves_the_last_complete_checkpoint(tmp_pat
         last_saved = 0
         mid_save = 0  # kills that left a checkpoint folder without its marker
         for _ in range(6):
-            resumed, losses, saved, _ = server.run(root, 100_000, rng.uniform(0.02, 0.4))
+            resumed, losses, saved, _ = server.run(root, 100_000, rng.uniform(0.02, 0.4), name)
             # The newest complete checkpoint: the last one reported saved, or the one whose
             # save finished in the instant between its completion and the report.
             assert last_saved <= resumed <= last_saved + 1, (resumed, last_saved)
             runs.append(losses)
             last_saved = saved
             mid_save += any(p.is_dir() and not (p / "COMPLETE").exists() for p in root.iterdir())
-        resumed, losses, saved, _ = server.run(root, last_saved + 3, None)
+        resumed, losses, saved, _ = server.run(root, last_saved + 3, None, name)
         assert last_saved <= resumed <= last_saved + 1
         assert saved == last_saved + 3
         runs.append(losses)
@@ -161,5 +168,8 @@ def test_sigkill_during_saves_always_leaves_the_last_complete_checkpoint(tmp_pat
     assert steps_seen >= last_saved
     # keep_last=2: two complete checkpoints and the pointer; nothing else after a clean save.
     names = sorted(p.name for p in root.iterdir())
-    assert names == ["latest", f"step-{saved - 1:08d}", f"step-{saved:08d}"], names
+    if name is None:
+        assert names == ["latest", f"step-{saved - 1:08d}", f"step-{saved:08d}"], names
+    else:
+        assert names == [name, "latest"], names
     print(f"{mid_save} of 6 kills interrupted a save")

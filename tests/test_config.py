@@ -25,6 +25,9 @@ def test_bad_sizes_are_rejected(bad):
 def test_unknown_key_names_the_nearest_valid_one():
     with pytest.raises(ConfigError, match="did you mean 'prefetch_bytes'"):
         ZeroConfig.from_dict({"prefetch_byte": 10})
+    with pytest.raises(ConfigError, match="unknown config key 'stagee' .did you mean 'stage'"):
+        ZeroConfig(stagee=3)  # keyword arguments too (Python's own TypeError before)
+    assert ZeroConfig(3).stage == 3
 
 
 def test_impossible_values_are_explained():

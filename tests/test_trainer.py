@@ -202,6 +202,49 @@ def test_evaluation_during_training_and_best_model(tmp_path, save_strategy):
     assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[0], rel=RTOL)
 
 
+def test_best_model_of_save_only_model_checkpoints(tmp_path):
+    """save_only_model + load_best_model_at_end: the best checkpoint holds an HF folder
+    only, and its weights are loaded at the end of training, as the plain Trainer loads
+    them (train() used to fail there, after all the training)."""
+    from safetensors.torch import load_file
+
+    trainer = zero_run(
+        str(tmp_path / "best"),
+        zero_stage=3,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        save_only_model=True,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,  # the first evaluation is the best
+    )
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.name == "checkpoint-2" and not (best / "zero").exists()
+    saved = load_file(best / "model.safetensors")
+    weights = trainer.engine.full_state_dict()
+    assert set(weights) <= set(saved)
+    for name, w in weights.items():
+        torch.testing.assert_close(w, saved[name], rtol=0, atol=0, msg=name)
+    evals = logged(trainer, "eval_loss")
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[0], rel=RTOL)
+
+
+def test_label_smoothing_and_total_flos_as_plain_trainer(tmp_path):
+    """label_smoothing_factor shifts the labels of a causal LM as in the plain Trainer (it
+    looks at the unwrapped model's class, which used to be the engine's), and total_flos
+    counts the parameters without the embeddings, as transformers does."""
+    plain = plain_run(str(tmp_path / "plain"), label_smoothing_factor=0.1, max_steps=3)
+    zero = zero_run(str(tmp_path / "zero"), zero_stage=3, label_smoothing_factor=0.1, max_steps=3)
+    torch.testing.assert_close(logged(zero), logged(plain), rtol=RTOL, atol=0)
+    assert zero.evaluate()["eval_loss"] == pytest.approx(
+        plain.evaluate(dataset(16))["eval_loss"], rel=RTOL
+    )
+    assert zero.state.total_flos == plain.state.total_flos > 0
+    zero.close()
+
+
 def test_save_model_writes_hf_folder(tmp_path):
     from transformers import AutoModelForCausalLM
 

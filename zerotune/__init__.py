@@ -22,7 +22,7 @@ from .checkpoint import (
 from .config import ConfigError, ZeroConfig, load_config
 from .estimate import MemoryPlan, check_estimate
 from .estimate import estimate as estimate_memory
-from .init import from_pretrained, zero_init
+from .init import from_pretrained, load_weights, zero_init
 from .optim import CPUAdam, StepInfo, ZeroAdamW
 from .sharding import ShardedParameterError, ZeroEngine, shard
 
@@ -57,6 +57,7 @@ __all__ = [
     "estimate_memory",
     "export_hf",
     "from_pretrained",
+    "load_weights",
     "latest_checkpoint",
     "load_checkpoint",
     "load_config",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import re
 from dataclasses import dataclass, fields
@@ -243,6 +244,24 @@ class ZeroConfig:
 
     def replace(self, **changes: Any) -> ZeroConfig:
         return ZeroConfig.from_dict({**self.to_dict(), **changes})
+
+
+def _strict_init(init):
+    """``ZeroConfig(stagee=3)`` names the nearest key too, as ``from_dict`` does, instead of
+    Python's bare TypeError."""
+
+    @functools.wraps(init)
+    def checked(self, *args: Any, **kwargs: Any) -> None:
+        valid = [f.name for f in fields(ZeroConfig)]
+        for key in kwargs:
+            if key not in valid:
+                raise ConfigError(f"unknown config key {key!r}" + _suggest(str(key), valid))
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+ZeroConfig.__init__ = _strict_init(ZeroConfig.__init__)
 
 
 def load_config(source: str | Path | dict[str, Any] | ZeroConfig | None) -> ZeroConfig:

@@ -80,6 +80,34 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+_RENAME_EXCHANGE = 2  # renameat2 flag (linux/fs.h)
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the system or filesystem cannot."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return done == 0
+
+
 def _temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 

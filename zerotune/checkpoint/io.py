@@ -3,17 +3,21 @@
 [Note: saving a checkpoint]
 Three phases, each ended by a collective that also carries every rank's success, so one
 rank's failure (a full disk) makes every rank raise instead of hanging in the next phase:
-1. rank 0 prepares ``root/<name>/`` (an older folder of the same name loses its completion
-   marker first, then its files);
+1. rank 0 prepares ``root/.writing-<name>/``, a hidden folder that loading never looks at
+   (a hidden folder of that name left by a killed save is removed first);
 2. every rank writes ``rank-R-of-W.safetensors``: for each unit its fp32 master slice and the
    two Adam moments (see ``engine.unit_state``; 8-bit moments as codes and absmax values,
    see [Note: 8-bit moments in checkpoints] in quantized.py), its torch RNG state as a
    tensor and the Python and numpy RNG states as JSON metadata; a temporary name, fsync,
    rename. The collective gathers each file's size and sha256 to rank 0;
 3. rank 0 writes persistent buffers, config.json (+ generation config, tokenizer files), the
-   manifest (see [Note: checkpoint layout] in manifest.py), then ``COMPLETE``, then the root's
-   ``latest`` pointer, and finally drops checkpoints beyond ``keep_last``.
-A process killed anywhere leaves the previous checkpoint complete and pointed at. The
+   manifest (see [Note: checkpoint layout] in manifest.py), then ``COMPLETE``; renames the
+   folder to ``root/<name>`` (an older checkpoint of that name is swapped out in one atomic
+   ``renameat2`` exchange, then removed), writes the root's ``latest`` pointer, and finally
+   drops checkpoints beyond ``keep_last``.
+A process killed anywhere leaves the previous checkpoint complete and pointed at, also when
+the new one has its name (saving to a fixed ``name``, or the same step twice: the old one
+used to be removed first). The
 compute-dtype (bf16/fp16) copy is not saved: it is the master rounded to nearest even, both
 at construction and after every optimizer step, so loading recomputes it exactly.
 Gradients are not saved: save between optimizer steps.
@@ -52,6 +56,8 @@ from .files import (
     TensorFileWriter,
     TensorSpec,
     atomic_write_bytes,
+    cannot_create,
+    exchange_paths,
     fsync_dir,
     read_metadata,
     sha256_file,
@@ -251,6 +257,9 @@ def save_checkpoint(
         step = max(int(steps.max()) if steps.numel() else 0, 0)
     name = name or f"step-{step:08d}"
     folder = root / name
+    # Written under a hidden name and moved into place once complete: a checkpoint of the
+    # same name already there stays whole until then (see [Note: saving a checkpoint]).
+    staged = root / (_STAGED + name)
     scheduler_state = _jsonable(scheduler.state_dict(), "scheduler state") if scheduler else None
     extra = _jsonable(extra, "extra")
     extra_files = [Path(p) for p in extra_files]
@@ -258,7 +267,7 @@ def save_checkpoint(
     error = None
     if engine.rank == 0:
         try:
-            _prepare_folder(root, folder)
+            _prepare_folder(root, staged)
         except Exception as exc:  # noqa: BLE001 - re-raised by _agree on every rank
             error = exc
     _agree(engine, error, f"preparing {folder}")
@@ -267,7 +276,7 @@ def save_checkpoint(
     table = torch.zeros(engine.world, 6, dtype=torch.int64, device=engine.device)
     error = None
     try:
-        digest, size = _write_rank_file(engine, folder, optimizer)
+        digest, size = _write_rank_file(engine, staged, optimizer)
         words = np.frombuffer(bytes.fromhex(digest), dtype=np.int64).tolist()
         table[engine.rank] = torch.tensor([1, size, *words], dtype=torch.int64)
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the collective
@@ -291,14 +300,15 @@ def save_checkpoint(
                     "bytes": int(table[r, 1]),
                     "kind": "rank",
                 }
-            files.update(_write_side_files(engine, folder, tokenizer, extra_files))
+            files.update(_write_side_files(engine, staged, tokenizer, extra_files))
             manifest = _build_manifest(
                 engine, step, steps, files, optimizer, scheduler_state, extra
             )
             text = json.dumps(manifest, indent=1).encode()
-            digest = atomic_write_bytes(folder / MANIFEST, text)
+            digest = atomic_write_bytes(staged / MANIFEST, text)
             marker = {"manifest_sha256": digest, "step": step, "format": FORMAT}
-            atomic_write_bytes(folder / MARKER, json.dumps(marker).encode())
+            atomic_write_bytes(staged / MARKER, json.dumps(marker).encode())
+            _move_into_place(staged, folder)
             atomic_write_bytes(root / LATEST, (name + "\n").encode())
             if keep_last is not None:
                 _rotate(root, keep_last, folder)
@@ -315,6 +325,12 @@ def _prepare_folder(root: Path, folder: Path) -> None:
             f"{root} is a checkpoint folder; save into its parent (checkpoints go in "
             "subfolders of one root, next to a 'latest' pointer)"
         )
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"cannot save a checkpoint into {root}: it is not a folder")
+    if not root.exists():
+        reason = cannot_create(root)
+        if reason is not None:
+            raise CheckpointError(f"cannot save a checkpoint into {root}: {reason}")
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f".{LATEST}.tmp-*"):
         stale.unlink(missing_ok=True)  # a pointer update cut short by a kill
@@ -325,6 +341,24 @@ def _prepare_folder(root: Path, folder: Path) -> None:
 
 
 _TRASH = ".removing-"  # a checkpoint being removed (hidden: find_checkpoints skips it)
+_STAGED = ".writing-"  # a checkpoint being written (hidden until complete)
+
+
+def _move_into_place(staged: Path, folder: Path) -> None:
+    """Give the complete checkpoint ``staged`` its name. An older checkpoint of that name
+    is swapped out in one atomic step where the filesystem can (renameat2), else renamed
+    away just before; then removed."""
+    if not folder.exists():
+        staged.rename(folder)
+    elif exchange_paths(staged, folder):
+        _remove_checkpoint(staged)  # now the old one
+    else:
+        trash = folder.with_name(_TRASH + folder.name)
+        shutil.rmtree(trash, ignore_errors=True)
+        folder.rename(trash)
+        staged.rename(folder)
+        shutil.rmtree(trash, ignore_errors=True)
+    fsync_dir(folder.parent)
 
 
 def _remove_checkpoint(folder: Path) -> None:
@@ -344,8 +378,8 @@ def _remove_checkpoint(folder: Path) -> None:
 
 
 def _rotate(root: Path, keep_last: int, current: Path) -> None:
-    for left in root.glob(_TRASH + "*"):  # removals cut short by a kill
-        shutil.rmtree(left, ignore_errors=True)
+    for left in [*root.glob(_TRASH + "*"), *root.glob(_STAGED + "*")]:
+        shutil.rmtree(left, ignore_errors=True)  # removals and saves cut short by a kill
     found = find_checkpoints(root)
     names = [p for p, _ in found]
     at = names.index(current) if current in names else len(found)

@@ -54,7 +54,7 @@ from .. import dist as zdist
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_hf
 from ..checkpoint.manifest import MARKER, trainer_checkpoints
 from ..estimate import check_estimate
-from ..init import from_pretrained, zero_init
+from ..init import from_pretrained, load_weights, zero_init
 from ..optim import ZeroAdamW
 from ..sharding import ZeroEngine
 from .args import ZeroTrainingArguments
@@ -171,6 +171,16 @@ class ZeroTrainer(Trainer):
         self._batch_shape: tuple[int, ...] | None = None
         # Counted from the engine: at stage 3 the model's own count sees empty parameters.
         self.num_parameters = sum(s.numel for u in self.engine.units for s in u.slots)
+        # As transformers counts for total_flos: without the embeddings' parameters.
+        embeddings = {
+            id(p)
+            for m in self.engine.module.modules()
+            if isinstance(m, torch.nn.Embedding)
+            for p in m.parameters(recurse=False)
+        }
+        self.num_parameters_without_embeddings = sum(
+            s.numel for u in self.engine.units for s in u.slots if id(s.param) not in embeddings
+        )
         super().__init__(model=self.engine.module, args=args, **kwargs)
         if args.world_size != self.engine.world:
             raise ValueError(
@@ -183,6 +193,16 @@ class ZeroTrainer(Trainer):
     # --------------------------------------------------------------- the Trainer's hooks
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        # The engine wraps the model as DDP would: unwrapping it gives the HF model (the
+        # Trainer reads its class name, e.g. to shift labels for label smoothing).
+        plain_unwrap = self.accelerator.unwrap_model
+
+        def unwrap_model(model, *args, **kwargs):
+            if model is self.engine:
+                return self.engine.module
+            return plain_unwrap(model, *args, **kwargs)
+
+        self.accelerator.unwrap_model = unwrap_model  # this trainer's accelerator only
         scaler = self.engine.scaler
         if scaler is not None:
             plain_backward = self.accelerator.backward
@@ -275,10 +295,13 @@ class ZeroTrainer(Trainer):
         return self.estimate_warnings
 
     def floating_point_ops(self, inputs) -> int:
-        # The model's own count reads parameter sizes, which are 0 for released parameters.
+        # The plain Trainer's count (6 x tokens x parameters without the embeddings) reads
+        # parameter sizes, which are 0 for released parameters; a model without
+        # num_parameters counts 0, as there.
         ids = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
-        tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
-        return 6 * tokens * self.num_parameters
+        if not isinstance(ids, torch.Tensor) or not hasattr(self.model, "num_parameters"):
+            return 0
+        return 6 * ids.numel() * self.num_parameters_without_embeddings
 
     # -------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -398,6 +421,11 @@ class ZeroTrainer(Trainer):
     def _load_best_model(self) -> None:
         best = Path(self.state.best_model_checkpoint)
         log.info("zerotune: loading the best model from %s", best)
+        if self.args.save_only_model and not (best / ZERO_DIR).is_dir():
+            # Its checkpoints hold the HF folder only (save_model writes it): load those
+            # weights, as the plain Trainer does.
+            load_weights(self.engine, best)
+            return
         check_resumable(best)
         load_checkpoint(self.engine, best / ZERO_DIR, load_optimizer=False, load_rng=False)
 

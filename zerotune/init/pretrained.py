@@ -36,6 +36,7 @@ __all__ = [
     "ModelLoadError",
     "SafetensorsCheckpoint",
     "from_pretrained",
+    "load_weights",
     "read_safetensors_header",
     "resolve_model_folder",
 ]
@@ -200,10 +201,11 @@ def _candidates(name: str, prefix: str) -> list[str]:
 
 
 def _checkpoint_keys(
-    model: nn.Module, ckpt: SafetensorsCheckpoint
+    model: nn.Module, ckpt: SafetensorsCheckpoint, shapes: dict[int, tuple] | None = None
 ) -> tuple[dict[int, str], dict[int, tuple[TileBlock, int]]]:
     """id(parameter) -> the checkpoint key holding it, and for tiles (sharding/tiling.py)
-    id(tile) -> (its block, columns of the untiled weight); raises listing every missing one."""
+    id(tile) -> (its block, columns of the untiled weight); raises listing every missing one.
+    ``shapes``: id(parameter) -> its shape, for parameters a sharded model holds empty."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -224,7 +226,7 @@ def _checkpoint_keys(
         if found is None:
             missing.append(pnames[0])
             continue
-        shape = tuple(params[pid].shape)
+        shape = tuple(shapes[pid]) if shapes and pid in shapes else tuple(params[pid].shape)
         if pid in tiles:
             block, tw = tiles[pid]
             shape = tuple(tw.shape)
@@ -261,19 +263,41 @@ class _StreamingLoader:
         return self.fill
 
     def fill(self, unit, master: torch.Tensor) -> None:
-        lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
-        for slot in unit.slots:
-            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if a < b:
-                key = self.keys[id(slot.param)]
-                out = master[a - lo : b - lo]
-                tile = self.blocks.get(id(slot.param))
-                if tile is None:
-                    self.ckpt.read(key, a - slot.offset, b - slot.offset, out)
-                else:
-                    block, cols = tile
-                    read = functools.partial(self.ckpt.read, key)
-                    read_block(read, cols, block, a - slot.offset, b - slot.offset, out)
+        _fill_shard(self.ckpt, self.keys, self.blocks, unit, master)
+
+
+def _fill_shard(ckpt, keys, blocks, unit, master: torch.Tensor) -> None:
+    """This rank's slice of ``unit``'s parameters, read from ``ckpt`` into ``master``."""
+    lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
+    for slot in unit.slots:
+        a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+        if a < b:
+            key = keys[id(slot.param)]
+            out = master[a - lo : b - lo]
+            tile = blocks.get(id(slot.param))
+            if tile is None:
+                ckpt.read(key, a - slot.offset, b - slot.offset, out)
+            else:
+                block, cols = tile
+                read = functools.partial(ckpt.read, key)
+                read_block(read, cols, block, a - slot.offset, b - slot.offset, out)
+
+
+def load_weights(engine: ZeroEngine, folder: str | os.PathLike) -> None:
+    """Overwrite the engine's weights (fp32 masters and compute copies) with an HF folder's
+    safetensors, each rank reading only its own slices; optimizer state is left as it is.
+    Every rank must call it. Raises ModelLoadError when the folder does not hold every
+    parameter with the engine's shapes."""
+    ckpt = SafetensorsCheckpoint(folder)
+    try:
+        shapes = {id(s.param): s.shape for u in engine.units for s in u.slots}
+        keys, blocks = _checkpoint_keys(engine.module, ckpt, shapes)
+        for unit in engine.units:
+            master = torch.zeros(unit.shard_numel, dtype=torch.float32)
+            _fill_shard(ckpt, keys, blocks, unit, master)
+            engine.load_unit_state(unit, {"master": master})
+    finally:
+        ckpt.close()
 
 
 def from_pretrained(
