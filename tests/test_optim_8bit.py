@@ -399,7 +399,12 @@ def _nearest(y: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     -0.018 as from +0.018 in float64)."""
     t = table.double()
     mids = (t[:-1] + t[1:]) / 2
-    return (y.double()[:, None] > mids[None, :]).sum(1)
+    codes = (y.double()[:, None] > mids[None, :]).sum(1)
+    if table[0] == 0 and table[1] > 0:
+        # A table of non-negative codes from 0 (exp_avg_sq's): no positive value becomes
+        # 0 (see [Note: no positive value becomes zero] in csrc/adam/quant8.cpp).
+        codes = torch.where(y > 0, codes.clamp(min=1), codes)
+    return codes
 
 
 def test_cpu_quantizer_picks_the_nearest_code_and_dequantizes_exactly(simd):
@@ -428,6 +433,8 @@ def test_cpu_quantizer_picks_the_nearest_code_and_dequantizes_exactly(simd):
         x[3 * BLOCK + near.numel() : 6 * BLOCK] = 0.0
         x[3 * BLOCK] = 1.0
         x[6 * BLOCK : 7 * BLOCK] = torch.randn(BLOCK, generator=g).abs() * 1e-40
+        tiny = torch.tensor([1.0, 1e-30, 1e-9, 1e-8, 1e-7, 1.62e-7, 1.63e-7, 3e-7, 0.0])
+        x[7 * BLOCK : 7 * BLOCK + tiny.numel()] = tiny  # far below code[1] / 2, and near it
         q8 = Q8Moments.zeros(n, "cpu")
         q8.quantize({name: x})
         q, absmax = q8.q[name], q8.absmax[name]
@@ -438,9 +445,16 @@ def test_cpu_quantizer_picks_the_nearest_code_and_dequantizes_exactly(simd):
         distance = (y[:, None] - table.double()[None, :]).abs()
         best = distance.min(1).values
         ours = (y - table.double()[q.long()]).abs()
-        assert torch.equal(ours, best), name  # the nearest code, exactly
+        # exp_avg_sq: a positive value nearest to 0 takes code 1 (see [Note: no positive
+        # value becomes zero] in csrc/adam/quant8.cpp); every other is the nearest code.
         on_tie = distance.eq(best[:, None]).float().argmax(1)  # ties: the lower code
-        assert torch.equal(q.long()[ours == best], on_tie[ours == best]), name
+        floored = (y > 0) & (on_tie == 0) if name == "exp_avg_sq" else torch.zeros_like(y > 0)
+        assert (name != "exp_avg_sq") or floored.any()  # the case is covered
+        assert torch.equal(q.long()[floored], torch.ones_like(q.long()[floored])), name
+        kept = ~floored
+        assert torch.equal(ours[kept], best[kept]), name  # the nearest code, exactly
+        tie = kept & (ours == best)
+        assert torch.equal(q.long()[tie], on_tie[tie]), name
         assert torch.equal(table[q[2 * BLOCK : 3 * BLOCK].long()], x[2 * BLOCK : 3 * BLOCK])
         deq = q8.dequantize()[name]
         assert torch.equal(deq, table[q.long()] * per)
@@ -639,3 +653,51 @@ def test_8bit_training_without_the_fused_op_is_identical(tmp_path, monkeypatch):
         assert passes["losses"] == fused["losses"], tier
         np.testing.assert_allclose(bnb["losses"], fused["losses"], rtol=0, atol=2e-3)
         assert bnb["losses"] != fused["losses"]  # it did take bitsandbytes' path
+
+
+def test_untied_embedding_rows_without_gradient_keep_adam_sized_steps():
+    """A tiny Llama with untied embeddings, 8-bit moments against fp32 AdamW: rows of tokens
+    absent from later batches get no gradient, and their exp_avg_sq, far below the block's
+    largest, used to be stored as code 0 while exp_avg kept their momentum; the next step
+    divided by sqrt(0) + eps and moved such weights by ~1.3 (thousands of lr). Now the
+    embedding stays as close to fp32 AdamW as bitsandbytes' AdamW8bit keeps it (~4e-3)."""
+    import bitsandbytes as bnb
+    from conftest import tiny_llama_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_llama_config("llama")
+    config.vocab_size, config.tie_word_embeddings = 300, False
+    config._attn_implementation = "eager"
+
+    def model():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config)
+
+    g = torch.Generator().manual_seed(1234)
+    data = [
+        (
+            torch.randint(0, 300, (4, 1), generator=g)
+            + torch.randint(1, 4, (4, 1), generator=g) * torch.arange(16)
+        )
+        % 300
+        for _ in range(6)
+    ]
+
+    def train(net, opt):
+        for ids in data:
+            net(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    fp32 = model()
+    train(fp32, torch.optim.AdamW(fp32.parameters(), lr=3e-3, weight_decay=0.0))
+    theirs = model()
+    train(theirs, bnb.optim.AdamW8bit(theirs.parameters(), lr=3e-3, weight_decay=0.0))
+    engine = zerotune.shard(model(), {"stage": 3, "optim_state_bits": 8})
+    train(engine, zerotune.ZeroAdamW(engine, lr=3e-3, weight_decay=0.0))
+    ours = engine.full_state_dict()
+    name = "model.embed_tokens.weight"
+    want = dict(fp32.named_parameters())[name].detach()
+    bnb_off = (dict(theirs.named_parameters())[name].detach() - want).abs().max()
+    our_off = (ours[name] - want).abs().max()
+    assert our_off < max(2 * bnb_off, 1e-3), (float(our_off), float(bnb_off))

@@ -12,9 +12,21 @@
 // a lower bound of the answer, raised by scanning the midpoints upwards while they are below
 // the value. The dynamic codes have at most a few entries per binary octave (bitsandbytes'
 // maps: fewer than 128, and no bucket holds two midpoints), so the scan is zero or one
-// step; it is exact for any sorted table, only slower for a denser one. The result is the exact nearest code, which
+// step; it is exact for any sorted table, only slower for a denser one. The result is the
+// exact nearest code (but see [Note: no positive value becomes zero]), which
 // bitsandbytes' own CPU search gives for all but ~0.15% of elements (it is approximate
 // there); dequantizing is code[q] * absmax.
+//
+// [Note: no positive value becomes zero]
+// A table of non-negative codes starting at 0 (the unsigned map of exp_avg_sq) gives every
+// positive value at least code 1: its first midpoint is 0. Nearest rounding would store an
+// exp_avg_sq below half of code[1] * absmax (3.25e-7 of the block's largest) as 0, while
+// exp_avg, on its finer signed map, keeps the same element's momentum; a later step
+// without gradient there (a token absent from the batch: untied embedding rows) then
+// divides that momentum by sqrt(0) + eps, and the weight jumps by thousands of lr (1.3 on
+// a tiny Llama's embedding, against 0.004 for bitsandbytes' AdamW8bit, whose CPU search
+// rounds such values several codes up). With the floor, an exp_avg_sq raised to code 1 is
+// at least its true value, so the step stays within Adam's usual size.
 //
 // [Note: quantizer SIMD]
 // With AVX2 eight values go through the same steps at once: one division, the bucket
@@ -118,6 +130,8 @@ CodeTable make_table(const float* code) {
     if (static_cast<double>(m) > exact) m = std::nextafter(m, -INFINITY);
     t.mid[i] = m;
   }
+  // See [Note: no positive value becomes zero].
+  if (t.code[0] == 0.0f && t.code[1] > 0.0f) t.mid[0] = 0.0f;
   t.start.assign(kBuckets, 0);
   t.packed.assign(kBuckets, 0xffff << 8);  // NaN buckets: code 0, no step
   t.one_step = true;

@@ -10,7 +10,10 @@ and moment, ``exp_avg`` in the signed dynamic code and ``exp_avg_sq`` in the uns
 than bitsandbytes' CPU ``quantize_blockwise`` / ``dequantize_blockwise`` (~8 against 48 ms
 to quantize 7M elements on 2 cores with AVX2) and exact where bitsandbytes' search is
 approximate (a few % of its codes are one off, some tiny exp_avg_sq values several codes
-up); elsewhere (CUDA), or when the op is not built, bitsandbytes' functions run. Blocks
+up), except that a positive ``exp_avg_sq`` never becomes code 0 (see [Note: no positive
+value becomes zero] there: an untied embedding row without gradient took steps of
+thousands of lr); elsewhere (CUDA), or when the op is not built, bitsandbytes' functions
+run. Blocks
 count from the start of this rank's shard of the unit, so a block may span two parameters
 of the unit (bitsandbytes quantizes each tensor on its own).
 
