@@ -636,7 +636,7 @@ def test_a_failed_overlapped_update_is_not_a_step(tmp_path, monkeypatch):
     opt = zerotune.ZeroAdamW(engine, lr=1e-3)
     staging = engine.staging
     ids = batches("gpt2", 1)[0]
-    with opt.overlapped():
+    with opt.overlapped(carry=False):  # every update done before the failing ones
         engine.backward(loss_of(engine, ids))
     opt.step()  # a launch order to read ahead from
     real, calls = opt._update_chunk, []
@@ -780,18 +780,27 @@ def test_host_pool_keeps_only_buffers_that_recur(tmp_path):
 
 # ------------------------------------------------- a step carried into the next forward
 def _train_carried(tmp_path, monkeypatch, carry: bool, steps: int = 6, config=None):
-    """World size 1, both tiers on NVMe: forward outside ``overlapped()``, an LR scheduler
-    stepped right after each ``step()``. I/O reports itself done only once waited for, so
-    the pipeline falls behind during backward and ``step()`` always has a backlog.
-    Returns losses, the units each ``step()`` left unfinished, every unit's state read
-    right after ``step()``, and the final weights."""
+    """World size 1, both tiers on NVMe: forward outside ``overlapped(track_norm=True)``,
+    an LR scheduler stepped right after each ``step()``. I/O reports itself done only once
+    waited for, so the pipeline falls behind during backward and ``step()`` always has a
+    backlog. Returns losses, the units each ``step()`` left unfinished, every unit's state read
+    right after ``step()``, the final weights, the embeddings previewed, the norms."""
     import torch
     from harness import LR, WD, batches, build, loss_of, no_decay_groups
 
     import zerotune
     from zerotune.memory.aio import IOHandle
+    from zerotune.optim.zero_adam import ZeroAdamW
 
     monkeypatch.setattr(IOHandle, "done", lambda self: False)
+    previews = []  # embedding lookups served before their unit's update (rows ahead)
+    preview_rows = ZeroAdamW.preview_rows
+
+    def counted(self, unit, ids, weight):
+        previews.append(unit.name)
+        preview_rows(self, unit, ids, weight)
+
+    monkeypatch.setattr(ZeroAdamW, "preview_rows", counted)
     tmp_path.mkdir()
     config = dict(config or OVERLAP_CONFIGS[0], nvme_path=str(tmp_path))
     config.setdefault("staging_bytes", 3 * 16 * 4096 * 3)
@@ -800,12 +809,12 @@ def _train_carried(tmp_path, monkeypatch, carry: bool, steps: int = 6, config=No
     engine = zerotune.shard(model, config)
     opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
-    losses, left, states = [], [], []
+    losses, left, states, norms = [], [], [], []
     for ids in batches("gpt2", steps):
         loss = loss_of(engine, ids)
-        with opt.overlapped(carry=carry):
+        with opt.overlapped(carry=carry, track_norm=True):
             loss.backward()
-        opt.step()
+        norms.append(opt.step().grad_norm)
         sched.step()
         opt.zero_grad()
         left.append(0 if opt._carry is None else len(opt._carry.unfinished))
@@ -816,7 +825,7 @@ def _train_carried(tmp_path, monkeypatch, carry: bool, steps: int = 6, config=No
     staging = engine.staging
     assert len(staging._free) * staging.slot == staging.allocated  # every slot came back
     engine.close()
-    return losses, left, states, weights
+    return losses, left, states, weights, previews, norms
 
 
 def test_a_step_carried_into_the_next_forward_matches_plain_adamw(tmp_path, monkeypatch):
@@ -832,17 +841,24 @@ def test_a_step_carried_into_the_next_forward_matches_plain_adamw(tmp_path, monk
     model = build("gpt2")
     opt = torch.optim.AdamW(no_decay_groups(model, WD), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
-    ref_losses = []
+    ref_losses, ref_norms = [], []
     for ids in batches("gpt2", 6):
         loss = loss_of(model, ids)
         loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
         opt.step()
         sched.step()
         opt.zero_grad()
         ref_losses.append(float(loss.detach()))
 
-    losses, left, states, weights = _train_carried(tmp_path / "a", monkeypatch, carry=True)
+    losses, left, states, weights, previews, norms = _train_carried(
+        tmp_path / "a", monkeypatch, carry=True
+    )
+    # The gradient norm is there at step(): the carried updates' part summed there.
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
     assert min(left) > 0, left  # every step carried updates into the next forward
+    # The next forward's lookups read the embeddings' new rows before their whole update.
+    assert previews.count("transformer.wte") == len(left) - 1, previews
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for name, p in model.named_parameters():
         np.testing.assert_allclose(
@@ -851,6 +867,7 @@ def test_a_step_carried_into_the_next_forward_matches_plain_adamw(tmp_path, monk
     plain = _train_carried(tmp_path / "b", monkeypatch, carry=False)
     assert max(plain[1]) == 0
     assert losses == plain[0]
+    np.testing.assert_allclose(norms, plain[5], rtol=1e-6)
     for index, state in states.items():
         for key, value in state.items():
             assert torch.equal(value, plain[2][index][key]), (index, key)
@@ -905,3 +922,45 @@ def test_a_carried_update_that_fails_stops_training(tmp_path, monkeypatch):
     staging = engine.staging
     engine.close()
     assert len(staging._free) * staging.slot == staging.allocated
+
+
+def test_an_embedding_gathered_for_a_lookup_then_needed_whole(tmp_path, monkeypatch):
+    """An embedding gathered for a lookup holds new values only in the looked-up rows; if
+    something needs the whole matrix while it is still gathered, its update is finished
+    and the matrix read again: equal to the weights of a step finished in ``step()``."""
+    import torch
+    from harness import batches, build, loss_of
+
+    import zerotune
+    from zerotune.memory.aio import IOHandle
+
+    monkeypatch.setattr(IOHandle, "done", lambda self: False)  # backward leaves a backlog
+    weights = {}
+    for carry in (True, False):
+        folder = tmp_path / str(carry)
+        folder.mkdir()
+        config = dict(OVERLAP_CONFIGS[0], nvme_path=str(folder), staging_bytes=3 * 16 * 4096 * 3)
+        engine = zerotune.shard(build("gpt2"), config)
+        opt = zerotune.ZeroAdamW(engine, lr=1e-2)
+        ids = batches("gpt2", 1)[0]
+        loss = loss_of(engine, ids)
+        with opt.overlapped(carry=carry):
+            loss.backward()
+        opt.step()
+        (wte,) = [u for u in engine.units if u.name == "transformer.wte"]
+        if carry:
+            assert wte.update_pending
+            engine._pin(wte, ids[:1])  # as the lookup's pre-forward does
+            assert wte.previewed and wte.update_pending
+            row = int(ids[0, 0])
+            looked_up = wte.slots[0].param[row].detach().clone()
+            with engine.gathered([wte]):
+                weights[carry] = wte.slots[0].param.detach().clone()
+            engine._unpin(wte)
+            assert not wte.update_pending and not wte.previewed
+            assert torch.equal(looked_up, weights[carry][row])  # the preview was exact
+        else:
+            with engine.gathered([wte]):
+                weights[carry] = wte.slots[0].param.detach().clone()
+        engine.close()
+    assert torch.equal(weights[True], weights[False])

@@ -77,12 +77,26 @@ def test_same_losses_as_plain_trainer(reference, tmp_path, zero):
     trainer.close()
 
 
-def test_without_clipping_nvme_steps_overlap_backward(tmp_path):
+def test_without_clipping_nvme_steps_overlap_backward(tmp_path, monkeypatch):
     """With the optimizer state on NVMe and no clipping, the last backward of each step runs
-    inside ``optimizer.overlapped()`` (units updated as their gradients become final): the
-    same logged losses, gradient norms (summed as the updates read the gradients) and
-    weights as the plain Trainer with ``max_grad_norm=0``."""
+    inside ``optimizer.overlapped()`` (units updated as their gradients become final), and
+    the updates still queued at ``step()`` go on during the next forward (I/O made slow
+    here, so that every step has some): the same logged losses, gradient norms (summed as
+    the updates read the gradients, and at ``step()`` for the carried ones) and weights as
+    the plain Trainer with ``max_grad_norm=0``."""
+    from zerotune.memory.aio import IOHandle
     from zerotune.optim import zero_adam
+
+    monkeypatch.setattr(IOHandle, "done", lambda self: False)
+    carried = []
+    step = zero_adam.ZeroAdamW.step
+
+    def recording(self, *args, **kwargs):
+        info = step(self, *args, **kwargs)
+        carried.append(self._carry is not None)
+        return info
+
+    monkeypatch.setattr(zero_adam.ZeroAdamW, "step", recording)
 
     plain = plain_run(str(tmp_path / "plain"), max_grad_norm=0.0)
     (tmp_path / "nvme").mkdir()
@@ -101,6 +115,7 @@ def test_without_clipping_nvme_steps_overlap_backward(tmp_path):
     finally:
         zero_adam._OverlappedStep.launch = original
     assert trainer.overlap_step
+    assert carried == [True] * COMMON["max_steps"], carried
     # Every step updated units during backward (all but the tied embedding, final last).
     assert len(launched) >= COMMON["max_steps"] * (len(trainer.engine.units) - 3), launched
     torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)

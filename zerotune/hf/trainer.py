@@ -137,6 +137,8 @@ class ZeroTrainer(Trainer):
     Call ``close()`` at the end to remove NVMe swap files early (they also go at exit).
     """
 
+    _overlap_backward = False  # the next accelerator.backward is a step's overlapped one
+
     def __init__(self, model=None, args: ZeroTrainingArguments | None = None, **kwargs):
         if args is None:
             args = ZeroTrainingArguments(output_dir="trainer_output")
@@ -204,13 +206,20 @@ class ZeroTrainer(Trainer):
 
         self.accelerator.unwrap_model = unwrap_model  # this trainer's accelerator only
         scaler = self.engine.scaler
-        if scaler is not None:
-            plain_backward = self.accelerator.backward
+        plain_backward = self.accelerator.backward
 
-            def backward(loss, **kwargs):
-                plain_backward(loss * scaler.scale, **kwargs)
+        def backward(loss, **kwargs):
+            if scaler is not None:
+                loss = loss * scaler.scale
+            if self._overlap_backward:
+                # The step's last backward, and only it: the forward before it stays
+                # outside, so the last step's carried updates run during that forward.
+                self._overlap_backward = False
+                with self.optimizer.overlapped(track_norm=True):
+                    return plain_backward(loss, **kwargs)
+            return plain_backward(loss, **kwargs)
 
-            self.accelerator.backward = backward  # this trainer's accelerator only
+        self.accelerator.backward = backward  # this trainer's accelerator only
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return self.engine
@@ -250,9 +259,13 @@ class ZeroTrainer(Trainer):
         if isinstance(ids, torch.Tensor) and self._batch_shape is None:
             self._batch_shape = tuple(ids.shape)  # for check_estimate's activation term
         if self.accelerator.sync_gradients and self.overlap_step:
-            # The last micro-batch of a step: update units during its backward.
-            with self.optimizer.overlapped(track_norm=True):
+            # The last micro-batch of a step: update units during its backward (see the
+            # accelerator's backward above).
+            self._overlap_backward = True
+            try:
                 return super().training_step(model, inputs, *args, **kwargs)
+            finally:
+                self._overlap_backward = False
         return super().training_step(model, inputs, *args, **kwargs)
 
     @property

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory.aio import aligned_empty
 from ..memory.swap import ALIGN, round_up
 from .quant8 import MOMENTS, Q8Moments, blocks, quantized, require_bitsandbytes
 
@@ -467,6 +468,7 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
 
 class NvmeStore:
     carries = True  # an overlapped step's updates may run on into the next forward
+    previews = True  # rows of fp32 moments can be read on their own (read_moment_ranges)
 
     def __init__(self, swap, staging, layout: OptimLayout):
         self.swap, self.staging, self.layout = swap, staging, layout
@@ -723,6 +725,34 @@ class NvmeStore:
         for h in handles:
             h.wait()
         self.staging.release(buf)
+
+    def read_moment_ranges(self, unit, ranges: list[tuple[int, int]]):
+        """exp_avg and exp_avg_sq (fp32 moments) of the shard element ranges ``[a, b)``,
+        sorted: lists of tensors, one per range and moment. Whole pages are read, once per
+        run of ranges whose pages touch (the optim file is O_DIRECT); the caller makes sure
+        nothing writes them meanwhile (see [Note: looked-up rows before their update] in
+        zero_adam.py)."""
+        _, (optim, m_off), (_, v_off) = _fp32_locations(self.swap, self.layout, unit, 0)[-3:]
+        spans: list[list] = []  # [first page byte, end byte, [ranges]]
+        for a, b in ranges:
+            lo, hi = (a * _F32) // ALIGN * ALIGN, round_up(b * _F32)
+            if spans and lo <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], hi)
+                spans[-1][2].append((a, b))
+            else:
+                spans.append([lo, hi, [(a, b)]])
+        handles, views = [], ([], [])
+        for lo, hi, members in spans:
+            for off, out in ((m_off, views[0]), (v_off, views[1])):
+                buf = aligned_empty(hi - lo, torch.uint8)
+                handles.append(optim.read(buf, off + lo))
+                f32 = buf.view(torch.float32)
+                first = lo // _F32
+                out.extend(f32[a - first : b - first] for a, b in members)
+            self.bytes_read += 2 * (hi - lo)
+        for h in handles:
+            h.wait()
+        return views
 
     # ------------------------------------------------------------------ whole-unit I/O
     def state_specs(self, unit) -> list[tuple[str, torch.dtype, int]]:

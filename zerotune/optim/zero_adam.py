@@ -96,8 +96,27 @@ update is done (``Unit.update_pending``: ``zero_grad`` keeps a held gradient), a
 writes a gradient before the next backward, which settles first. An error in a carried
 update comes out of the call that resumed it (a forward, a checkpoint) and from every
 later one: some units of that step were updated and some not, so it says to resume from a
-checkpoint. Not with ``track_norm`` (the norm would be known only after the carried
-updates; ZeroTrainer logs it each step) nor with a store in memory (nothing to wait for).
+checkpoint. With ``track_norm`` the gradients the carried updates have not read yet are
+summed at ``step()`` (read back from the gradient file where they were spilled), so the
+norm is there when ``step()`` returns. Not with a store in memory (nothing to wait for).
+
+[Note: looked-up rows before their update]
+The input embedding is the first unit the next forward gathers and the last whose gradient
+is final, so a carried step would make the forward wait for the whole of its update (at
+stage 3 with a tied head, 0.8 GB of moments for gpt2-medium) before its first layer. But
+the lookup reads only the rows of the batch's tokens. At world size 1, with the fp32
+master in the parameter file that the gather maps privately (copy-on-write), the engine
+gathers the embedding without waiting and ``preview_rows`` computes those rows' new
+values: their master (the mapping, for chunks the update has not reached), gradient (held
+in memory) and moments (read from the optim file, whole pages, which nothing writes until
+the update reaches them) go through the same Adam kernel with the same arguments; every
+element's arithmetic is independent of its position in a call (the kernel pads its ragged
+tail through the vector body), so the values are those the update will write, bit for bit.
+They are written into the private mapping only; the lookup reads them and the unit is
+released after it. The update then goes on in the background, and the tied head (or
+anything else) that gathers the embedding later waits for it as usual. A unit still
+gathered from such a lookup when something needs it whole is settled and read again from
+the file (``Unit.reread``).
 """
 
 from __future__ import annotations
@@ -309,8 +328,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         stage 1, nor inside ``no_sync()``. With ``track_norm`` the global gradient norm is
         summed from the chunks the updates read: ``pending_grad_norm`` is a 0-dim tensor
         that ``step()`` fills (and ``StepInfo.grad_norm``). With ``carry`` (and optimizer
-        state on NVMe, without ``track_norm``) the updates still queued at ``step()`` go on
-        during the next forward (see [Note: carrying the step into the next forward])."""
+        state on NVMe) the updates still queued at ``step()`` go on during the next forward
+        (see [Note: carrying the step into the next forward])."""
         self.settle()
         engine = self.engine
         if engine.scaler is not None:
@@ -332,9 +351,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if track_norm:
             self._norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
             self.pending_grad_norm = torch.zeros(())
-        self._overlap = engine._overlap = _OverlappedStep(
-            self, carry=carry and not track_norm and self.store.carries
-        )
+        self._overlap = engine._overlap = _OverlappedStep(self, carry=carry and self.store.carries)
         try:
             yield
         finally:
@@ -401,6 +418,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                 for unit in self.engine.units_kept_gathered():
                     overlap.settle(unit)
                 if overlap.unfinished:
+                    if self._norm_sq is not None:
+                        self._add_carried_norm(overlap)
                     self._frozen_groups = [dict(g, params=None) for g in self.param_groups]
                     self._carry = self.engine._carry = overlap
                     overlap._phase = "after step() (carried into the next forward)"
@@ -438,6 +457,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.engine.zero_grad()
         return info
 
+    def _add_carried_norm(self, carry) -> None:
+        """With ``track_norm``: add the gradients the carried updates have not read yet (the
+        norm is due at ``step()``; those updates then add nothing, ``_norm_sq`` being gone)."""
+        for index, unit in carry.unfinished.items():
+            done = carry.progress.get(index, 0)
+            for c0, c1, grad in self.engine.grad_chunks(unit):
+                if c1 > done:
+                    a = max(c0, done)
+                    self._add_sum_of_squares(self._norm_sq, unit, a, c1, grad[a - c0 :])
+
     def _count_step(self, unit) -> None:
         """The unit is about to be updated: one more step for each of its segments whose
         parameter got a gradient (the others are left alone, as torch's AdamW leaves a
@@ -458,25 +487,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         target = self.engine.lowp_target(unit)  # compute-dtype shard to refresh, or None
         fused = target is not None and target.dtype != torch.float32 and unit.param_extent is None
         out = target[c0:c1] if fused else None
-        segments = []  # (start, stop) in the chunk, Adam's arguments
-        for seg in self._unit_segments[unit.index]:  # in order (the fused op needs it)
-            a, b = max(seg.start, c0), min(seg.end, c1)
-            if a >= b or not seg.counted:
-                continue
-            groups = self._frozen_groups if self._frozen_groups is not None else self.param_groups
-            group = groups[seg.group]
-            beta1, beta2 = group["betas"]
-            kwargs = dict(
-                step=self.state[seg.key]["step"],
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                adamw=group["adamw_mode"],
-                bias_correction=group["bias_correction"],
-            )
-            segments.append((a - c0, b - c0, kwargs))
+        segments = self._segments_in(unit, c0, c1)
         if isinstance(moments, Q8Moments):
             # One pass per block with the C++ op (see [Note: fused 8-bit step]), or
             # dequantize, update and quantize the chunk; nothing, when nothing in the chunk
@@ -499,6 +510,30 @@ class ZeroAdamW(torch.optim.Optimizer):
                 at = b
         if c1 == unit.shard_numel:
             self.engine.lowp_done(unit, target)
+
+    def _segments_in(self, unit, c0: int, c1: int) -> list[tuple[int, int, dict]]:
+        """(start, stop) relative to ``c0`` and Adam's arguments of each segment of ``unit``
+        within ``[c0, c1)`` that this step updates, in order (the fused op needs it)."""
+        groups = self._frozen_groups if self._frozen_groups is not None else self.param_groups
+        segments = []
+        for seg in self._unit_segments[unit.index]:
+            a, b = max(seg.start, c0), min(seg.end, c1)
+            if a >= b or not seg.counted:
+                continue
+            group = groups[seg.group]
+            beta1, beta2 = group["betas"]
+            kwargs = dict(
+                step=self.state[seg.key]["step"],
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                adamw=group["adamw_mode"],
+                bias_correction=group["bias_correction"],
+            )
+            segments.append((a - c0, b - c0, kwargs))
+        return segments
 
     @staticmethod
     def _adam(master, grad, moments, segments, out) -> None:
@@ -531,6 +566,55 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self._carry is not None:
             self._carry.feed.promote(unit)
 
+    def can_preview(self, unit) -> bool:
+        """Whether a lookup into ``unit`` (an embedding whose update the last step carried
+        into this forward) can read its rows' new values from ``preview_rows`` instead of
+        waiting for the whole update (see [Note: looked-up rows before their update])."""
+        carry = self._carry
+        if carry is None or unit.index not in carry.unfinished or self.engine.world != 1:
+            return False
+        module = unit.module
+        return (
+            isinstance(module, torch.nn.Embedding)
+            and len(unit.slots) == 1
+            and unit.slots[0].param is module._parameters.get("weight")
+            and unit.map_params
+            and getattr(self.store, "previews", False)
+            and self.store.master_in_param_file(unit)
+            and not self.store._q8(unit)
+            and (unit.held_grad is not None or unit.grad_extent is None)
+        )
+
+    @torch.no_grad()
+    def preview_rows(self, unit, ids: torch.Tensor, weight: torch.Tensor) -> None:
+        """Write into ``weight`` (``unit``'s gathered embedding matrix, a private mapping of
+        the parameter file) the new values of the rows ``ids`` looks up, where the carried
+        update has not written them yet; see [Note: looked-up rows before their update]."""
+        carry = self._carry
+        rows = torch.unique(ids.reshape(-1).to("cpu", torch.int64))
+        num, dim = weight.shape
+        rows = rows[(rows >= 0) & (rows < num)]
+        done = carry.progress.get(unit.index, 0)  # elements whose new values are written
+        starts = [r * dim for r in rows.tolist() if r * dim + dim > done]
+        ranges = [(max(a, done), a + dim) for a in starts]
+        if not ranges:
+            return
+        (segment,) = self._segments_in(unit, 0, unit.shard_numel) or [(0, 0, None)]
+        if segment[2] is None:
+            return  # no gradient this step: the update leaves the weights as they are
+        held = unit.held_grad
+        grad = held if held is not None else unit.grad_shard
+        m, v = self.store.read_moment_ranges(unit, ranges)
+        # One kernel call over the rows side by side: each element's arithmetic does not
+        # depend on where it sits in the call.
+        index = torch.cat([torch.arange(a, b) for a, b in ranges])
+        flat = weight.view(-1)
+        master = flat[index]
+        g = grad[index].float()  # a copy: Adam-L2 adds to the gradient in place
+        m, v = torch.cat(m), torch.cat(v)
+        self._adam(master, g, (m, v), [(0, index.numel(), segment[2])], None)
+        flat[index] = master
+
     def pump(self) -> None:
         """Advance the carried updates as far as their I/O allows, without waiting."""
         if self._carry is not None:
@@ -552,6 +636,7 @@ class _OverlappedStep:
         self.carry = carry
         self.launched: dict[int, None] = {}  # unit indices, in launch order
         self.unfinished: dict[int, object] = {}  # launched units not updated yet
+        self.progress: dict[int, int] = {}  # unit index -> shard elements updated (in order)
         # Chunks of launched units, in launch order; expected: those of the last
         # overlapped step's units in its order, which an NVMe store reads ahead of their
         # launch (see [Note: reading ahead of backward] in state_store.py).
@@ -571,6 +656,7 @@ class _OverlappedStep:
 
     def _update(self, unit, c0, c1, *state) -> None:
         self.opt._update_chunk(unit, c0, c1, *state)
+        self.progress[unit.index] = c1
         if c1 == unit.shard_numel:
             self.unfinished.pop(unit.index, None)
             unit.update_pending = False

@@ -553,11 +553,23 @@ class ZeroEngine(nn.Module):
         """The units gathered now or for good (persistent): not gathered again before use."""
         return [u for u in self.units if u.persistent or u.state is not UnitState.SHARDED]
 
-    def _pin(self, unit: Unit) -> None:
+    def _pin(self, unit: Unit, lookup: torch.Tensor | None = None) -> None:
+        """Pin and gather ``unit``; ``lookup``: the indices an embedding unit is about to
+        look up, whose rows may come from the carried step's preview (see [Note: looked-up
+        rows before their update] in optim/zero_adam.py) instead of its whole update."""
         unit.pins += 1
         self._make_room(unit)
         if unit.update_pending:
+            opt = self.optimizer
+            alone = unit.pins == 1 and unit.state is UnitState.SHARDED
+            if lookup is not None and alone and opt.can_preview(unit):
+                unit.gather()
+                unit.previewed = True
+                opt.preview_rows(unit, lookup, unit.slots[0].param)
+                return
             self.settle_optimizer(unit)
+            if unit.previewed and unit.state is not UnitState.SHARDED:
+                unit.reread()  # gathered for a lookup: only its rows were new
         unit.gather()
 
     def _unpin(self, unit: Unit) -> None:
@@ -591,7 +603,7 @@ class ZeroEngine(nn.Module):
             else:
                 nxt.gather(async_op=True)
 
-    def pre_forward(self, unit: Unit) -> None:
+    def pre_forward(self, unit: Unit, args: tuple = ()) -> None:
         if unit.index == 0:
             self.prefetcher.start_pass("forward")
             self._hidden_units.clear()
@@ -601,7 +613,10 @@ class ZeroEngine(nn.Module):
         if self._carry is not None:
             self.optimizer.pump()  # the last step's updates, between this forward's layers
         self._use("forward", unit)
-        self._pin(unit)
+        lookup = None
+        if unit.update_pending and args and isinstance(args[0], torch.Tensor):
+            lookup = args[0]  # an embedding's indices (see can_preview)
+        self._pin(unit, lookup)
         for dep in unit.deps:
             self._pin(dep)
 

@@ -125,7 +125,7 @@ def install_hooks(engine: ZeroEngine) -> list:
 def _pre_forward_hook(engine: ZeroEngine, unit: Unit):
     def hook(module, args):
         engine.external.active.append(unit)
-        engine.pre_forward(unit)
+        engine.pre_forward(unit, args)
 
     return hook
 

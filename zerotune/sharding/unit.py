@@ -157,6 +157,9 @@ class Unit:
         # An overlapped step's update of this unit is queued or running (it may run on
         # into the next forward): its gradient stays until the update is done.
         self.update_pending = False
+        # Gathered for a lookup with only the looked-up rows new (see [Note: looked-up rows
+        # before their update] in optim/zero_adam.py); cleared on release.
+        self.previewed = False
         self._held_pooled = True  # it came from host_pool (else: a parameter's own .grad)
         self._read = None  # (handle, staging tensor or None) of a parameter read in flight
         self._send = None  # a device copy of a host shard that a gather in flight sends
@@ -295,6 +298,15 @@ class Unit:
         self.pool.gather_cache.lend_unmanaged(self.flat, own)  # the mapping goes
         self._mapped = False
 
+    def reread(self) -> None:
+        """Read the gathered buffer again from the parameter file (world size 1): it was
+        gathered with some rows computed ahead of an update that has now been written."""
+        self.wait_writes()
+        if self._mapped:
+            self.keep_private()  # a buffer of its own to read into
+        self.param_extent.file.read(self.flat, self.param_extent.offset).wait()
+        self.previewed = False
+
     def pending_write_handles(self) -> list:
         """The I/O handles of this unit's NVMe writes still queued (oldest first)."""
         return [entry[0] for entry in self._pending_writes]
@@ -350,6 +362,7 @@ class Unit:
     def release(self) -> None:
         """Drop the gathered parameters (no-op for persistent units); placeholders left by
         ``keep_shapes`` go too."""
+        self.previewed = False
         if self.persistent:
             return
         if self.state is UnitState.SHARDED:
