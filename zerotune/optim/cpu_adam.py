@@ -282,6 +282,21 @@ def _check_no_overlap(named: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"adam_update: {name_a} and {name_b} overlap in memory")
 
 
+def adam_arguments(group: dict, step) -> dict:
+    """``adam_update``'s keyword arguments for a parameter group at ``step``."""
+    beta1, beta2 = group["betas"]
+    return dict(
+        step=step,
+        lr=float(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        adamw=group["adamw_mode"],
+        bias_correction=group["bias_correction"],
+    )
+
+
 class CPUAdam(torch.optim.Optimizer):
     """Adam/AdamW for CPU fp32 parameters, running ``adam_update`` (C++ kernel or fallback).
 
@@ -329,7 +344,6 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -346,13 +360,6 @@ class CPUAdam(torch.optim.Optimizer):
                     p.grad.contiguous(),
                     state["exp_avg"],
                     state["exp_avg_sq"],
-                    step=state["step"],
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    adamw=group["adamw_mode"],
-                    bias_correction=group["bias_correction"],
+                    **adam_arguments(group, state["step"]),
                 )
         return loss

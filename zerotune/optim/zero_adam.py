@@ -128,7 +128,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import dist as zdist
-from .cpu_adam import adam_update, adam_update_8bit, fallback_adam_update
+from .cpu_adam import adam_arguments, adam_update, adam_update_8bit, fallback_adam_update
 from .quant8 import Q8Moments
 from .state_store import IDLE, Feed, Scratch
 
@@ -520,18 +520,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             a, b = max(seg.start, c0), min(seg.end, c1)
             if a >= b or not seg.counted:
                 continue
-            group = groups[seg.group]
-            beta1, beta2 = group["betas"]
-            kwargs = dict(
-                step=self.state[seg.key]["step"],
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                adamw=group["adamw_mode"],
-                bias_correction=group["bias_correction"],
-            )
+            kwargs = adam_arguments(groups[seg.group], self.state[seg.key]["step"])
             segments.append((a - c0, b - c0, kwargs))
         return segments
 
