@@ -964,3 +964,126 @@ def test_an_embedding_gathered_for_a_lookup_then_needed_whole(tmp_path, monkeypa
                 weights[carry] = wte.slots[0].param.detach().clone()
         engine.close()
     assert torch.equal(weights[True], weights[False])
+
+
+def _carried_pair(tmp_path, monkeypatch, make_model, vocab: int, lr=1e-2, steps: int = 4):
+    """Losses and every unit's state after ``steps`` carried steps and after the same steps
+    finished in ``step()`` (backlog forced, LambdaLR stepped after each ``step()``)."""
+    import torch
+
+    import zerotune
+    from zerotune.memory.aio import IOHandle
+
+    monkeypatch.setattr(IOHandle, "done", lambda self: False)
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, vocab, (4, 12), generator=g) for _ in range(steps)]
+    out = []
+    for carry in (True, False):
+        folder = tmp_path / f"carry-{carry}"
+        folder.mkdir()
+        config = dict(OVERLAP_CONFIGS[0], nvme_path=str(folder), staging_bytes=3 * 16 * 4096 * 3)
+        engine = zerotune.shard(make_model(), config)
+        opt = zerotune.ZeroAdamW(engine, lr=lr() if callable(lr) else lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
+        losses = []
+        for ids in data:
+            loss = engine(input_ids=ids, labels=ids).loss
+            with opt.overlapped(carry=carry):
+                loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        states = {u.index: engine.unit_state(u) for u in engine.units if u.trainable}
+        engine.close()
+        out.append((losses, states))
+    return out
+
+
+@pytest.mark.parametrize("case", ["opt-positions", "tensor-lr"])
+def test_carried_steps_equal_finished_ones_for_subclassed_embeddings_and_tensor_lr(
+    case, tmp_path, monkeypatch
+):
+    """An ``nn.Embedding`` subclass whose forward looks up other rows than its argument
+    (OPT's learned positions: from the attention mask, offset by 2) is not previewed; a
+    tensor lr that the scheduler updates in place is frozen by value at ``step()``. Both
+    used to train differently when carried (found in review)."""
+    import torch
+    from conftest import tiny_gpt2
+
+    if case == "opt-positions":
+        from transformers import OPTConfig, OPTForCausalLM
+
+        def make_model():
+            torch.manual_seed(0)
+            config = OPTConfig(
+                vocab_size=96, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32,
+                dropout=0.0, attention_dropout=0.0,
+            )  # fmt: skip
+            return OPTForCausalLM(config)
+
+        lr = 1e-2
+    else:
+
+        def make_model():
+            return tiny_gpt2(seed=0)
+
+        def lr():
+            return torch.tensor(1e-2)
+
+    (carried, plain) = _carried_pair(tmp_path, monkeypatch, make_model, 96, lr)
+    assert carried[0] == plain[0]
+    for index, state in carried[1].items():
+        for key, value in state.items():
+            assert torch.equal(value, plain[1][index][key]), (index, key)
+
+
+def _skewed_world(rank, world, nvme_root, carry):
+    """World 2, stage 3, optimizer state on NVMe, prefetch on: rank 0's I/O reports done
+    at once, rank 1's only once waited for, so their backlogs at step() differ."""
+    import os
+
+    import torch.distributed as dist
+    from harness import batches, build, loss_of
+
+    import zerotune
+    from zerotune.memory.aio import IOHandle
+
+    done = IOHandle.done
+    IOHandle.done = (lambda self: (self.wait(), True)[1]) if rank == 0 else (lambda self: False)
+    try:
+        folder = os.path.join(nvme_root, f"r{rank}-{carry}")
+        os.makedirs(folder)
+        config = {"stage": 3, "offload_optimizer": "nvme", "grad_host_bytes": 0,
+                  "nvme_path": folder, "staging_bytes": 3 * 16 * 4096 * 3}  # fmt: skip
+        engine = zerotune.shard(build("gpt2"), config)
+        opt = zerotune.ZeroAdamW(engine, lr=1e-2)
+        losses = []
+        for ids in batches("gpt2", 4):
+            loss = loss_of(engine, ids[rank * 6 : (rank + 1) * 6])
+            with opt.overlapped(carry=carry):
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(float(total))
+        weights = engine.full_state_dict()
+        engine.close()
+        return {"losses": losses, "weights": {k: v.clone() for k, v in weights.items()}}
+    finally:
+        IOHandle.done = done
+
+
+def test_carried_steps_at_world_2_with_ranks_at_different_speeds(tmp_path):
+    """Ranks whose disks keep up differently carry different units past step(); the
+    gathers ahead must still pair up (prefetch used to gather a unit ahead on the rank
+    that had finished its update and not on the other: gloo failed on mismatched sizes)."""
+    import numpy as np
+
+    carried = run_world(2, _skewed_world, str(tmp_path), True, timeout=120)
+    plain = run_world(2, _skewed_world, str(tmp_path), False, timeout=120)
+    assert carried[0]["losses"] == plain[0]["losses"] == carried[1]["losses"]
+    for name, w in plain[0]["weights"].items():
+        assert np.array_equal(carried[0]["weights"][name], w), name

@@ -85,13 +85,14 @@ all of it (the "tail") while the disk then idles through the whole next forward.
 gathered (persistent units) are updated, and the rest of the pipeline runs on in the next
 forward: the engine's pre-forward hooks resume it between layers, a unit about to be
 gathered is first moved to the front of the queue and updated (``settle``), and a unit
-prefetch would gather early is only moved to the front. Everything else that reads or
+prefetch would gather early is only moved to the front (at world size 1; with collectives
+it is settled and gathered ahead on every rank alike, whatever each rank's own progress). Everything else that reads or
 writes a unit's state finishes the whole pipeline first: the next backward (its first
 hook), ``step()``, ``overlapped()``, ``clip_grad_norm_``, ``unit_state`` /
 ``load_unit_state`` (checkpoints, export), ``full_state_dict``, ``close``. The updates are
 the ones ``step()`` would have made: the step counts were taken at launch, and the
-hyper-parameters are frozen at ``step()`` (a scheduler stepping right after it changes the
-next step's, as without carrying); the gradients they read stay where they are until their
+hyper-parameters are frozen at ``step()``, tensors copied (a scheduler stepping right after
+it changes the next step's, as without carrying); the gradients they read stay where they are until their
 update is done (``Unit.update_pending``: ``zero_grad`` keeps a held gradient), and nothing
 writes a gradient before the next backward, which settles first. An error in a carried
 update comes out of the call that resumed it (a forward, a checkpoint) and from every
@@ -122,6 +123,7 @@ the file (``Unit.reread``).
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -420,7 +422,11 @@ class ZeroAdamW(torch.optim.Optimizer):
                 if overlap.unfinished:
                     if self._norm_sq is not None:
                         self._add_carried_norm(overlap)
-                    self._frozen_groups = [dict(g, params=None) for g in self.param_groups]
+                    # Copies of tensor values too: a scheduler may update a tensor lr in place.
+                    self._frozen_groups = [
+                        copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                        for g in self.param_groups
+                    ]
                     self._carry = self.engine._carry = overlap
                     overlap._phase = "after step() (carried into the next forward)"
                 else:
@@ -564,7 +570,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             return False
         module = unit.module
         return (
-            isinstance(module, torch.nn.Embedding)
+            # nn.Embedding's own forward: its first argument is the rows (a subclass, such
+            # as OPT's or BART's positional embeddings, may look up others)
+            type(module).forward is torch.nn.Embedding.forward
             and len(unit.slots) == 1
             and unit.slots[0].param is module._parameters.get("weight")
             and unit.map_params

@@ -599,9 +599,13 @@ class ZeroEngine(nn.Module):
     def _use(self, kind: str, unit: Unit) -> None:
         for nxt in self.prefetcher.on_use(kind, unit):
             if nxt.update_pending:
-                self.optimizer.promote(nxt)  # gathered once updated, when it is needed
-            else:
-                nxt.gather(async_op=True)
+                if self.world == 1:
+                    self.optimizer.promote(nxt)  # gathered once updated, when it is needed
+                    continue
+                # Every rank must issue the same gathers, whatever its own disk's progress:
+                # its update first, then the gather ahead.
+                self.settle_optimizer(nxt)
+            nxt.gather(async_op=True)
 
     def pre_forward(self, unit: Unit, args: tuple = ()) -> None:
         if unit.index == 0:
