@@ -78,28 +78,29 @@ stage 2 or 3 (stage 1 keeps whole gradients until the step) and a synchronized b
 
 [Note: carrying the step into the next forward]
 The updates still queued when backward ends are those of the units backward finished last:
-at stage 3 the first blocks and the input embedding, the units the next forward needs
-first. With NVMe they are the disk's backlog from backward, and ``step()`` used to wait for
-all of it (the "tail") while the disk then idles through the whole next forward. With
+at stage 3 the first blocks and the input embedding, the units the next forward needs first.
+With NVMe they are the disk's backlog from backward, and ``step()`` used to wait for all of
+it (the "tail") while the disk then idles through the whole next forward. With
 ``overlapped(carry=True)`` (the default) ``step()`` returns once the parameters that stay
 gathered (persistent units) are updated, and the rest of the pipeline runs on in the next
 forward: the engine's pre-forward hooks resume it between layers, a unit about to be
 gathered is first moved to the front of the queue and updated (``settle``), and a unit
-prefetch would gather early is only moved to the front (at world size 1; with collectives
-it is settled and gathered ahead on every rank alike, whatever each rank's own progress). Everything else that reads or
-writes a unit's state finishes the whole pipeline first: the next backward (its first
-hook), ``step()``, ``overlapped()``, ``clip_grad_norm_``, ``unit_state`` /
-``load_unit_state`` (checkpoints, export), ``full_state_dict``, ``close``. The updates are
-the ones ``step()`` would have made: the step counts were taken at launch, and the
-hyper-parameters are frozen at ``step()``, tensors copied (a scheduler stepping right after
-it changes the next step's, as without carrying); the gradients they read stay where they are until their
-update is done (``Unit.update_pending``: ``zero_grad`` keeps a held gradient), and nothing
-writes a gradient before the next backward, which settles first. An error in a carried
-update comes out of the call that resumed it (a forward, a checkpoint) and from every
-later one: some units of that step were updated and some not, so it says to resume from a
-checkpoint. With ``track_norm`` the gradients the carried updates have not read yet are
-summed at ``step()`` (read back from the gradient file where they were spilled), so the
-norm is there when ``step()`` returns. Not with a store in memory (nothing to wait for).
+prefetch would gather early is only moved to the front (at world size 1; with collectives it
+is settled and gathered ahead on every rank alike, whatever each rank's own progress).
+Everything else that reads or writes a unit's state finishes the whole pipeline first: the
+next backward (its first hook), ``step()``, ``overlapped()``, ``clip_grad_norm_``,
+``unit_state`` / ``load_unit_state`` (checkpoints, export), ``full_state_dict``, ``close``.
+The updates are the ones ``step()`` would have made: the step counts were taken at launch,
+and the hyper-parameters are frozen at ``step()``, tensors copied (a scheduler stepping
+right after it changes the next step's, as without carrying); the gradients they read stay
+where they are until their update is done (``Unit.update_pending``: ``zero_grad`` keeps a
+held gradient), and nothing writes a gradient before the next backward, which settles first.
+An error in a carried update comes out of the call that resumed it (a forward, a checkpoint)
+and from every later one: some units of that step were updated and some not, so it says to
+resume from a checkpoint. With ``track_norm`` the gradients the carried updates have not
+read yet are summed at ``step()`` (read back from the gradient file where they were
+spilled), so the norm is there when ``step()`` returns. Not with a store in memory (nothing
+to wait for).
 
 [Note: looked-up rows before their update]
 The input embedding is the first unit the next forward gathers and the last whose gradient
