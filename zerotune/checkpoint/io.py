@@ -325,12 +325,9 @@ def _prepare_folder(root: Path, folder: Path) -> None:
             f"{root} is a checkpoint folder; save into its parent (checkpoints go in "
             "subfolders of one root, next to a 'latest' pointer)"
         )
-    if root.exists() and not root.is_dir():
-        raise CheckpointError(f"cannot save a checkpoint into {root}: it is not a folder")
-    if not root.exists():
-        reason = cannot_create(root)
-        if reason is not None:
-            raise CheckpointError(f"cannot save a checkpoint into {root}: {reason}")
+    reason = cannot_create(root)  # a file in its place or above it, no permission
+    if reason is not None:
+        raise CheckpointError(f"cannot save a checkpoint into {root}: {reason}")
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f".{LATEST}.tmp-*"):
         stale.unlink(missing_ok=True)  # a pointer update cut short by a kill

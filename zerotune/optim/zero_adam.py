@@ -414,26 +414,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if overlap is not None:
             overlap.close()
             launched = overlap.launched
-            if overlap.carry and any(u.index not in launched for u in self._live_units()):
-                overlap.carry = False  # step() updates more units: the pipeline is busy
-            if overlap.carry:
-                # Units that stay gathered are not gathered again: they need their values now.
-                for unit in self.engine.units_kept_gathered():
-                    overlap.settle(unit)
-                if overlap.unfinished:
-                    if self._norm_sq is not None:
-                        self._add_carried_norm(overlap)
-                    # Copies of tensor values too: a scheduler may update a tensor lr in place.
-                    self._frozen_groups = [
-                        copy.deepcopy({k: v for k, v in g.items() if k != "params"})
-                        for g in self.param_groups
-                    ]
-                    self._carry = self.engine._carry = overlap
-                    overlap._phase = "after step() (carried into the next forward)"
-                else:
-                    overlap.finish()
-            else:
-                overlap.finish()
+            self._carry_or_finish(overlap)
         self._prepare()
         scaler = self.engine.scaler
         info = StepInfo(
@@ -463,6 +444,27 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._grad_norm = None
         self.engine.zero_grad()
         return info
+
+    def _carry_or_finish(self, overlap: _OverlappedStep) -> None:
+        """Leave the updates still queued to the next forward (see [Note: carrying the step
+        into the next forward]), or run them to their end now."""
+        # step() updates more units itself: the pipeline would be busy.
+        can_carry = overlap.carry and all(u.index in overlap.launched for u in self._live_units())
+        if can_carry:
+            # Units that stay gathered are not gathered again: they need their values now.
+            for unit in self.engine.units_kept_gathered():
+                overlap.settle(unit)
+        if not (can_carry and overlap.unfinished):
+            overlap.finish()
+            return
+        if self._norm_sq is not None:
+            self._add_carried_norm(overlap)
+        # Copies of tensor values too: a scheduler may update a tensor lr in place.
+        self._frozen_groups = [
+            copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.param_groups
+        ]
+        self._carry = self.engine._carry = overlap
+        overlap._phase = "after step() (carried into the next forward)"
 
     def _add_carried_norm(self, carry) -> None:
         """With ``track_norm``: add the gradients the carried updates have not read yet (the
@@ -597,8 +599,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         ranges = [(max(a, done), a + dim) for a in starts]
         if not ranges:
             return
-        (segment,) = self._segments_in(unit, 0, unit.shard_numel) or [(0, 0, None)]
-        if segment[2] is None:
+        segments = self._segments_in(unit, 0, unit.shard_numel)  # one: the weight's
+        if not segments:
             return  # no gradient this step: the update leaves the weights as they are
         held = unit.held_grad
         grad = held if held is not None else unit.grad_shard
@@ -610,7 +612,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         master = flat[index]
         g = grad[index].float()  # a copy: Adam-L2 adds to the gradient in place
         m, v = torch.cat(m), torch.cat(v)
-        self._adam(master, g, (m, v), [(0, index.numel(), segment[2])], None)
+        self._adam(master, g, (m, v), [(0, index.numel(), segments[0][2])], None)
         flat[index] = master
 
     def pump(self) -> None:
@@ -750,7 +752,6 @@ class _OverlappedStep:
     def close(self) -> None:
         """Backward is over: no more units come. Refuses a step a second backward broke."""
         self.feed.closed = True
-        self.opt._launch_order = list(self.launched)
         if self._refused:
             self.carry = False
             self.pump(block=True)
@@ -760,6 +761,7 @@ class _OverlappedStep:
                 "at all: resume from the last checkpoint"
             )
         self._check_failed()
+        self.opt._launch_order = list(self.launched)
         self._phase = "in step()"
 
     def finish(self) -> None:
