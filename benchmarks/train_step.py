@@ -16,13 +16,18 @@ one JSON line with ``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain)
         --overlap-step                          # optimizer I/O during backward
     python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
         --overlap-step --compare-carry          # + the same without carrying into forward
+    python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
+        --compare-master-copy                   # + the master copied, not updated in place
     python benchmarks/train_step.py --offload-activations nvme --nvme-path /tmp \
         --batch 8 --seq 512                     # checkpoints offloaded vs kept, both checkpointed
 
 With ``--optim adamw_8bit`` zerotune runs twice in the same invocation, with fp32 Adam states
 and with 8-bit ones (``optim_state_bits: 8``); the summary describes the 8-bit run and adds
 ``nvme_bytes_ratio`` (disk bytes read + written per step, 8-bit / fp32) and the other
-ratios against the fp32-state run. With ``--compare-carry`` (and ``--overlap-step``)
+ratios against the fp32-state run. With ``--compare-master-copy`` zerotune also runs with
+the fp32 master read into staging and written back instead of updated in the parameter
+file's pages (``NvmeStore.in_place`` off; the way before session 16). With
+``--compare-carry`` (and ``--overlap-step``)
 zerotune also runs with ``overlapped(carry=False)``: every update finished in ``step()``
 instead of the last ones going on during the next forward. With ``--offload-activations``
 zerotune runs with activation checkpointing on, once keeping the checkpoints and once
@@ -84,6 +89,11 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="with --overlap-step: also run zerotune with overlapped(carry=False)",
     )
+    ap.add_argument(
+        "--compare-master-copy",
+        action="store_true",
+        help="also run zerotune copying the fp32 master through staging (not in place)",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument(
         "--rounds",
@@ -99,6 +109,7 @@ def parse() -> argparse.Namespace:
             "zerotune-fp32-states",
             "zerotune-kept-checkpoints",
             "zerotune-no-carry",
+            "zerotune-master-copied",
         ],
         help=argparse.SUPPRESS,
     )
@@ -142,6 +153,8 @@ def run_variant(args: argparse.Namespace) -> dict:
             model.gradient_checkpointing_enable()
             model.train()
         opt = zerotune.ZeroAdamW(runner, lr=1e-5)
+        if args.variant == "zerotune-master-copied":
+            opt.store.in_place = False  # [Note: the master updated in the page cache]
     io = psutil.Process().io_counters
     cached0 = _page_cache_bytes()
     cached_peak = 0
@@ -180,6 +193,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     # RAM in use while there is RAM to spare).
     result["page_cache_growth_gib"] = cached_peak / 2**30
     if args.variant != "plain":
+        result["master_in_place"] = bool(getattr(opt.store, "in_place", False))
         result["memory_report"] = runner.memory_report()
         if runner.swap is not None:
             files = runner.swap.files
@@ -226,6 +240,8 @@ def main() -> None:
         if not args.overlap_step:
             sys.exit("--compare-carry needs --overlap-step")
         variants.append("zerotune-no-carry")
+    if args.compare_master_copy:
+        variants.append("zerotune-master-copied")
     variants.append("zerotune")
     if args.rounds < 1:
         sys.exit("--rounds must be at least 1")
@@ -281,6 +297,7 @@ def main() -> None:
         "written_gb_per_step": round(zt["written_bytes_per_step"] / gb, 3),
         "io_gbps": round(moved / gb / zt["total"], 3),
         "page_cache_growth_gib": round(zt["page_cache_growth_gib"], 3),
+        "master_in_place": zt.get("master_in_place"),
     }
     if "buffered_swap_gib" in zt:
         summary["buffered_swap_gib"] = round(zt["buffered_swap_gib"], 3)
@@ -288,6 +305,7 @@ def main() -> None:
         ("zerotune-fp32-states", "nvme_bytes_ratio"),
         ("zerotune-kept-checkpoints", "moved_bytes_ratio"),
         ("zerotune-no-carry", "moved_bytes_ratio_vs_no_carry"),
+        ("zerotune-master-copied", "moved_bytes_ratio_vs_master_copied"),
     ):
         if other in results:
             o = results[other]

@@ -211,13 +211,16 @@ def test_nvme_optimizer_traffic_per_step_halves(tmp_path):
 def test_with_parameters_on_nvme_8bit_records_hold_only_the_moments(tmp_path):
     """Both tiers on NVMe: the parameter file holds the fp32 master, so an 8-bit chunk
     record is codes and absmax only (~2 bytes a parameter through O_DIRECT instead of 6),
-    and the master moves through the page cache as with fp32 moments."""
+    and the master moves through the page cache (with fp32 moments it is updated there, in
+    place, and does not move at all)."""
     fp32, q8 = nvme_traffic(32, tmp_path, "nvme-both"), nvme_traffic(8, tmp_path, "nvme-both")
     numel = sum(p.numel() for p in wide_gpt2().parameters())
-    for r in (fp32, q8):
+    for r, masters in ((fp32, 0), (q8, q8["masters"])):
         assert len(set(r["store"])) == 1 and r["read"] == r["store"]
-        # Every step moves the whole optim extent plus each master once, nothing more.
-        assert r["store"][0] == r["optim_file"] + r["masters"], r
+        # Every step moves the whole optim extent plus each master of a quantized unit
+        # once, nothing more (units too small to quantize keep fp32 moments, and so their
+        # master where it is).
+        assert r["optim_file"] + 0.95 * masters <= r["store"][0] <= r["optim_file"] + masters
         for store, kernel in zip(r["store"], r["kernel"]):
             assert store <= kernel <= store * 1.02 + 65536, (store, kernel)
     assert fp32["masters"] == q8["masters"] == 4 * numel
@@ -227,7 +230,8 @@ def test_with_parameters_on_nvme_8bit_records_hold_only_the_moments(tmp_path):
     # parameter through O_DIRECT, the same through the kernel in all.
     alone = nvme_traffic(8, tmp_path)
     assert alone["optim_file"] - q8["optim_file"] >= 4 * numel * 0.95
-    assert abs(alone["store"][0] - q8["store"][0]) <= 0.02 * alone["store"][0]
+    # (less by the masters of the small fp32-moment units, updated in place)
+    assert 0 <= alone["store"][0] - q8["store"][0] <= 0.03 * alone["store"][0]
 
 
 def optimizer_bytes(bits: int) -> dict:

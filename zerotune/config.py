@@ -108,14 +108,19 @@ class ZeroConfig:
         it in chunks: up to eight slots with fp32 moments (in an overlapped step the
         spare ones read ahead of backward), three with 8-bit moments; more bytes make
         larger chunks and read further ahead.
-    aio_threads / aio_block_bytes / aio_queue_depth: the asynchronous I/O engine.
+    aio_threads / aio_block_bytes / aio_queue_depth: the asynchronous I/O engine (buffered
+        files, the parameter and gradient files, take blocks of at least 4 MiB: see [Note:
+        huge page-cache pages] in memory/swap.py).
     host_cache_bytes: with offload on a CPU device, freed tensors of 1 MiB and more are kept
         for reuse up to this many bytes (weight gradients and activations of the next block
         and step reuse them instead of page-faulting fresh memory; 0 turns it off). Counted
         in the memory report (``host_cache``) and in ``estimate``.
     map_param_file: with parameters on NVMe, one process, a CPU device: a gather maps the
-        parameter file's pages (copy-on-write) instead of copying them into a buffer. Off,
-        gathers read the file: slower, but a disk error then raises an exception where a
+        parameter file's pages (copy-on-write) instead of copying them into a buffer; and
+        wherever that file holds the fp32 master (fp32 compute and moments, both tiers on
+        NVMe) the optimizer updates it in the file's pages through a shared mapping instead
+        of reading and writing it. Off, gathers and the optimizer read and write the file:
+        slower, but a disk error while a gather reads then raises an exception where a
         mapping ends the process with SIGBUS.
     optim_state_bits: 32 keeps Adam's two moments in fp32; 8 keeps them blockwise-quantized
         in 8 bits (bitsandbytes' dynamic code, one fp32 absmax per 256 elements) on whatever

@@ -176,6 +176,7 @@ class SwapFile:
         if block_bytes % ALIGN:
             raise ValueError(f"block_bytes must be a multiple of {ALIGN}, got {block_bytes}")
         self.size = _round_up(size_bytes, ALIGN)
+        self.block_bytes = block_bytes
         self._closed = True  # until the engine exists, so that close() has nothing to do
         self._pending: list[IOHandle] = []
         self._pending_lock = threading.Lock()
@@ -246,6 +247,28 @@ class SwapFile:
         )
         view.madvise(mmap.MADV_WILLNEED)
         return torch.frombuffer(view, dtype=torch.uint8)
+
+    def map_shared(self, offset: int, nbytes: int) -> mmap.mmap:
+        """The file's bytes ``[offset, offset + nbytes)`` as a shared, writable mapping:
+        writes into it change the file's page-cache pages, that is the file (as a ``write``
+        would, without the copy). Buffered files only; ``offset`` page-aligned. The caller
+        closes it. A disk error while a page is read through it ends the process with
+        SIGBUS, as for ``map``."""
+        if self._closed:
+            raise ValueError(f"map of a closed swap file {self.path}")
+        if self.direct:
+            raise ValueError(f"map of {self.path}: the file is opened with O_DIRECT")
+        if offset < 0 or offset % mmap.ALLOCATIONGRANULARITY or nbytes <= 0:
+            raise ValueError(f"map of {self.path}: bad region ({offset}, {nbytes})")
+        if offset + nbytes > self.size:
+            raise ValueError(f"map of {self.path}: ({offset}, {nbytes}) is past its end")
+        return mmap.mmap(
+            self._fd,
+            nbytes,
+            flags=mmap.MAP_SHARED,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            offset=offset,
+        )
 
     def close(self) -> None:
         """Wait for every request, stop the workers and close the file (it stays on disk)."""

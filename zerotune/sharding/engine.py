@@ -377,7 +377,9 @@ class ZeroEngine(nn.Module):
         from ..optim.state_store import NvmeStore, ResidentStore
 
         if self.config.offload_optimizer == "nvme":
-            return NvmeStore(self.swap, self.staging, self._optim_layout)
+            return NvmeStore(
+                self.swap, self.staging, self._optim_layout, self.config.map_param_file
+            )
         return ResidentStore(units, self.config.optim_state_bits)
 
     def grad_chunks(self, unit: Unit):

@@ -110,11 +110,12 @@ class SwapPlan:
     layout: OptimLayout | None = None  # chunks, slots and scratch of the optimizer stream
 
     def file_bytes(self, kind: str) -> int:
-        """Bytes of ``kind``'s swap file (extents rounded up to 4 KiB)."""
-        from ..memory.swap import _layout
+        """Bytes of ``kind``'s swap file (extents rounded up to 4 KiB, placed as
+        ``extent_align`` says)."""
+        from ..memory.swap import _layout, extent_align
 
         sizes = self.sizes.get(kind)
-        return _layout(sizes)[1] if sizes else 0
+        return _layout(sizes, extent_align(kind))[1] if sizes else 0
 
     @property
     def total_bytes(self) -> int:
