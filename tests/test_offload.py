@@ -371,19 +371,26 @@ def test_the_master_is_updated_in_the_page_cache(overlap, tmp_path, monkeypatch,
     a shared mapping (see [Note: the master updated in the page cache]): bit for bit what
     the copying path gives (losses, weights, moments), with the master's bytes neither read
     nor written through staging; buffered files take 4 MiB blocks; a kernel without
-    MADV_POPULATE_WRITE makes the store copy from its first chunk on, with one log line and
-    the same results."""
+    MADV_POPULATE_WRITE, or a filesystem refusing shared mappings, makes the store copy the
+    chunks started after the first one, with one log line and the same results."""
+    import errno
     import logging
 
     import torch
     from conftest import tiny_gpt2
 
     import zerotune
+    from zerotune.memory.aio import SwapFile
     from zerotune.optim import state_store
 
-    def run(name, in_place=True, populate=None):
+    def refuse(self, offset, nbytes):
+        raise OSError(errno.ENODEV, "No such device")
+
+    def run(name, in_place=True, populate=None, shared_maps=True):
         if populate is not None:
             monkeypatch.setattr(state_store, "_MADV_POPULATE_WRITE", populate)
+        if not shared_maps:  # a filesystem that maps files copy-on-write only
+            monkeypatch.setattr(SwapFile, "map_shared", refuse)
         root = tmp_path / name
         root.mkdir()
         config = {
@@ -424,8 +431,11 @@ def test_the_master_is_updated_in_the_page_cache(overlap, tmp_path, monkeypatch,
     copied, *_ = run("copied", in_place=False)
     with caplog.at_level(logging.INFO, logger="zerotune.optim.state_store"):
         unsupported, *_ = run("no-populate", populate=0x7FFF)  # EINVAL, as an old kernel
-    assert [r.message.count("MADV_POPULATE_WRITE") for r in caplog.records] == [1]
-    for other in (copied, unsupported):
+        unmapped, *_ = run("no-shared-maps", shared_maps=False)
+    messages = [r.message for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "MADV_POPULATE_WRITE" in messages[0] and "cannot be mapped shared" in messages[1]
+    for other in (copied, unsupported, unmapped):
         assert other[0] == losses
         for name, w in weights.items():
             assert torch.equal(other[1][name], w), name
@@ -434,9 +444,8 @@ def test_the_master_is_updated_in_the_page_cache(overlap, tmp_path, monkeypatch,
                 assert torch.equal(theirs[key], value), key
         assert not other[4]
         assert other[3] > read
-    # Copying reads each master chunk once a step (and, overlapped, those read ahead of a
-    # guess that turned out wrong again).
-    assert copied[3] - read >= 3 * masters if overlap else copied[3] - read == 3 * masters
+    if not overlap:  # (overlapped, reads ahead given up add bytes that depend on timing)
+        assert copied[3] - read == 3 * masters  # each master chunk once a step
 
 
 def test_parameter_extents_of_2_mib_or_more_start_on_2_mib_boundaries():

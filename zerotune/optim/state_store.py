@@ -20,9 +20,9 @@ master read is a copy from the page cache instead of a disk read, and the new pa
 need no second write: per parameter and step the optimizer moves 8 bytes each way through
 O_DIRECT plus 4 each way through the page cache, against 12 + 12 + 4 before. With fp32
 moments the master is not even copied: the update runs on the page-cache pages themselves
-(see [Note: the master updated in the page cache]). Otherwise (8-bit moments, or on a
-kernel that note names) the master chunk is read into staging and written back, and
-a gather of the unit waits for that write (``Unit.param_file_writes``).
+(see [Note: the master updated in the page cache]). Otherwise (8-bit moments,
+``map_param_file: false``, or where that note says) the master chunk is read into staging
+and written back, and a gather of the unit waits for that write (``Unit.param_file_writes``).
 
 [Note: the master updated in the page cache]
 Reading the master chunk from the page cache into staging and writing it back were two
@@ -43,8 +43,14 @@ call takes one fault per page-cache folio, which the layout makes 2 MiB (see [No
 page-cache pages] in memory/swap.py): for a 16 MiB chunk 8 faults and 0.4 ms, and even a
 file of 4 KiB pages took 5 ms against 13 ms for the read and the write it replaces. A disk
 error while it reads a page comes back from the call as an exception (instead of SIGBUS on
-access). A kernel without it (EINVAL) gets the copying path for the rest of the run, logged
-once; ``map_param_file: false`` chooses that path from the start.
+access). A kernel without it (EINVAL), or a filesystem that refuses shared mappings, gets
+the copying path for the chunks started from then on (those already started are updated
+in place, unfilled, or read and written synchronously), logged once; ``map_param_file:
+false`` chooses that path from the start. Unlike the copy, an update that fails halfway
+(the C++ Adam refusing a later segment's hyper-parameters, an interrupt) leaves the
+segments before it updated in the file while their moments are not written. A step that
+fails is not one to go on from either way: the units before the failing chunk are updated,
+those after it are not.
 
 With 8-bit moments (see [Note: 8-bit optimizer states] in quant8.py) a quantized unit's
 moments are codes and absmax values. ``ResidentStore`` then works in chunks of
@@ -70,6 +76,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 from collections import deque
 from dataclasses import dataclass
 
@@ -588,12 +595,17 @@ class NvmeStore:
             if exc.errno != errno.EINVAL:  # the pages could not be read
                 where = f"{nbytes} bytes at offset {offset + at}"
                 raise OSError(exc.errno, f"{path}: cannot map {where} ({exc.strerror})") from None
-            if self.in_place:
-                self.in_place = False
-                log.info(
-                    "zerotune: no MADV_POPULATE_WRITE on this kernel; the optimizer copies the "
-                    "fp32 master through staging instead of updating it in place"
-                )
+            self._copy_from_now_on("no MADV_POPULATE_WRITE on this kernel")
+
+    def _copy_from_now_on(self, why: str) -> None:
+        """Chunks started from now on read and write the master through staging."""
+        if self.in_place:
+            self.in_place = False
+            log.info(
+                "zerotune: %s; the optimizer copies the fp32 master through staging instead "
+                "of updating it in place",
+                why,
+            )
 
     def _update_in_place(self, update, unit, c0: int, c1: int, moments, grad) -> None:
         """``update`` with the chunk's master in the parameter file's pages (see [Note: the
@@ -605,11 +617,20 @@ class NvmeStore:
         for handle in unit.param_file_writes:  # an earlier write of these bytes goes first
             handle.wait()
         unit.keep_private()  # a gather mapping these pages must not see them change
-        mapping = p.file.map_shared(lo, hi - lo)
+        try:
+            mapping = p.file.map_shared(lo, hi - lo)
+        except OSError as exc:  # a filesystem without shared mappings: copy from now on
+            self._copy_from_now_on(f"{p.file.path} cannot be mapped shared ({exc.strerror})")
+            master = aligned_empty(c1 - c0, torch.float32)
+            p.file.read(master, start).wait()
+            update(unit, c0, c1, master, moments, grad)
+            p.file.write(master, start).wait()
+            return
         try:
             at, n = start - lo, c1 - c0
-            page = at // ALIGN * ALIGN
-            self._populate(mapping, page, round_up(at + nbytes) - page, p.file.path, lo)
+            page = at // mmap.PAGESIZE * mmap.PAGESIZE
+            end = round_up(at + nbytes, mmap.PAGESIZE)
+            self._populate(mapping, page, end - page, p.file.path, lo)
             master = torch.frombuffer(mapping, dtype=torch.float32, offset=at, count=n)
             update(unit, c0, c1, master, moments, grad)
             del master
