@@ -71,7 +71,9 @@ def parse() -> argparse.Namespace:
         help="parameters and optimizer state both on this tier",
     )
     ap.add_argument("--nvme-path", default=None, help="folder for swap files (--offload nvme)")
-    ap.add_argument("--staging", default="128MiB", help="NVMe staging buffers")
+    ap.add_argument(
+        "--staging", default=None, help="NVMe staging buffers (zerotune's default if not given)"
+    )
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_8bit"])
     ap.add_argument(
         "--offload-activations",
@@ -145,7 +147,9 @@ def run_variant(args: argparse.Namespace) -> dict:
         if checkpointed and args.variant != "zerotune-kept-checkpoints":
             zcfg["offload_activations"] = args.offload_activations
         if "nvme" in (args.offload, zcfg.get("offload_activations")):
-            zcfg.update(nvme_path=args.nvme_path, staging_bytes=args.staging)
+            zcfg.update(nvme_path=args.nvme_path)
+            if args.staging is not None:
+                zcfg.update(staging_bytes=args.staging)
         # zero-init: the model is never whole in this process (it could not be, offloaded)
         runner = zerotune.zero_init(config, zcfg)
         model = runner.module
