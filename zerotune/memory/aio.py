@@ -225,12 +225,7 @@ class SwapFile:
         shows). Readahead of the range starts at once. A region past the file's end is
         refused here; a disk error while a page is read through the mapping ends the
         process with SIGBUS (there is no call to raise from), unlike ``read``."""
-        if self._closed:
-            raise ValueError(f"map of a closed swap file {self.path}")
-        if self.direct:
-            raise ValueError(f"map of {self.path}: the file is opened with O_DIRECT")
-        if offset < 0 or offset % mmap.ALLOCATIONGRANULARITY or nbytes <= 0:
-            raise ValueError(f"map of {self.path}: bad region ({offset}, {nbytes})")
+        self._check_mappable(offset, nbytes)
         end = os.fstat(self._fd).st_size
         if offset + nbytes > end:
             raise OSError(
@@ -248,18 +243,21 @@ class SwapFile:
         view.madvise(mmap.MADV_WILLNEED)
         return torch.frombuffer(view, dtype=torch.uint8)
 
-    def map_shared(self, offset: int, nbytes: int) -> mmap.mmap:
-        """The file's bytes ``[offset, offset + nbytes)`` as a shared, writable mapping:
-        writes into it change the file's page-cache pages, that is the file (as a ``write``
-        would, without the copy). Buffered files only; ``offset`` page-aligned. The caller
-        closes it. A disk error while a page is read through it ends the process with
-        SIGBUS, as for ``map``."""
+    def _check_mappable(self, offset: int, nbytes: int) -> None:
         if self._closed:
             raise ValueError(f"map of a closed swap file {self.path}")
         if self.direct:
             raise ValueError(f"map of {self.path}: the file is opened with O_DIRECT")
         if offset < 0 or offset % mmap.ALLOCATIONGRANULARITY or nbytes <= 0:
             raise ValueError(f"map of {self.path}: bad region ({offset}, {nbytes})")
+
+    def map_shared(self, offset: int, nbytes: int) -> mmap.mmap:
+        """The file's bytes ``[offset, offset + nbytes)`` as a shared, writable mapping:
+        writes into it change the file's page-cache pages, that is the file (as a ``write``
+        would, without the copy). Buffered files only; ``offset`` page-aligned. The caller
+        closes it. A disk error while a page is read through it ends the process with
+        SIGBUS, as for ``map``."""
+        self._check_mappable(offset, nbytes)
         if offset + nbytes > self.size:
             raise ValueError(f"map of {self.path}: ({offset}, {nbytes}) is past its end")
         return mmap.mmap(
