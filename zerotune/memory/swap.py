@@ -165,15 +165,15 @@ class SwapSpace:
         self.extents: dict[tuple[str, int], Extent] = {}
         try:
             for kind, (offsets, total) in layout.items():
-                buffered = not (direct or {}).get(kind, True)
+                o_direct = (direct or {}).get(kind, True)
                 block = config.aio_block_bytes
                 f = SwapFile(
                     self.dir / f"{kind}.swap",
                     total,
                     threads=config.aio_threads,
-                    block_bytes=max(block, BUFFERED_BLOCK) if buffered else block,
+                    block_bytes=block if o_direct else max(block, BUFFERED_BLOCK),
                     queue_depth=config.aio_queue_depth,
-                    direct=(direct or {}).get(kind, True),
+                    direct=o_direct,
                 )
                 self.files[kind] = f
                 for index, (offset, nbytes) in offsets.items():

@@ -796,7 +796,8 @@ class NvmeStore:
                 entry.grad = None
                 if c1 == unit.shard_numel:
                     unit.drop_held_grad()  # its last chunk is updated
-                if in_param_file and not entry.in_place:
+                copied_master = in_param_file and not entry.in_place
+                if copied_master:
                     unit.keep_private()  # a unit mapping that file must not see the change
                 # The slot stays in ``started`` until its writes are queued, its
                 # transfers from here on being the writes (a failure waits for them).
@@ -804,7 +805,7 @@ class NvmeStore:
                 for part, file, off in entry.pieces:
                     hs.append(file.write(part, off))
                 self.bytes_written += sum(part.numel() for part, _, _ in entry.pieces)
-                if in_param_file and not entry.in_place:
+                if copied_master:
                     unit.param_file_writes.append(hs[0])  # a gather must wait for it
                 started.remove(entry)
                 writes.append((hs, buf))
