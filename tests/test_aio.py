@@ -190,6 +190,28 @@ def test_wait_releases_the_gil(tmp_path, impl):
     assert max(gaps) < (end - start) / 2, (max(gaps), end - start)
 
 
+def test_urgent_requests_go_ahead_of_queued_ones(tmp_path, impl):
+    """An urgent request is served before the queued requests that have not started, and
+    after the urgent ones queued before it; a plain request keeps its place."""
+    with SwapFile(tmp_path / "swap", 80 * MiB, threads=1, block_bytes=MiB, direct=False) as f:
+        big = aligned_empty(64 * MiB, torch.uint8).fill_(7)
+        ones = aligned_empty(ALIGN, torch.uint8).fill_(1)
+        twos = aligned_empty(ALIGN, torch.uint8).fill_(2)
+        plain_at, urgent_at = 64 * MiB, 65 * MiB
+        seen = {name: aligned_empty(ALIGN, torch.uint8) for name in ("plain", "early", "urgent")}
+        handles = [f.write(big, 0)]  # 64 blocks: the one worker is busy for a while
+        handles.append(f.write(ones, plain_at))
+        handles.append(f.read(seen["plain"], plain_at))  # behind the write: sees it
+        handles.append(f.write(twos, urgent_at, urgent=True))
+        handles.append(f.read(seen["urgent"], urgent_at, urgent=True))  # behind that one
+        handles.append(f.read(seen["early"], plain_at, urgent=True))  # ahead of the plain write
+        for h in handles:
+            h.wait()
+    assert torch.equal(seen["plain"], ones)
+    assert torch.equal(seen["urgent"], twos)
+    assert int(seen["early"].max()) == 0  # the file's bytes before the plain write
+
+
 def test_unaligned_length_touches_only_the_tensor(tmp_path, impl):
     """A read of an unaligned length fills the tensor's bytes and not one byte more."""
     with SwapFile(tmp_path / "swap", MiB) as f:

@@ -9,6 +9,10 @@
 // no libaio or liburing, which CI does not have). Requests submitted earlier finish earlier,
 // which is what a prefetching caller wants.
 //
+// An urgent request (a small read something is blocked on right now, while the queue holds
+// a pipeline's megabytes of read-ahead) goes in front of every block not started yet, behind
+// the urgent blocks queued before it: it waits for the blocks already in the kernel only.
+//
 // With O_DIRECT, file offsets, lengths and memory addresses must be multiples of 4096. The
 // Python side checks offsets and addresses; a length that is not a multiple of 4096 leaves a
 // tail of less than 4096 bytes, which goes through a per-worker aligned bounce page: a read
@@ -146,7 +150,8 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  Handle submit(bool write, const at::Tensor& tensor, int64_t offset, int64_t nbytes) {
+  Handle submit(bool write, const at::Tensor& tensor, int64_t offset, int64_t nbytes,
+                bool urgent) {
     TORCH_CHECK(tensor.device().is_cpu(), "aio: the tensor must be on the CPU");
     TORCH_CHECK(tensor.is_contiguous(), "aio: the tensor must be contiguous");
     TORCH_CHECK(nbytes >= 0 && nbytes <= static_cast<int64_t>(tensor.nbytes()),
@@ -169,10 +174,16 @@ class Engine {
     {
       std::lock_guard<std::mutex> lk(mu_);
       TORCH_CHECK(!closed_, "aio: I/O on a closed file");
+      std::vector<Block> blocks;
+      blocks.reserve(count);
       for (int64_t pos = 0; pos < body; pos += block_) {
-        queue_.push_back(Block{req, pos, std::min(block_, body - pos), false});
+        blocks.push_back(Block{req, pos, std::min(block_, body - pos), false});
       }
-      if (tail > 0) queue_.push_back(Block{req, body, tail, true});
+      if (tail > 0) blocks.push_back(Block{req, body, tail, true});
+      auto at = urgent ? queue_.begin() + urgent_ : queue_.end();
+      queue_.insert(at, std::make_move_iterator(blocks.begin()),
+                    std::make_move_iterator(blocks.end()));
+      if (urgent) urgent_ += count;
     }
     if (count == 1) {
       cv_.notify_one();
@@ -210,6 +221,7 @@ class Engine {
         if (queue_.empty()) break;  // closed and drained
         b = std::move(queue_.front());
         queue_.pop_front();
+        if (urgent_ > 0) --urgent_;
       }
       do_block(b, static_cast<char*>(page));
       b.req->finish_block();
@@ -269,6 +281,7 @@ class Engine {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Block> queue_;
+  int64_t urgent_ = 0;  // the queue's first urgent_ blocks belong to urgent requests
   bool closed_ = false;
   std::vector<std::thread> workers_;
 };
@@ -316,7 +329,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int, bool, int64_t, int64_t, int64_t>(), py::arg("fd"), py::arg("direct"),
            py::arg("threads"), py::arg("block_bytes"), py::arg("queue_depth"))
       .def("submit", &za::Engine::submit, py::arg("write"), py::arg("tensor"),
-           py::arg("offset"), py::arg("nbytes"))
+           py::arg("offset"), py::arg("nbytes"), py::arg("urgent") = false)
       .def("close", &za::Engine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("workers", &za::Engine::workers)
       .def_property_readonly("direct", &za::Engine::direct);

@@ -209,13 +209,16 @@ class SwapFile:
     def closed(self) -> bool:
         return self._closed
 
-    def write(self, tensor: torch.Tensor, offset: int) -> IOHandle:
-        """Start writing ``tensor``'s bytes at file ``offset``; returns at once."""
-        return self._submit(True, tensor, offset)
+    def write(self, tensor: torch.Tensor, offset: int, urgent: bool = False) -> IOHandle:
+        """Start writing ``tensor``'s bytes at file ``offset``; returns at once.
+        ``urgent``: as for ``read``."""
+        return self._submit(True, tensor, offset, urgent)
 
-    def read(self, tensor: torch.Tensor, offset: int) -> IOHandle:
-        """Start filling ``tensor`` with the file's bytes from ``offset``; returns at once."""
-        return self._submit(False, tensor, offset)
+    def read(self, tensor: torch.Tensor, offset: int, urgent: bool = False) -> IOHandle:
+        """Start filling ``tensor`` with the file's bytes from ``offset``; returns at once.
+        ``urgent``: the caller is about to wait for it, so it goes ahead of every queued
+        request not started yet (see [Note: aio requests] in csrc/aio/aio.cpp)."""
+        return self._submit(False, tensor, offset, urgent)
 
     def map(self, offset: int, nbytes: int) -> torch.Tensor:
         """The file's bytes ``[offset, offset + nbytes)`` as a uint8 tensor over a private
@@ -298,7 +301,9 @@ class SwapFile:
         state = "closed" if self._closed else self.mode
         return f"SwapFile({str(self.path)!r}, size={self.size}, {state})"
 
-    def _submit(self, write: bool, tensor: torch.Tensor, offset: int) -> IOHandle:
+    def _submit(
+        self, write: bool, tensor: torch.Tensor, offset: int, urgent: bool = False
+    ) -> IOHandle:
         op = "write" if write else "read"
         if self._closed:
             raise ValueError(f"{op} on a closed swap file {self.path}")
@@ -324,7 +329,7 @@ class SwapFile:
                 f"{op} of {nbytes} bytes at offset {offset} is past the end of {self.path} "
                 f"({self.size} bytes; a request takes its size rounded up to {ALIGN})"
             )
-        impl = self._engine.submit(write, tensor, offset, nbytes) if nbytes else None
+        impl = self._engine.submit(write, tensor, offset, nbytes, urgent) if nbytes else None
         handle = IOHandle(impl, tensor, self.path, op, offset, nbytes)
         if impl is not None:
             self._remember(handle)
@@ -347,9 +352,9 @@ class _CppEngine:
     def __init__(self, op: ModuleType, fd, direct, threads, block_bytes, queue_depth) -> None:
         self._engine = op.Engine(fd, direct, threads, block_bytes, queue_depth)
 
-    def submit(self, write: bool, tensor: torch.Tensor, offset: int, nbytes: int):
+    def submit(self, write: bool, tensor: torch.Tensor, offset: int, nbytes: int, urgent: bool):
         # The op's Handle has the same wait()/done() as _PyRequest.
-        return self._engine.submit(write, tensor, offset, nbytes)
+        return self._engine.submit(write, tensor, offset, nbytes, urgent)
 
     def close(self) -> None:
         self._engine.close()
@@ -380,12 +385,19 @@ class _PyEngine:
             max_workers=min(threads, queue_depth), thread_name_prefix="zerotune-aio"
         )
 
-    def submit(self, write: bool, tensor: torch.Tensor, offset: int, nbytes: int) -> _PyRequest:
+    def submit(
+        self, write: bool, tensor: torch.Tensor, offset: int, nbytes: int, urgent: bool
+    ) -> _PyRequest:
         buf = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
         req = _PyRequest()
         for pos in range(0, nbytes, self._block):
             part = buf[pos : pos + self._block]
-            req.futures.append(self._pool.submit(self._transfer, write, part, offset + pos))
+            if urgent:  # the executor's queue has no front: transfer it on this thread
+                done: Future = Future()
+                done.set_result(self._transfer(write, part, offset + pos))
+                req.futures.append(done)
+            else:
+                req.futures.append(self._pool.submit(self._transfer, write, part, offset + pos))
         return req
 
     def _transfer(self, write: bool, part: memoryview, offset: int) -> _ErrorRecord | None:

@@ -861,7 +861,7 @@ class NvmeStore:
         for lo, hi, members in spans:
             for off, out in ((m_off, views[0]), (v_off, views[1])):
                 buf = aligned_empty(hi - lo, torch.uint8)
-                handles.append(optim.read(buf, off + lo))
+                handles.append(optim.read(buf, off + lo, urgent=True))  # a lookup waits
                 f32 = buf.view(torch.float32)
                 first = lo // _F32
                 out.extend(f32[a - first : b - first] for a, b in members)
