@@ -12,6 +12,7 @@
 // An urgent request (a small read something is blocked on right now, while the queue holds
 // a pipeline's megabytes of read-ahead) goes in front of every block not started yet, behind
 // the urgent blocks queued before it: it waits for the blocks already in the kernel only.
+// It may so pass a queued write of the same bytes; the caller makes sure there is none.
 //
 // With O_DIRECT, file offsets, lengths and memory addresses must be multiples of 4096. The
 // Python side checks offsets and addresses; a length that is not a multiple of 4096 leaves a

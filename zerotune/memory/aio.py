@@ -217,7 +217,9 @@ class SwapFile:
     def read(self, tensor: torch.Tensor, offset: int, urgent: bool = False) -> IOHandle:
         """Start filling ``tensor`` with the file's bytes from ``offset``; returns at once.
         ``urgent``: the caller is about to wait for it, so it goes ahead of every queued
-        request not started yet (see [Note: aio requests] in csrc/aio/aio.cpp)."""
+        request not started yet, a write of the same bytes included (see [Note: aio
+        requests] in csrc/aio/aio.cpp); the Python fallback does it on the calling thread
+        before returning."""
         return self._submit(False, tensor, offset, urgent)
 
     def map(self, offset: int, nbytes: int) -> torch.Tensor:
