@@ -58,9 +58,14 @@ CLI_ARGS = {
 
 
 class BadInput(click.ClickException):
-    """Bad input: one line on stderr, exit code 2."""
+    """Bad input: one line on stderr, exit code 2. A message quoting a library's error keeps
+    its first line (transformers' go on with advice over several)."""
 
     exit_code = BAD_INPUT
+
+    def __init__(self, message: str) -> None:
+        lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+        super().__init__(lines[0] if lines else "bad input")
 
     def show(self, file=None) -> None:
         report_dir = os.environ.get(_ERRORS_ENV)
@@ -546,8 +551,8 @@ def _check_output_dir(out: Path, options: dict, args, model_source) -> None:
 
 
 def _clear_output_dir(out: Path) -> None:
-    """--overwrite, once the model is built (bad input has been found by then): the earlier
-    run's files go; other files stay."""
+    """--overwrite, once the model is built and the data tokenized (bad input has been found
+    by then): the earlier run's files go; other files stay."""
     for entry in list(out.iterdir()) if out.is_dir() else []:
         if not _is_run_output(entry):
             continue
@@ -666,6 +671,7 @@ def _resolve_model(options: dict):
             config = _hub_config(name)
             if config is None:
                 raise BadInput(f"unknown model {name!r}: {exc}") from None
+        _check_causal_lm(name, config)
         return name, init, config, config
     from transformers import AutoConfig
 
@@ -688,7 +694,21 @@ def _resolve_model(options: dict):
         config = AutoConfig.from_pretrained(folder)
     except Exception as exc:  # noqa: BLE001
         raise BadInput(f"model {name!r}: cannot read {folder}/config.json: {exc}") from None
+    _check_causal_lm(name, config)
     return name, init, folder, config
+
+
+def _check_causal_lm(name: str, config) -> None:
+    """finetune trains a causal language model: the config must have transformers' class
+    for one (a T5 or BERT config has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        kind = getattr(config, "model_type", None) or type(config).__name__
+        raise BadInput(
+            f"model {name!r}: transformers has no causal language model class for {kind!r} "
+            "models (AutoModelForCausalLM), which finetune trains"
+        )
 
 
 def _looks_like_a_path(name: str) -> bool:
@@ -841,6 +861,7 @@ def _tokenize(job: Job) -> None:
             response_column=job.columns.response,
             train_on_prompt=job.train_on_prompt,
             seed=job.args.seed,
+            name=job.dataset,
         )
 
 
@@ -954,13 +975,13 @@ def _run(options: dict) -> None:
         args = job.args
         with _fail_on(ConfigError, ModelLoadError):
             engine = build_engine(job.model_source, args)  # NVMe space is checked here
+        _tokenize(job)  # the data's own checks (too few blocks, bad text) come here
         if options["overwrite"]:  # the input is good: the earlier run's files go now
             from zerotune import dist as zdist
 
             if engine.rank == 0:
                 _clear_output_dir(Path(args.output_dir))
             zdist.barrier(engine.group)
-        _tokenize(job)
         from transformers import default_data_collator
 
         with _fail_on(ValueError):

@@ -285,7 +285,11 @@ def test_the_output_folder_of_an_earlier_run(default_run, env, tmp_path):
         "--overwrite replaces the run that --resume would continue": ["--overwrite", "--resume"],
         "--dataset": ["--overwrite", "--dataset", earlier / "notes.txt"],
         "safetensors": ["--overwrite", "--model", tmp_path / "broken"],  # found on loading
-    }
+        # found while tokenizing, after the model is built: the earlier run is still kept
+        "makes no block of 64 tokens": ["--overwrite", "--dataset", tmp_path / "tiny.txt",
+                                        "--block-size", "64"],
+    }  # fmt: skip
+    (tmp_path / "tiny.txt").write_text("tiny")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text((out / "config.json").read_text())
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"\x05")
@@ -335,6 +339,8 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
     good_json.write_text('{"body": "a"}\n{"body": "b"}\n')
     impossible = tmp_path / "impossible.yaml"
     impossible.write_text("stage: 2\noffload_param: nvme\n")
+    t5_config = tmp_path / "t5.json"
+    t5_config.write_text('{"model_type": "t5", "d_model": 32, "num_layers": 1}')
     small = tmp_path / "small"
     small.mkdir()
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)])
@@ -344,6 +350,10 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
     cases = {
         "unknown model": (["--model", "no-such-org/no-such-model"], "unknown model"),
         "preset without --init": (["--model", "gpt2-xl"], "add --init random"),
+        "not a causal LM": (
+            ["--model", t5_config, "--init", "random"],
+            "no causal language model class for 't5' models",
+        ),
         "missing column": (["--dataset", good_json], "no text column"),
         "unreadable file": (["--dataset", bad_json], "bad.jsonl, line 1, column 28: not valid"),
         "impossible config": (["--config", impossible], "impossible zerotune configuration"),

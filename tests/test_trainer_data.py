@@ -133,3 +133,66 @@ def test_bad_data(tok, tmp_path):
         prepare_datasets(short, tok, 64)
     with pytest.raises(DataError, match="too few to hold out"):
         prepare_datasets(short, tok, 4, eval_split=0.5)
+
+
+def test_values_that_are_not_text(tok, tmp_path):
+    """Strings, numbers and UTF-8 bytes are text; null is empty; lists and records (chat
+    messages) are refused by name, not trained on as their Python repr."""
+    import pandas as pd
+
+    mixed = tmp_path / "mixed.jsonl"
+    rows = [{"text": "ab"}, {"text": 12}, {"text": None}, {"text": 1.5}]
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, _, _ = prepare_datasets(mixed, tok, 2)
+    ids = [t for b in train for t in b["input_ids"]]
+    eos = tok.eos_token_id
+    # "ab" eos "12" eos (null:) eos "1.5" eos = 11 tokens: five blocks of 2
+    assert ids == [*b"ab", eos, *b"12", eos, eos, *b"1.5"]
+    raw = tmp_path / "bytes.parquet"
+    pd.DataFrame({"text": [b"h\xc3\xa9", b"xy"]}).to_parquet(raw)
+    train, _, _ = prepare_datasets(raw, tok, 3)
+    assert [t for b in train for t in b["input_ids"]] == [*"hé".encode(), eos, *b"xy"]
+    pd.DataFrame({"text": [b"\xe9t\xe9"]}).to_parquet(raw)
+    with pytest.raises(DataError, match=r"column 'text' holds bytes that are not UTF-8 text"):
+        prepare_datasets(raw, tok, 2)
+    chat = tmp_path / "chat.jsonl"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    chat.write_text(json.dumps({"messages": messages}) + "\n")
+    expected = rf"dataset {chat}: column 'messages' holds list values, not text \(chat"
+    with pytest.raises(DataError, match=expected):
+        prepare_datasets(chat, tok, 2, text_column="messages")
+    record = tmp_path / "record.jsonl"
+    record.write_text(json.dumps({"text": {"a": "b"}}) + "\n")
+    with pytest.raises(DataError, match="column 'text' holds dict values"):
+        prepare_datasets(record, tok, 2)
+
+
+def test_data_that_gives_no_tokens_or_is_not_utf8(tok, tmp_path):
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text('{"text": null}\n{"text": ""}\n' * 50)  # 100 end-of-text tokens
+    with pytest.raises(DataError, match=r"nulls.jsonl gives no tokens from its text column"):
+        prepare_datasets(nulls, tok, 4)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "caf\xe9"}\n')  # the json reader lets the byte through
+    with pytest.raises(DataError, match=r"latin1.jsonl is not UTF-8 text \('utf-8' codec"):
+        prepare_datasets(latin1, tok, 2)
+    # A folder named like a data file inside a dataset folder is not read as one.
+    folder = tmp_path / "docs"
+    (folder / "more.jsonl").mkdir(parents=True)
+    (folder / "a.jsonl").write_text('{"text": "abcd"}\n')
+    train, _, _ = prepare_datasets(folder, tok, 5)
+    assert len(train) == 1
+
+
+def test_blocks_without_a_response_token_are_left_out(tok, tmp_path):
+    """A prompt longer than a block leaves blocks with no label to learn: they would be
+    steps of zero loss and zero gradient."""
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "p" * 10, "response": "r"}) + "\n")
+    train, _, _ = prepare_datasets(path, tok, 4)  # 12 tokens: pppp pppp pprE
+    assert [b["input_ids"] for b in train] == [[*b"pp", ord("r"), tok.eos_token_id]]
+    assert [b["labels"] for b in train] == [[-100, -100, ord("r"), tok.eos_token_id]]
+    train, _, _ = prepare_datasets(path, tok, 4, train_on_prompt=True)
+    assert len(train) == 3
+    with pytest.raises(DataError, match="no block of 8 tokens with a response token in it"):
+        prepare_datasets(path, tok, 8)

@@ -110,7 +110,7 @@ def load_raw_dataset(source: str | os.PathLike):
 
     path = Path(source)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in _BUILDERS)
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in _BUILDERS and p.is_file())
         kinds = {_BUILDERS[p.suffix.lower()] for p in files}
         if not files:
             raise DataError(f"dataset folder {path} has no {'/'.join(sorted(_BUILDERS))} files")
@@ -274,53 +274,108 @@ def tokenize_and_pack(
     *,
     train_on_prompt: bool = False,
     num_proc: int | None = None,
+    source: str = "the dataset",
 ):
-    """A dataset of ``input_ids`` and ``labels`` blocks of ``block_size`` tokens."""
+    """A dataset of ``input_ids`` and ``labels`` blocks of ``block_size`` tokens. Values
+    of a column are text: strings, numbers (as written) or UTF-8 bytes; null is empty;
+    anything else (chat message lists, records) is refused. ``source`` names the dataset
+    in messages."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("the tokenizer has no end-of-sequence token; give one that does")
 
-    def ids_of(texts):
-        texts = ["" if t is None else str(t) for t in texts]
+    def ids_of(batch, column):
+        texts = [_as_text(t, column, source) for t in batch[column]]
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def tokenize(batch):
         if columns.text is not None:
-            ids = [x + [eos] for x in ids_of(batch[columns.text])]
-            return {"input_ids": ids, "labels": [list(x) for x in ids]}
-        prompts = ids_of(batch[columns.prompt])
-        responses = ids_of(batch[columns.response])
+            ids = [x + [eos] for x in ids_of(batch, columns.text)]
+            return {
+                "input_ids": ids,
+                "labels": [list(x) for x in ids],
+                "text_tokens": [len(x) - 1 for x in ids],
+            }
+        prompts = ids_of(batch, columns.prompt)
+        responses = ids_of(batch, columns.response)
         ids, labels = [], []
         for p, r in zip(prompts, responses):
             ids.append(p + r + [eos])
             labels.append((p if train_on_prompt else [-100] * len(p)) + r + [eos])
-        return {"input_ids": ids, "labels": labels}
+        counts = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        return {"input_ids": ids, "labels": labels, "text_tokens": counts}
 
     def pack(batch):
         ids = [t for x in batch["input_ids"] for t in x]
         labels = [t for x in batch["labels"] for t in x]
         n = len(ids) // block_size * block_size
+        # A block with no label to learn (the middle of a long prompt) would add a step of
+        # zero loss and zero gradient: left out.
+        starts = [
+            i for i in range(0, n, block_size) if any(t != -100 for t in labels[i : i + block_size])
+        ]
         return {
-            "input_ids": [ids[i : i + block_size] for i in range(0, n, block_size)],
-            "labels": [labels[i : i + block_size] for i in range(0, n, block_size)],
+            "input_ids": [ids[i : i + block_size] for i in starts],
+            "labels": [labels[i : i + block_size] for i in starts],
         }
 
-    tokenized = ds.map(
-        tokenize,
-        batched=True,
-        remove_columns=ds.column_names,
-        num_proc=num_proc,
-        desc="Tokenizing",
-    )
+    try:
+        tokenized = ds.map(
+            tokenize,
+            batched=True,
+            remove_columns=ds.column_names,
+            num_proc=num_proc,
+            desc="Tokenizing",
+        )
+    except UnicodeDecodeError as exc:  # the json reader passes invalid bytes through
+        raise DataError(f"{source} is not UTF-8 text ({_first_line(exc)})") from None
+    import pyarrow.compute as pc
+
+    if not pc.sum(tokenized.data.column("text_tokens")).as_py():
+        raise DataError(
+            f"{source} gives no tokens from its {columns.describe()}: every row is empty or "
+            "null, or the tokenizer encodes nothing (is its folder complete?)"
+        )
     # Packing goes 1,000 examples at a time (bounded memory); blocks cross example
     # boundaries within a batch, and each batch drops its last partial block.
-    blocks = tokenized.map(pack, batched=True, batch_size=1000, desc="Packing")
+    blocks = tokenized.map(
+        pack,
+        batched=True,
+        batch_size=1000,
+        remove_columns=tokenized.column_names,
+        desc="Packing",
+    )
     if len(blocks) == 0:
+        learned = " with a response token in it" if columns.text is None else ""
         raise DataError(
-            f"the dataset makes no block of {block_size} tokens; use a smaller --block-size "
-            "or more data"
+            f"{source} makes no block of {block_size} tokens{learned}; use a smaller "
+            "--block-size or more data"
         )
     return blocks
+
+
+def _as_text(value, column: str, source: str) -> str:
+    """One value of a text, prompt or response column as the text to tokenize."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"{source}: column {column!r} holds bytes that are not UTF-8 text "
+                f"({exc.reason} at byte {exc.start})"
+            ) from None
+    if isinstance(value, (bool, int, float)):
+        return str(value)
+    hint = ""
+    if isinstance(value, (list, dict)):
+        hint = " (chat messages are not read: give a column of text, or prompt/response columns)"
+    raise DataError(
+        f"{source}: column {column!r} holds {type(value).__name__} values, not text{hint}"
+    )
 
 
 def prepare_datasets(
@@ -334,22 +389,29 @@ def prepare_datasets(
     response_column: str | None = None,
     train_on_prompt: bool = False,
     seed: int = 0,
+    name: str | None = None,
 ):
     """(train blocks, eval blocks or None, the columns used): see [Note: data pipeline].
-    ``source``: what ``load_raw_dataset`` takes, or a ``datasets.Dataset`` it returned."""
+    ``source``: what ``load_raw_dataset`` takes, or a ``datasets.Dataset`` it returned;
+    ``name``: what messages call the dataset (its path, by default)."""
     if block_size < 2:
         raise DataError(f"--block-size must be at least 2, got {block_size}")
     if not 0.0 <= eval_split < 1.0:
         raise DataError(f"--eval-split must be a fraction in [0, 1), got {eval_split}")
     raw = source if hasattr(source, "column_names") else load_raw_dataset(source)
+    if name is None:
+        name = "the dataset" if hasattr(source, "column_names") else str(source)
+    name = f"dataset {name}"
     columns = choose_columns(
         raw.column_names,
         text_column=text_column,
         prompt_column=prompt_column,
         response_column=response_column,
-        source=f"dataset {source}",
+        source=name,
     )
-    blocks = tokenize_and_pack(raw, tokenizer, columns, block_size, train_on_prompt=train_on_prompt)
+    blocks = tokenize_and_pack(
+        raw, tokenizer, columns, block_size, train_on_prompt=train_on_prompt, source=name
+    )
     if not eval_split:
         return blocks, None, columns
     n_eval = max(1, round(len(blocks) * eval_split))
