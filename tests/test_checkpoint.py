@@ -284,6 +284,18 @@ def test_tampered_manifest_is_named(root):
         load_checkpoint(fresh_odd(), root)
 
 
+@pytest.mark.parametrize("text", ["", "garbage", "[1]"])
+def test_an_unreadable_marker_is_named_not_skipped(root, text):
+    """A COMPLETE marker is written whole by a rename, so one that is there but unreadable is
+    damage: loading names it instead of falling back to the older checkpoint."""
+    marker = root / "step-00000002" / "COMPLETE"
+    marker.write_text(text)
+    expected = r"step-00000002/COMPLETE: unreadable \(not a JSON object\): the checkpoint was"
+    for where in (root, root / "step-00000002"):
+        with pytest.raises(CheckpointError, match=expected):
+            load_checkpoint(fresh_odd(), where)
+
+
 def test_another_model_is_refused(root):
     with pytest.raises(CheckpointError, match=r"manifest\.json: the checkpoint is of a different"):
         load_checkpoint(zerotune.shard(OddNet(width=14)), root)
@@ -354,6 +366,12 @@ def test_saving_again_under_a_name_replaces_the_checkpoint_whole(tmp_path, monke
     with pytest.raises(OSError, match="No space left"):
         save_checkpoint(engine, tmp_path, step=2, name="last")
     monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "latest"]  # nothing staged
+    monkeypatch.setattr(io, "_write_rank_file", disk_full)  # in phase 2 this time
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(engine, tmp_path, step=2, name="last")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "latest"]
     again = fresh_odd()
     assert load_checkpoint(again, tmp_path).step == 1
     assert weights_equal(again, before)

@@ -282,15 +282,18 @@ def save_checkpoint(
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the collective
         error = exc
     zdist.all_reduce_sum(table, engine.group)
-    if error is not None:
-        raise error
     table = table.cpu()
     failed = [r for r in range(engine.world) if table[r, 0] != 1]
+    if failed and engine.rank == 0:
+        shutil.rmtree(staged, ignore_errors=True)  # every rank is done writing into it
+    if error is not None:
+        raise error
     if failed:
         raise CheckpointError(f"writing {folder} failed on rank(s) {failed} (their errors say why)")
 
     error = None
     if engine.rank == 0:
+        moving = False  # once the folder is being renamed into place, nothing is removed
         try:
             files = {}
             for r in range(engine.world):
@@ -308,12 +311,15 @@ def save_checkpoint(
             digest = atomic_write_bytes(staged / MANIFEST, text)
             marker = {"manifest_sha256": digest, "step": step, "format": FORMAT}
             atomic_write_bytes(staged / MARKER, json.dumps(marker).encode())
+            moving = True
             _move_into_place(staged, folder)
             atomic_write_bytes(root / LATEST, (name + "\n").encode())
             if keep_last is not None:
                 _rotate(root, keep_last, folder)
         except Exception as exc:  # noqa: BLE001 - re-raised by _agree on every rank
             error = exc
+            if not moving:  # a save that failed leaves no hidden folder behind
+                shutil.rmtree(staged, ignore_errors=True)
     _agree(engine, error, f"finishing {folder}")
     log.info("zerotune: saved checkpoint %s (step %d, world size %d)", folder, step, engine.world)
     return folder

@@ -98,8 +98,10 @@ def _marker(folder: Path) -> dict | None:
 
 
 def is_complete(folder: Path) -> bool:
-    """The folder has a completion marker (the manifest is checked when it is read)."""
-    return _marker(folder) is not None
+    """The folder has a completion marker (the manifest is checked when it is read). The
+    marker is written last, whole, by a rename: one that is there but unreadable is damage
+    after the save, which ``read_manifest`` refuses, not a save cut short to fall back from."""
+    return (folder / MARKER).is_file()
 
 
 def looks_like_checkpoint(folder: Path) -> bool:
@@ -226,10 +228,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def read_manifest(folder: Path) -> dict:
     """The manifest of a complete checkpoint, checked against its marker and format."""
+    if not (folder / MARKER).is_file():
+        raise CheckpointError(
+            f"{folder / MARKER}: missing: the checkpoint is incomplete (its save was interrupted)"
+        )
     marker = _marker(folder)
     if marker is None:
         raise CheckpointError(
-            f"{folder / MARKER}: missing or unreadable: the checkpoint is incomplete"
+            f"{folder / MARKER}: unreadable (not a JSON object): the checkpoint was damaged "
+            "after its save"
         )
     path = folder / MANIFEST
     if not path.is_file():
