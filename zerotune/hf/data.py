@@ -11,7 +11,10 @@
    token; for a pair, the prompt's tokens get label -100 (no loss on the prompt) unless
    ``train_on_prompt``. Examples are concatenated (1,000 at a time) and cut into blocks of
    ``block_size`` tokens (each group's tail shorter than a block is dropped), so every batch
-   is full and needs no padding or attention mask.
+   is full and needs no padding or attention mask. A block whose labels are all -100 (inside
+   a long prompt) is left out: it would be a step of zero loss. Column values are strings,
+   numbers or UTF-8 bytes (null is empty); lists and records (chat messages) are refused,
+   and so is data that gives no token at all.
 A model without a tokenizer gets ``byte_tokenizer()``: ids 0-255 are the bytes of the UTF-8
 text, then ``<|endoftext|>`` (256), ``<|pad|>`` (257) and ``<|unk|>`` (258); it needs no
 download and ``save_pretrained`` writes a ``tokenizer.json`` that ``AutoTokenizer`` loads.
