@@ -196,3 +196,19 @@ def test_blocks_without_a_response_token_are_left_out(tok, tmp_path):
     assert len(train) == 3
     with pytest.raises(DataError, match="no block of 8 tokens with a response token in it"):
         prepare_datasets(path, tok, 8)
+
+
+def test_a_folder_written_by_save_to_disk(tok, tmp_path):
+    import datasets
+
+    rows = {"text": ["abcd", "efgh"], "id": [1, 2]}
+    datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "one")
+    train, _, columns = prepare_datasets(tmp_path / "one", tok, 5)
+    assert columns.text == "text"
+    assert [b["input_ids"] for b in train] == [[*b"abcd", 256], [*b"efgh", 256]]
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)})
+    splits.save_to_disk(tmp_path / "dict")
+    assert len(prepare_datasets(tmp_path / "dict", tok, 5)[0]) == 2
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows)}).save_to_disk(tmp_path / "t")
+    with pytest.raises(DataError, match=r"has no train split \(its splits: test\)"):
+        load_raw_dataset(tmp_path / "t")

@@ -2,8 +2,9 @@
 
 [Note: data pipeline]
 1. ``load_raw_dataset``: a local file or folder (json / jsonl / csv / parquet / txt) through
-   ``datasets``' packaged builders, or a hub dataset name (from the local cache when
-   HF_HUB_OFFLINE is set). A .txt file is one document (not one row per line).
+   ``datasets``' packaged builders, a folder ``save_to_disk`` wrote, or a hub dataset name
+   (from the local cache when HF_HUB_OFFLINE is set). A .txt file is one document (not one
+   row per line).
 2. ``choose_columns``: a text column (``text``, ``content``) or a prompt/response pair
    (``prompt``/``response``, ``prompt``/``completion``, ``instruction``/``output``,
    ``question``/``answer``), unless named explicitly.
@@ -112,6 +113,9 @@ def load_raw_dataset(source: str | os.PathLike):
     import datasets
 
     path = Path(source)
+    saved = ("state.json", "dataset_dict.json")  # what save_to_disk writes
+    if path.is_dir() and any((path / name).is_file() for name in saved):
+        return _load_saved_dataset(path)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix.lower() in _BUILDERS and p.is_file())
         kinds = {_BUILDERS[p.suffix.lower()] for p in files}
@@ -146,6 +150,26 @@ def load_raw_dataset(source: str | os.PathLike):
         raise DataError(
             found or f"cannot read dataset {path} as {builder}: {_first_line(exc)}"
         ) from None
+    if len(ds) == 0:
+        raise DataError(f"dataset {path} is empty")
+    return ds
+
+
+def _load_saved_dataset(path: Path):
+    """A folder written by ``Dataset.save_to_disk`` (or a ``DatasetDict``'s: its train split)."""
+    import datasets
+
+    try:
+        with _quiet_datasets():
+            ds = datasets.load_from_disk(str(path))
+    except Exception as exc:  # noqa: BLE001
+        raise DataError(
+            f"cannot read dataset {path} (saved by datasets): {_first_line(exc)}"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"dataset {path} has no train split (its splits: {', '.join(ds)})")
+        ds = ds["train"]
     if len(ds) == 0:
         raise DataError(f"dataset {path} is empty")
     return ds
