@@ -43,6 +43,21 @@ def finetune(env, *args, timeout=300, check=True) -> subprocess.CompletedProcess
     return proc
 
 
+def finetune_each(env, cases: dict, timeout=300) -> dict:
+    """Run ``finetune`` once per case (name -> arguments), all at once (2 cores: most of each
+    is imports); name -> CompletedProcess."""
+    procs = {
+        name: subprocess.Popen([*COMMAND, *map(str, args)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+        for name, args in cases.items()
+    }  # fmt: skip
+    done = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=timeout)
+        done[name] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return done
+
+
 def summary(folder: Path) -> dict:
     return json.loads((folder / "run_summary.json").read_text())
 
@@ -128,14 +143,15 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
     assert (s["global_step"], s["steps_this_run"]) == (3, 1)
     other = tmp_path / "other.txt"
     other.write_text(data.read_text())
-    for extra, named in (
-        (["--dataset", other], f"--dataset {data.resolve()} (now {other})"),
-        (["--block-size", "16"], "--block-size 32 (now 16)"),
-        (["--fp16"], "dtype bf16 (now fp16)"),
-        (["--bf16", "False"], "dtype bf16 (now fp32)"),  # the flag's value, not its name
-    ):
-        proc = finetune(env, "--output-dir", out, "--resume", "--max_steps", "4", *extra,
-                        check=False)  # fmt: skip
+    refused = {
+        f"--dataset {data.resolve()} (now {other})": ["--dataset", other],
+        "--block-size 32 (now 16)": ["--block-size", "16"],
+        "dtype bf16 (now fp16)": ["--fp16"],
+        "dtype bf16 (now fp32)": ["--bf16", "False"],  # the flag's value, not its name
+    }
+    resumed = ["--output-dir", out, "--resume", "--max_steps", "4"]
+    procs = finetune_each(env, {named: [*resumed, *extra] for named, extra in refused.items()})
+    for named, proc in procs.items():
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert named in proc.stderr and "--resume_from_checkpoint" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -293,11 +309,11 @@ def test_the_output_folder_of_an_earlier_run(default_run, env, tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text((out / "config.json").read_text())
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"\x05")
-    for message, extra in refused.items():
-        proc = finetune(env, "--output-dir", earlier, "--max_steps", "2", *extra, check=False)
+    at_once = {m: ["--output-dir", earlier, "--max_steps", "2", *a] for m, a in refused.items()}
+    for message, proc in finetune_each(env, at_once).items():
         assert proc.returncode == 2 and message in proc.stderr, (message, proc.stderr)
         assert "Traceback" not in proc.stderr
-        assert sorted(p.name for p in earlier.iterdir()) == before, message
+    assert sorted(p.name for p in earlier.iterdir()) == before
     finetune(env, "--output-dir", earlier, "--max_steps", "2", "--overwrite",
              "--offload_param", "cpu", "--offload_optimizer", "cpu")  # fmt: skip
     s = summary(earlier)
