@@ -121,6 +121,14 @@ def test_bad_data(tok, tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(DataError, match=f"dataset .*{name} is empty"):
             load_raw_dataset(tmp_path / name)
+    (tmp_path / "header.csv").write_text("text\n")
+    with pytest.raises(DataError, match=r"header.csv is empty \(no rows\)"):
+        load_raw_dataset(tmp_path / "header.csv")
+    import pandas as pd
+
+    pd.DataFrame({"text": pd.Series([], dtype=str)}).to_parquet(tmp_path / "none.parquet")
+    with pytest.raises(DataError, match=r"none.parquet is empty \(no rows\)"):
+        load_raw_dataset(tmp_path / "none.parquet")
     odd = tmp_path / "data.xlsx"
     odd.write_text("x")
     with pytest.raises(DataError, match="unknown file type"):

@@ -146,7 +146,7 @@ def load_raw_dataset(source: str | os.PathLike):
                 builder, data_files=[str(f) for f in files], split="train", **kwargs
             )
     except Exception as exc:  # noqa: BLE001 - a parse error of any reader becomes one line
-        found = _json_problem(files) if builder == "json" else None
+        found = _json_problem(files) if builder == "json" else _no_rows(files, builder)
         raise DataError(
             found or f"cannot read dataset {path} as {builder}: {_first_line(exc)}"
         ) from None
@@ -173,6 +173,29 @@ def _load_saved_dataset(path: Path):
     if len(ds) == 0:
         raise DataError(f"dataset {path} is empty")
     return ds
+
+
+def _no_rows(files: list[Path], builder: str) -> str | None:
+    """After the csv or parquet reader failed: whether the files hold no rows (the readers
+    say 'corresponds to no data' or 'BatchSize must be greater than 0')."""
+    try:
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        elif builder == "csv":
+            rows = 0
+            for f in files:
+                with open(f, encoding="utf-8", errors="replace") as lines:
+                    rows += max(0, sum(1 for line in lines if line.strip()) - 1)  # the header
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - not readable as that format: the reader's error stands
+        return None
+    if rows:
+        return None
+    where = files[0] if len(files) == 1 else files[0].parent
+    return f"dataset {where} is empty (no rows)"
 
 
 def _json_problem(files: list[Path]) -> str | None:
