@@ -12,7 +12,11 @@ _USAGE_ERROR = 2
 
 
 def _fail(message: str) -> None:
-    click.echo(f"zerotune estimate: error: {message}", err=True)
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    first = lines[0] if lines else "bad input"  # a library's error may go on over many lines
+    if len(first) > 400:  # transformers lists every model type it knows
+        first = first[:400].rstrip() + " ..."
+    click.echo(f"zerotune estimate: error: {first}", err=True)
     sys.exit(_USAGE_ERROR)
 
 

@@ -368,6 +368,19 @@ def test_bad_input_raises_config_errors():
         estimate(params=1e9, world_size=0)
     with pytest.raises(ConfigError, match="params"):
         estimate(params=1.5)
+    with pytest.raises(ConfigError, match=r"params: at most 1e\+13"):
+        estimate(params=1e14)  # it used to run out of memory listing optimizer chunks
+    with pytest.raises(ConfigError, match="gpus_per_node must be at least 1, got 0"):
+        estimate(params=1e9, gpus_per_node=0)  # 0 was taken as "not given"
+    for size in ("1e400", float("inf")):
+        with pytest.raises(ConfigError, match="gpu_memory"):
+            estimate(params=1e9, gpu_memory=size)  # an OverflowError before
+
+
+def test_the_recommended_command_keeps_a_dtype_given_by_its_alias():
+    for alias, flag in (("bfloat16", "--bf16"), ("float16", "--fp16"), ("bf16", "--bf16")):
+        plan = estimate("tiny-gpt2", dtype=alias)
+        assert flag in plan.command().split(), (alias, plan.command())
 
 
 # ------------------------------------------------------------------- check_estimate
@@ -477,6 +490,7 @@ BAD_INPUT = [
     ([], "--model or --params"),
     (["--params", "1e9", "--bogus"], "--bogus"),
     (["--model", "tiny-gpt2", "--seq-len", "4096"], "exceeds the model's context length 128"),
+    (["--params", "1e9", "--gpu-memory", "1e400"], "too large to be a size"),
 ]
 
 

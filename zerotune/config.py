@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -54,7 +55,7 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
     if isinstance(value, int):
         n = value
     elif isinstance(value, float):
-        if not value.is_integer():
+        if not math.isfinite(value) or not value.is_integer():
             raise ConfigError(f"{name}: a size in bytes must be whole, got {value!r}")
         n = int(value)
     elif isinstance(value, str):
@@ -63,7 +64,10 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
             raise ConfigError(
                 f"{name}: cannot read {value!r} as a size; write e.g. 268435456, '256MiB' or '1GB'"
             )
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not math.isfinite(size):
+            raise ConfigError(f"{name}: {value!r} is too large to be a size")
+        n = int(size)
     else:
         raise ConfigError(f"{name}: expected a size in bytes, got {type(value).__name__}")
     if n < 0:

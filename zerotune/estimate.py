@@ -79,6 +79,8 @@ from .sharding.plan import (
     size_unit,
 )
 
+_MAX_PARAMS = 10**13  # ten trillion: far beyond any model, and a plan in ~15 s
+
 __all__ = [
     "MemoryPlan",
     "ModelShape",
@@ -704,7 +706,7 @@ def estimate(
         raise ConfigError("give a model or a parameter count (params), not both")
     if world_size < 1:
         raise ConfigError(f"world_size must be at least 1, got {world_size}")
-    gpus_per_node = gpus_per_node or min(world_size, 8)
+    gpus_per_node = min(world_size, 8) if gpus_per_node is None else gpus_per_node
     if gpus_per_node < 1:
         raise ConfigError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
     if micro_batch < 1 or (seq_len is not None and seq_len < 1):
@@ -733,6 +735,8 @@ def estimate(
     if params is not None:
         if isinstance(params, bool) or not float(params).is_integer() or params < 1:
             raise ConfigError(f"params must be a positive whole number, got {params!r}")
+        if params > _MAX_PARAMS:  # the plan walks the optimizer's chunks one by one
+            raise ConfigError(f"params: at most {_MAX_PARAMS:.0e} here, got {params!r}")
         numel, name, module = int(params), "a bare parameter count", None
     else:
         module, name = _meta_model(model)
@@ -1010,8 +1014,9 @@ def _job_flags(plan: MemoryPlan) -> str:
     (dtype, 8-bit moments, sequence length, micro-batch, checkpointing, processes): without
     them the command would run another job than the one that fits."""
     parts = []
-    if plan.dtype in ("bf16", "fp16"):
-        parts.append(f"--{plan.dtype}")  # finetune trains in fp32 unless told
+    flag = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
+    if plan.dtype in flag:  # the config's names and their aliases
+        parts.append(f"--{flag[plan.dtype]}")  # finetune trains in fp32 unless told
     if plan.optim_state_bits == 8:
         parts.append("--optim adamw_8bit")
     act = plan.activations
