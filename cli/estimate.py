@@ -8,15 +8,14 @@ import sys
 
 import click
 
+from .messages import one_line
+
 _USAGE_ERROR = 2
 
 
 def _fail(message: str) -> None:
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-    first = lines[0] if lines else "bad input"  # a library's error may go on over many lines
-    if len(first) > 400:  # transformers lists every model type it knows
-        first = first[:400].rstrip() + " ..."
-    click.echo(f"zerotune estimate: error: {first}", err=True)
+    # 400 characters: transformers' unknown-model error lists every model type it knows
+    click.echo(f"zerotune estimate: error: {one_line(message, limit=400)}", err=True)
     sys.exit(_USAGE_ERROR)
 
 
@@ -117,8 +116,7 @@ def estimate(
         try:
             target, _ = _meta_model(model)
         except Exception as exc:  # noqa: BLE001 - any failure to read the model is bad input
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            _fail(f"--model {model}: {first}")
+            _fail(f"--model {model}: {str(exc).strip() or type(exc).__name__}")
         from .finetune import _context_length
 
         config = getattr(target, "config", None)

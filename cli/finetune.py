@@ -35,6 +35,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from .messages import one_line
+
 BAD_INPUT = 2
 
 # The embedded default job: what `zerotune finetune --output-dir D` trains.
@@ -64,8 +66,7 @@ class BadInput(click.ClickException):
     exit_code = BAD_INPUT
 
     def __init__(self, message: str) -> None:
-        lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-        super().__init__(lines[0] if lines else "bad input")
+        super().__init__(one_line(message))
 
     def show(self, file=None) -> None:
         report_dir = os.environ.get(_ERRORS_ENV)
@@ -265,8 +266,7 @@ def _fail_on(*kinds):
     except BadInput:
         raise
     except kinds as exc:
-        text = str(exc).strip()
-        raise BadInput(text.splitlines()[0] if text else repr(exc)) from None
+        raise BadInput(str(exc).strip() or repr(exc)) from None  # its first line
 
 
 def _zero_settings(options: dict) -> dict:

@@ -448,10 +448,12 @@ def prepare_datasets(
         raise DataError(f"--block-size must be at least 2, got {block_size}")
     if not 0.0 <= eval_split < 1.0:
         raise DataError(f"--eval-split must be a fraction in [0, 1), got {eval_split}")
-    raw = source if hasattr(source, "column_names") else load_raw_dataset(source)
-    if name is None:
-        name = "the dataset" if hasattr(source, "column_names") else str(source)
-    name = f"dataset {name}"
+    loaded = hasattr(source, "column_names")  # a Dataset already
+    raw = source if loaded else load_raw_dataset(source)
+    if name is not None or not loaded:
+        name = f"dataset {source if name is None else name}"
+    else:
+        name = "the dataset"  # a Dataset given without a name
     columns = choose_columns(
         raw.column_names,
         text_column=text_column,
