@@ -206,7 +206,7 @@ def _param_steps(engine, optimizer) -> torch.Tensor:
     if optimizer is not None:
         for key, unit, start, end in _segments(optimizer):
             lo, hi = unit.shard_start + start, unit.shard_start + end
-            step = int(optimizer.state[key]["step"])
+            step = optimizer.step_count(key)
             for k, s in enumerate(unit.slots):
                 if s.offset < hi and s.offset + s.numel > lo:
                     j = base[unit.index] + k
@@ -406,7 +406,7 @@ def _write_rank_file(engine, folder: Path, optimizer) -> tuple[str, int]:
     layouts = {}  # per unit: (key, dtype, elements), fp32 or 8-bit moments (see quantized.py)
     for unit in units:
         layouts[unit.index] = (
-            optimizer.store.state_specs(unit)
+            optimizer.state_specs(unit)
             if unit.index in with_moments
             else [("master", torch.float32, unit.shard_numel)]
         )
@@ -700,9 +700,7 @@ def load_checkpoint(
             keys = ["master", *_MOMENTS] if unit.index in with_moments else ["master"]
             exact = {}  # 8-bit moments loaded as saved (see [Note: 8-bit moments in checkpoints])
             if unit.index in with_moments:
-                exact = exact_moments(
-                    engine, optimizer.store, unit, manifest, records[unit.index], files
-                )
+                exact = exact_moments(engine, optimizer, unit, manifest, records[unit.index], files)
             # Staged on the host (where the files land); load_unit_state copies to the tier.
             staged = {
                 k: torch.zeros(unit.shard_numel, dtype=torch.float32)
@@ -776,7 +774,7 @@ def _restore_optimizer(optimizer, saved: dict, records: dict[int, list[dict]]) -
         for s, rec in zip(unit.slots, records[unit.index]):
             if s.offset < hi and s.offset + s.numel > lo:
                 step = max(step, int(rec["step"]))
-        optimizer.state[key]["step"] = step
+        optimizer.set_step_count(key, step)
 
 
 def _load_buffers(engine, folder: Path, manifest: dict) -> None:

@@ -49,10 +49,10 @@ def read_dequantized(
     out.copy_(values[start - lo :])
 
 
-def exact_moments(engine, store, unit, manifest: dict, records: list[dict], files) -> dict:
+def exact_moments(engine, optimizer, unit, manifest: dict, records: list[dict], files) -> dict:
     """The unit's saved quantized moments, read whole, when they can be loaded exactly (see
     [Note: 8-bit moments in checkpoints]); else an empty dict."""
-    keys = {key for key, _, _ in store.state_specs(unit)}
+    keys = {key for key, _, _ in optimizer.state_specs(unit)}
     if "exp_avg.q8" not in keys or manifest["world_size"] != engine.world:
         return {}
     saved = next((u for u in manifest["units"] if u["index"] == unit.index), None)
@@ -65,7 +65,7 @@ def exact_moments(engine, store, unit, manifest: dict, records: list[dict], file
     if not all(f"u{unit.index}.{k}.q8" in reader for k in MOMENTS):
         return {}
     out = {}
-    for key, dtype, n in store.state_specs(unit):
+    for key, dtype, n in optimizer.state_specs(unit):
         if key != "master":
             out[key] = torch.empty(n, dtype=dtype)
             reader.read(f"u{unit.index}.{key}", 0, n, out[key])

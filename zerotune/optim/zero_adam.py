@@ -20,7 +20,7 @@ so the engine keeps a flag per parameter (``Slot.got_grad``): set when a gradien
 taken into the shard (``Unit.reduce_grads``, any micro-batch), cleared by ``zero_grad``.
 The update skips the segments of parameters without it and counts a step only for the
 others (``_count_step`` reads the flag once, as the unit is launched; the update follows
-that reading, ``_Segment.counted``); a unit none of whose parameters got one is skipped
+that reading, ``Segment.counted``); a unit none of whose parameters got one is skipped
 whole (``grad_is_zero``). With 8-bit moments a block of 256 that no updated segment
 reaches keeps its codes (a round trip through the codes is not exact); a block shared
 with an updated parameter is quantized again whole, which moves the skipped part's
@@ -128,39 +128,19 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from .. import dist as zdist
 from .cpu_adam import adam_arguments, adam_update, adam_update_8bit, fallback_adam_update
 from .quant8 import Q8Moments
+from .sharded import ShardedOptimizer, StepInfo
 from .state_store import IDLE, Feed, Scratch
 
 __all__ = ["StepInfo", "ZeroAdamW"]
 
 
-@dataclass
-class StepInfo:
-    """What one optimizer step did."""
-
-    skipped: bool  # fp16 overflow: no update was made
-    loss_scale: float  # the loss scale in force for this step (1.0 without fp16)
-    grad_norm: float | None  # global gradient norm, when clip_grad_norm_ ran
-
-
-@dataclass
-class _Segment:
-    unit: object
-    start: int  # shard-local element range
-    end: int
-    group: int = 0
-    key: torch.Tensor | None = None  # the tensor in param_groups standing for the segment
-    slot: object = None  # the parameter (sharding.unit.Slot) whose part of the shard it is
-    counted: bool = False  # its parameter got a gradient: this step updates it
-
-
-class ZeroAdamW(torch.optim.Optimizer):
+class ZeroAdamW(ShardedOptimizer):
     """AdamW (or Adam with L2, ``adamw_mode=False``) for a model sharded by zerotune.
 
     ``params`` are the model's parameters or parameter groups, as for ``torch.optim.AdamW``;
@@ -188,9 +168,6 @@ class ZeroAdamW(torch.optim.Optimizer):
                 f"invalid Adam hyper-parameters: eps={eps} (it must be > 0: with 0, an element "
                 "whose gradient and moments are zero becomes 0/0 = NaN)"
             )
-        if getattr(engine, "optimizer", None) is not None:
-            raise ValueError("this engine already has an optimizer")
-        self.engine = engine
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -199,35 +176,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             adamw_mode=adamw_mode,
             bias_correction=bias_correction,
         )
-        groups = self._model_groups(engine, params)
-        group_of: dict[int, int] = {}
-        for gi, g in enumerate(groups):
-            for p in g["params"]:
-                if id(p) in group_of:
-                    raise ValueError("a parameter appears in more than one parameter group")
-                group_of[id(p)] = gi
-
-        for unit in engine.units:
-            changed = [s.name for s in unit.slots if s.trainable != s.watched]
-            if changed:
-                raise ValueError(
-                    f"requires_grad of {', '.join(changed)} changed after the model was "
-                    "sharded: the engine watches the gradients of the parameters that were "
-                    "trainable then; set requires_grad before zerotune.shard()"
-                )
-        self._unit_segments: dict[int, list[_Segment]] = {}
-        for unit in engine.units:
-            lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
-            segs: list[_Segment] = []
-            for slot in unit.slots:
-                gi = group_of.get(id(slot.param))
-                a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-                if gi is None or not slot.trainable or a >= b:
-                    continue
-                segs.append(_Segment(unit, a - lo, b - lo, gi, slot=slot))
-            if segs:
-                self._unit_segments[unit.index] = sorted(segs, key=lambda seg: seg.start)
-
+        groups = self._build_segments(engine, params)
         live_units = [u for u in engine.units if u.index in self._unit_segments]
         self.store = engine.make_optimizer_store(live_units)
         self._scratch = Scratch()  # fp32 moments of an 8-bit chunk without the C++ op
@@ -243,10 +192,6 @@ class ZeroAdamW(torch.optim.Optimizer):
         for segs in self._unit_segments.values():
             for seg in segs:
                 self.state[seg.key] = {"step": 0}
-        self._prepared = False
-        self._overflow = False
-        self._factor = 1.0  # applied to gradients in the update: 1/loss scale * clip coef
-        self._grad_norm: float | None = None
         self._overlap: _OverlappedStep | None = None  # see [Note: overlapped step]
         self._launch_order: list[int] = []  # unit indices, as the last overlapped step went
         # The last overlapped step's pipeline, still running into the next forward, and
@@ -259,71 +204,6 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._norm_sq: torch.Tensor | None = None
         self.pending_grad_norm: torch.Tensor | None = None
         engine.optimizer = self
-
-    @staticmethod
-    def _model_groups(engine, params) -> list[dict]:
-        if params is None:
-            return [{"params": [p for p in engine.module.parameters() if p.requires_grad]}]
-        params = list(params)
-        if not params:
-            raise ValueError("the optimizer got an empty parameter list")
-        # A weight the engine tiled (sharding/tiling.py) stands for its tiles.
-        tiled = getattr(engine, "tiled_from", {})
-
-        def expand(ps):
-            out = []
-            for p in ps:
-                original, tiles = tiled.get(id(p), (None, None))
-                out.extend(tiles if original is p else [p])
-            return out
-
-        if isinstance(params[0], dict):
-            return [dict(g, params=expand(g["params"])) for g in params]
-        return [{"params": expand(params)}]
-
-    def segments(self):
-        """(state key, unit, start, end) for every segment (see [Note: segments]):
-        ``self.state[key]["step"]`` is its step count, ``[start, end)`` its range in this
-        rank's shard of ``unit``."""
-        for segs in self._unit_segments.values():
-            for seg in segs:
-                yield seg.key, seg.unit, seg.start, seg.end
-
-    # --------------------------------------------------------------------------- helpers
-    def _live_units(self):
-        return [
-            u for u in self.engine.units if u.index in self._unit_segments and not u.grad_is_zero
-        ]
-
-    def _grad_sum_of_squares(self) -> torch.Tensor:
-        """Sum over this rank's live segments of grad**2 (inf/nan if any gradient is)."""
-        sq = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
-        for unit in self._live_units():
-            for c0, c1, grad in self.engine.grad_chunks(unit):
-                self._add_sum_of_squares(sq, unit, c0, c1, grad)
-        return sq
-
-    def _add_sum_of_squares(self, sq: torch.Tensor, unit, c0: int, c1: int, grad) -> None:
-        """``sq += grad**2`` summed over the unit's segments within chunk ``[c0, c1)``."""
-        for seg in self._unit_segments[unit.index]:
-            a, b = max(seg.start, c0), min(seg.end, c1)
-            if a < b:
-                g = grad[a - c0 : b - c0].float()
-                sq += torch.dot(g, g)
-
-    def _prepare(self) -> None:
-        """Finalize gradients; with fp16, check every rank for overflow (once per step)."""
-        if self._prepared:
-            return
-        self.engine.finalize_grads()
-        self._prepared = True
-        scaler = self.engine.scaler
-        self._factor = 1.0 if scaler is None else 1.0 / scaler.scale
-        if scaler is not None:
-            sq = self._grad_sum_of_squares()
-            zdist.all_reduce_sum(sq, self.engine.group)
-            self._overflow = not bool(torch.isfinite(sq).item())
-            self._sum_sq = sq
 
     @contextlib.contextmanager
     def overlapped(self, track_norm: bool = False, carry: bool = True):
@@ -379,32 +259,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             "optimizer=opt) from a folder zerotune.save_checkpoint wrote"
         )
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale gradients so their global L2 norm (over all ranks) is at most ``max_norm``;
-        returns the norm before clipping (like ``torch.nn.utils.clip_grad_norm_`` over the
-        parameters of this optimizer's groups: a trainable parameter in no group is neither
-        counted nor updated)."""
+    def _before_clip(self) -> None:
         if self._overlap is not None:
             raise RuntimeError(
                 "clip_grad_norm_ after an overlapped backward: units were updated during "
                 "backward, before the global norm existed; clip without overlapped()"
             )
         self.settle()
-        self._prepare()
-        if self._overflow:
-            return torch.tensor(float("inf"))
-        if self.engine.scaler is None:
-            sq = self._grad_sum_of_squares()
-            zdist.all_reduce_sum(sq, self.engine.group)
-        else:
-            sq = self._sum_sq
-        norm = sq.sqrt() * self._factor
-        coef = max_norm / (norm.item() + 1e-6)
-        if coef < 1.0:
-            self._factor *= coef
-        self._grad_norm = norm.item()
-        return norm
 
     @torch.no_grad()
     def step(self, closure=None) -> StepInfo:
@@ -418,12 +279,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             launched = overlap.launched
             self._carry_or_finish(overlap)
         self._prepare()
-        scaler = self.engine.scaler
-        info = StepInfo(
-            skipped=self._overflow,
-            loss_scale=scaler.scale if scaler is not None else 1.0,
-            grad_norm=self._grad_norm,
-        )
+        info = self._step_info()
         if not self._overflow:
             units = [u for u in self._live_units() if u.index not in launched]
             for unit in units:
@@ -439,12 +295,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._scratch.release()
         self._norm_sq = None
         self.pending_grad_norm = None
-        if scaler is not None:
-            scaler.update(self._overflow)
-        self._prepared = False
-        self._overflow = False
-        self._grad_norm = None
-        self.engine.zero_grad()
+        self._end_step()
         return info
 
     def _carry_or_finish(self, overlap: _OverlappedStep) -> None:
@@ -622,8 +473,21 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self._carry is not None:
             self._carry.pump()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
+    # ------------------------------------------------------------------ step interface
+    def master_in_param_file(self, unit) -> bool:
+        return self.store.master_in_param_file(unit)
+
+    def state_specs(self, unit) -> list[tuple[str, torch.dtype, int]]:
+        return self.store.state_specs(unit)
+
+    def state_numels(self, unit) -> dict[str, int]:
+        return self.store.state_numels(unit)
+
+    def read_unit(self, unit) -> dict[str, torch.Tensor]:
+        return self.store.read_unit(unit)
+
+    def write_unit(self, unit, state: dict[str, torch.Tensor]) -> None:
+        self.store.write_unit(unit, state)
 
     def state_bytes(self) -> int:
         return self.store.nbytes()

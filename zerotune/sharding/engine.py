@@ -408,7 +408,7 @@ class ZeroEngine(nn.Module):
         host buffer stands in for a shard on NVMe, or on the device when the optimizer runs
         on the host (``lowp_done`` moves it)."""
         optimizer = getattr(self, "optimizer", None)
-        if optimizer is not None and optimizer.store.master_in_param_file(unit):
+        if optimizer is not None and optimizer.master_in_param_file(unit):
             return None
         if unit.param_extent is None and unit.master is unit.shard:
             return None
@@ -914,8 +914,8 @@ class ZeroEngine(nn.Module):
         live ones: checkpoints read them, and ``load_unit_state`` writes them."""
         optimizer = getattr(self, "optimizer", None)
         self.settle_optimizer()
-        if optimizer is not None and unit.index in optimizer._unit_segments:
-            return optimizer.store.read_unit(unit)
+        if optimizer is not None and optimizer.owns(unit):
+            return optimizer.read_unit(unit)
         return {"master": unit.master}
 
     @torch.no_grad()
@@ -925,11 +925,9 @@ class ZeroEngine(nn.Module):
         must call it for every unit: gathered units all-gather."""
         self.settle_optimizer(overwrite=True)
         optimizer = getattr(self, "optimizer", None)
-        with_optimizer = optimizer is not None and unit.index in optimizer._unit_segments
+        with_optimizer = optimizer is not None and optimizer.owns(unit)
         # fp32 moments are accepted for 8-bit units too (they are quantized).
-        allowed = (
-            optimizer.store.state_numels(unit) if with_optimizer else {"master": unit.shard_numel}
-        )
+        allowed = optimizer.state_numels(unit) if with_optimizer else {"master": unit.shard_numel}
         for key, value in state.items():
             if key not in allowed:
                 raise KeyError(f"unit {unit.name} has no state {key!r}")
@@ -938,7 +936,7 @@ class ZeroEngine(nn.Module):
                     f"unit {unit.name}: {key} has {value.numel()} elements, expected {allowed[key]}"
                 )
         if with_optimizer:
-            optimizer.store.write_unit(unit, state)
+            optimizer.write_unit(unit, state)
         elif "master" in state:
             unit.master.copy_(state["master"].reshape(-1))
         if "master" in state:

@@ -1,0 +1,237 @@
+"""What every optimizer over the engine's shards shares, and the step interface the engine
+and checkpoints use.
+
+[Note: the step interface]
+The engine and an optimizer over its shards meet through a few named methods, never through
+each other's private fields. The engine hands gradients over as shards (``finalize_grads``,
+``grad_chunks``) and gives back the compute-dtype copy of an updated shard through
+``lowp_target`` / ``lowp_done``. The optimizer answers, for each unit:
+- ``owns(unit)``: it updates parameters of the unit (it keeps state for it);
+- ``master_in_param_file(unit)``: the fp32 master is read and written in the parameter file
+  (so the engine writes no separate compute-dtype copy);
+- ``state_specs`` / ``state_numels`` / ``read_unit`` / ``write_unit``: the unit's state as
+  flat tensors of this rank's shard (``master`` and what the optimizer keeps per element),
+  for checkpoints and ``engine.unit_state``;
+- ``step_count(key)`` / ``set_step_count(key, n)``: each segment's own step count (see
+  [Note: segments] in zero_adam.py), saved per parameter in checkpoints;
+- ``settle`` / ``promote`` / ``pump`` / ``can_preview``: work an optimizer carries into the
+  next forward (only ZeroAdamW's overlapped step carries any; the others have nothing to do).
+Optimizers differ in how they update a chunk: ``ZeroAdamW`` streams fused C++ Adam over
+chunks of any tier; ``ZeroOptimizer`` runs any ``torch.optim.Optimizer`` over views of the
+shards (see [Note: any torch optimizer over the shards] in generic.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .. import dist as zdist
+
+__all__ = ["Segment", "ShardedOptimizer", "StepInfo"]
+
+
+@dataclass
+class StepInfo:
+    """What one optimizer step did."""
+
+    skipped: bool  # fp16 overflow: no update was made
+    loss_scale: float  # the loss scale in force for this step (1.0 without fp16)
+    grad_norm: float | None  # global gradient norm, when clip_grad_norm_ ran
+
+
+@dataclass
+class Segment:
+    unit: object
+    start: int  # shard-local element range
+    end: int
+    group: int = 0
+    key: torch.Tensor | None = None  # the tensor in param_groups standing for the segment
+    slot: object = None  # the parameter (sharding.unit.Slot) whose part of the shard it is
+    counted: bool = False  # its parameter got a gradient: this step updates it
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Base of the optimizers over a zerotune engine's shards: segments, gradient norm and
+    clipping, fp16 overflow checks, and the step interface (see [Note: the step interface])."""
+
+    engine: object
+    _unit_segments: dict[int, list[Segment]]
+
+    def _build_segments(self, engine, params: Iterable | None) -> list[dict]:
+        """Set ``engine`` and ``_unit_segments`` (this rank's part of each trainable
+        parameter in a group, unit by unit) and return the model's parameter groups."""
+        if getattr(engine, "optimizer", None) is not None:
+            raise ValueError("this engine already has an optimizer")
+        self.engine = engine
+        groups = self._model_groups(engine, params)
+        group_of: dict[int, int] = {}
+        for gi, g in enumerate(groups):
+            for p in g["params"]:
+                if id(p) in group_of:
+                    raise ValueError("a parameter appears in more than one parameter group")
+                group_of[id(p)] = gi
+        for unit in engine.units:
+            changed = [s.name for s in unit.slots if s.trainable != s.watched]
+            if changed:
+                raise ValueError(
+                    f"requires_grad of {', '.join(changed)} changed after the model was "
+                    "sharded: the engine watches the gradients of the parameters that were "
+                    "trainable then; set requires_grad before zerotune.shard()"
+                )
+        self._unit_segments = {}
+        for unit in engine.units:
+            lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
+            segs: list[Segment] = []
+            for slot in unit.slots:
+                gi = group_of.get(id(slot.param))
+                a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+                if gi is None or not slot.trainable or a >= b:
+                    continue
+                segs.append(Segment(unit, a - lo, b - lo, gi, slot=slot))
+            if segs:
+                self._unit_segments[unit.index] = sorted(segs, key=lambda seg: seg.start)
+        self._prepared = False
+        self._overflow = False
+        self._factor = 1.0  # applied to gradients in the update: 1/loss scale * clip coef
+        self._grad_norm: float | None = None
+        self._sum_sq: torch.Tensor | None = None
+        return groups
+
+    @staticmethod
+    def _model_groups(engine, params) -> list[dict]:
+        if params is None:
+            return [{"params": [p for p in engine.module.parameters() if p.requires_grad]}]
+        params = list(params)
+        if not params:
+            raise ValueError("the optimizer got an empty parameter list")
+        # A weight the engine tiled (sharding/tiling.py) stands for its tiles.
+        tiled = getattr(engine, "tiled_from", {})
+
+        def expand(ps):
+            out = []
+            for p in ps:
+                original, tiles = tiled.get(id(p), (None, None))
+                out.extend(tiles if original is p else [p])
+            return out
+
+        if isinstance(params[0], dict):
+            return [dict(g, params=expand(g["params"])) for g in params]
+        return [{"params": expand(params)}]
+
+    # ------------------------------------------------------------------ step interface
+    def owns(self, unit) -> bool:
+        """Whether this optimizer updates parameters of ``unit`` (and keeps state for it)."""
+        return unit.index in self._unit_segments
+
+    def segments(self):
+        """(state key, unit, start, end) for every segment: ``step_count(key)`` is its step
+        count, ``[start, end)`` its range in this rank's shard of ``unit``."""
+        for segs in self._unit_segments.values():
+            for seg in segs:
+                yield seg.key, seg.unit, seg.start, seg.end
+
+    def step_count(self, key) -> int:
+        return int(self.state[key]["step"])
+
+    def set_step_count(self, key, step: int) -> None:
+        self.state[key]["step"] = step
+
+    def master_in_param_file(self, unit) -> bool:
+        return False
+
+    def settle(self, unit=None, overwrite: bool = False) -> None:
+        """Finish work carried into this forward (none by default)."""
+
+    def promote(self, unit) -> None:
+        """Move ``unit``'s carried work to the front (none by default)."""
+
+    def pump(self) -> None:
+        """Advance carried work without waiting (none by default)."""
+
+    def can_preview(self, unit) -> bool:
+        return False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    # ------------------------------------------------------------ gradients and norms
+    def _live_units(self):
+        return [
+            u for u in self.engine.units if u.index in self._unit_segments and not u.grad_is_zero
+        ]
+
+    def _grad_sum_of_squares(self) -> torch.Tensor:
+        """Sum over this rank's live segments of grad**2 (inf/nan if any gradient is)."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
+        for unit in self._live_units():
+            for c0, c1, grad in self.engine.grad_chunks(unit):
+                self._add_sum_of_squares(sq, unit, c0, c1, grad)
+        return sq
+
+    def _add_sum_of_squares(self, sq: torch.Tensor, unit, c0: int, c1: int, grad) -> None:
+        """``sq += grad**2`` summed over the unit's segments within chunk ``[c0, c1)``."""
+        for seg in self._unit_segments[unit.index]:
+            a, b = max(seg.start, c0), min(seg.end, c1)
+            if a < b:
+                g = grad[a - c0 : b - c0].float()
+                sq += torch.dot(g, g)
+
+    def _prepare(self) -> None:
+        """Finalize gradients; with fp16, check every rank for overflow (once per step)."""
+        if self._prepared:
+            return
+        self.engine.finalize_grads()
+        self._prepared = True
+        scaler = self.engine.scaler
+        self._factor = 1.0 if scaler is None else 1.0 / scaler.scale
+        if scaler is not None:
+            sq = self._grad_sum_of_squares()
+            zdist.all_reduce_sum(sq, self.engine.group)
+            self._overflow = not bool(torch.isfinite(sq).item())
+            self._sum_sq = sq
+
+    def _before_clip(self) -> None:
+        """Called first by ``clip_grad_norm_``."""
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm (over all ranks) is at most ``max_norm``;
+        returns the norm before clipping (like ``torch.nn.utils.clip_grad_norm_`` over the
+        parameters of this optimizer's groups: a trainable parameter in no group is neither
+        counted nor updated)."""
+        self._before_clip()
+        self._prepare()
+        if self._overflow:
+            return torch.tensor(float("inf"))
+        if self.engine.scaler is None:
+            sq = self._grad_sum_of_squares()
+            zdist.all_reduce_sum(sq, self.engine.group)
+        else:
+            sq = self._sum_sq
+        norm = sq.sqrt() * self._factor
+        coef = max_norm / (norm.item() + 1e-6)
+        if coef < 1.0:
+            self._factor *= coef
+        self._grad_norm = norm.item()
+        return norm
+
+    def _step_info(self) -> StepInfo:
+        scaler = self.engine.scaler
+        return StepInfo(
+            skipped=self._overflow,
+            loss_scale=scaler.scale if scaler is not None else 1.0,
+            grad_norm=self._grad_norm,
+        )
+
+    def _end_step(self) -> None:
+        """After the update (or a skipped fp16 step): the loss scale, flags, gradients."""
+        scaler = self.engine.scaler
+        if scaler is not None:
+            scaler.update(self._overflow)
+        self._prepared = False
+        self._overflow = False
+        self._grad_norm = None
+        self.engine.zero_grad()
