@@ -74,13 +74,85 @@ def no_decay_groups(model, wd: float):
     return [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
 
 
+class PlainSGD(torch.optim.Optimizer):
+    """A user's own optimizer as the simplest ones are written: it iterates
+    ``group["params"]``, reads ``p.grad`` and keeps ``self.state[p]`` (momentum, and a step
+    count as a Python int)."""
+
+    def __init__(self, params, lr=0.05, momentum=0.9, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["buf"] = torch.zeros_like(p)
+                    state["n"] = 0
+                state["n"] += 1
+                g = p.grad.add(p, alpha=group["weight_decay"])
+                state["buf"].mul_(group["momentum"]).add_(g)
+                p.add_(state["buf"], alpha=-group["lr"] / (1 + 0.1 * state["n"]))
+
+
+def optimizer_spec(name: str):
+    """(class, kwargs) of the optimizers the tests train with, by name."""
+    if name == "adamw":
+        return torch.optim.AdamW, {"lr": LR}
+    if name == "sgd":
+        return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}
+    if name == "adagrad":
+        return torch.optim.Adagrad, {"lr": 0.01}
+    if name == "rmsprop":
+        return torch.optim.RMSprop, {"lr": 1e-3, "momentum": 0.5}
+    if name == "adafactor":
+        return torch.optim.Adafactor, {"lr": 1e-2}
+    if name == "hf_adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor, {"lr": 1e-3, "scale_parameter": False, "relative_step": False}
+    if name == "lion":
+        import bitsandbytes as bnb
+
+        return bnb.optim.Lion, {"lr": 1e-3, "optim_bits": 32}
+    if name == "adamw_bnb_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW, {"lr": LR, "optim_bits": 8, "min_8bit_size": 256}
+    if name == "custom":
+        return PlainSGD, {}
+    raise ValueError(name)
+
+
+def make_optimizer(name: str, groups, engine=None):
+    """Optimizer ``name`` over ``groups``: plain, or over ``engine``'s shards (ZeroAdamW for
+    "zero_adamw", else zerotune.ZeroOptimizer)."""
+    if name == "zero_adamw":
+        return (
+            torch.optim.AdamW(groups, lr=LR)
+            if engine is None
+            else zerotune.ZeroAdamW(engine, groups, lr=LR)
+        )
+    cls, kwargs = optimizer_spec(name)
+    if engine is None:
+        return cls(groups, **kwargs)
+    return zerotune.ZeroOptimizer(engine, cls, groups, **kwargs)
+
+
 def train_reference(
-    model_name: str, steps: int = STEPS, clip: float | None = MAX_NORM, device: str = "cpu"
+    model_name: str,
+    steps: int = STEPS,
+    clip: float | None = MAX_NORM,
+    device: str = "cpu",
+    optimizer: str = "zero_adamw",
 ) -> dict:
-    """Plain PyTorch: whole batch, one process, torch.optim.AdamW (on ``device``); weights
-    and gradient maxima come back on the CPU."""
+    """Plain PyTorch: whole batch, one process, torch.optim.AdamW (or ``optimizer``, see
+    ``make_optimizer``) on ``device``; weights and gradient maxima come back on the CPU."""
     model = build(model_name).to(device)
-    opt = torch.optim.AdamW(no_decay_groups(model, WD), lr=LR)
+    opt = make_optimizer(optimizer, no_decay_groups(model, WD))
     losses, norms = [], []
     grad_max = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     for ids in batches(model_name, steps):
@@ -117,13 +189,15 @@ def train_zero(
     use_no_sync: bool = False,
     clip: float | None = MAX_NORM,
     device: str = "cpu",
+    optimizer: str = "zero_adamw",
 ) -> dict:
     """zerotune on this rank: its slice of the global batch, split into ``accum`` micro-batches,
-    the engine on ``device`` (where the model's parameters are when it is sharded)."""
+    the engine on ``device`` (where the model's parameters are when it is sharded), trained
+    with ZeroAdamW or ``optimizer`` over the shards (see ``make_optimizer``)."""
     model = build(model_name).to(device)
     groups = no_decay_groups(model, WD)  # reads shapes: before sharding empties the params
     engine = zerotune.shard(model, config)
-    opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
+    opt = make_optimizer(optimizer, groups, engine)
     per_rank = GLOBAL_BATCH // world
     micro = per_rank // accum
     losses, norms, infos = [], [], []

@@ -23,7 +23,7 @@ from .config import ConfigError, ZeroConfig, load_config
 from .estimate import MemoryPlan, check_estimate
 from .estimate import estimate as estimate_memory
 from .init import from_pretrained, load_weights, zero_init
-from .optim import CPUAdam, StepInfo, ZeroAdamW
+from .optim import CPUAdam, StepInfo, ZeroAdamW, ZeroOptimizer
 from .sharding import ShardedParameterError, ZeroEngine, shard
 
 __version__ = "0.1.0"
@@ -51,6 +51,7 @@ __all__ = [
     "ZeroAdamW",
     "ZeroConfig",
     "ZeroEngine",
+    "ZeroOptimizer",
     "ZeroTrainer",
     "ZeroTrainingArguments",
     "check_estimate",

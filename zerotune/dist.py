@@ -88,6 +88,14 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group=None, asy
     return None
 
 
+def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group=None) -> None:
+    """Reduce ``full`` over ranks and keep this rank's slice of the sum in ``output``."""
+    if get_world_size(group) == 1:
+        output.copy_(full)
+        return
+    dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
     if get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

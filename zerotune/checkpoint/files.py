@@ -303,6 +303,15 @@ class TensorFileReader:
         if dest is not out:
             out.copy_(dest)
 
+    def whole(self, key: str) -> torch.Tensor:
+        """Tensor ``key``, whole, with its shape."""
+        e = self.entries.get(key)
+        if e is None:
+            raise CheckpointError(f"{self.path}: has no tensor {key!r}")
+        out = torch.empty(e.shape, dtype=e.dtype)
+        self.read(key, 0, out.numel(), out.view(-1))
+        return out
+
     def close(self) -> None:
         if self._f is not None:
             self._f.close()

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from .. import dist as zdist
+from ..optim.generic import checkpoint_index
 from ..sharding.tiling import tiled_weights
 from .files import (
     TensorFileReader,
@@ -421,6 +422,14 @@ def _write_rank_file(engine, folder: Path, optimizer) -> tuple[str, int]:
         "world_size": engine.world,
         "rng": rng_json,
     }
+    # A generic optimizer's state kept per parameter (see [Note: any torch optimizer over
+    # the shards] in optim/generic.py): tensors, and their index in the metadata.
+    opt_tensors: dict[str, torch.Tensor] = {}
+    if optimizer is not None and hasattr(optimizer, "extra_state"):
+        opt_tensors, opt_index = optimizer.extra_state()
+        metadata["optimizer"] = json.dumps(opt_index)
+        for key, t in opt_tensors.items():
+            specs.append(TensorSpec(key, t.dtype, tuple(t.shape)))
     writer = TensorFileWriter(folder / rank_file_name(engine.rank, engine.world), specs, metadata)
     try:
         for unit in units:
@@ -429,6 +438,8 @@ def _write_rank_file(engine, folder: Path, optimizer) -> tuple[str, int]:
                 writer.append(state[key])
             del state
         for t in rng_tensors.values():
+            writer.append(t)
+        for t in opt_tensors.values():
             writer.append(t)
         return writer.commit()
     except BaseException:
@@ -508,6 +519,9 @@ def _build_manifest(engine, step, steps, files, optimizer, scheduler_state, extr
     if optimizer is not None:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         opt = {"class": type(optimizer).__name__, "groups": _jsonable(groups, "optimizer groups")}
+        inner = getattr(optimizer, "optimizer_class", None)
+        if inner is not None:  # a ZeroOptimizer: the class it runs
+            opt["inner"] = f"{inner.__module__}.{inner.__qualname__}"
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -683,6 +697,19 @@ def load_checkpoint(
             f"group(s), this one {len(optimizer.param_groups)}"
         )
 
+    generic = getattr(optimizer, "optimizer_class", None) is not None
+    if restore_opt:
+        inner = (
+            f"{optimizer.optimizer_class.__module__}.{optimizer.optimizer_class.__qualname__}"
+            if generic
+            else None
+        )
+        if saved_opt.get("inner") != inner:
+            raise CheckpointError(
+                f"{folder / MANIFEST}: the optimizer state was saved by "
+                f"{saved_opt.get('inner') or 'ZeroAdamW'}, this run uses {inner or 'ZeroAdamW'}; "
+                "load it with load_optimizer=False to start the optimizer state fresh"
+            )
     with_moments = set()
     if restore_opt:
         with_moments = {unit.index for _, unit, _, _ in _segments(optimizer)}
@@ -696,19 +723,28 @@ def load_checkpoint(
             )
     files = _RankFiles(folder, manifest["world_size"])
     try:
+        saved_keys = _saved_state_keys(files, manifest["world_size"]) if generic else {}
         for unit in engine.units:
             keys = ["master", *_MOMENTS] if unit.index in with_moments else ["master"]
+            dtypes = {}
+            if generic:  # a ZeroOptimizer's per-element state (state.<key>)
+                old = {rec["unit"] for rec in records[unit.index] if rec is not None}
+                dtypes = {k: d for (u, k), d in saved_keys.items() if u in old}
+                keys = ["master", *dtypes] if unit.index in with_moments else ["master"]
             exact = {}  # 8-bit moments loaded as saved (see [Note: 8-bit moments in checkpoints])
             if unit.index in with_moments:
                 exact = exact_moments(engine, optimizer, unit, manifest, records[unit.index], files)
             # Staged on the host (where the files land); load_unit_state copies to the tier.
             staged = {
-                k: torch.zeros(unit.shard_numel, dtype=torch.float32)
+                k: torch.zeros(unit.shard_numel, dtype=dtypes.get(k, torch.float32))
                 for k in keys
                 if not (exact and k in _MOMENTS)
             }
             _read_slice(unit, records[unit.index], files, staged)
             engine.load_unit_state(unit, {**staged, **exact})
+        if restore_opt and generic:
+            metadata = [read_metadata(files[r].path) for r in range(manifest["world_size"])]
+            optimizer.load_state(checkpoint_index(metadata), lambda r, name: files[r].whole(name))
         if load_rng and manifest["world_size"] == engine.world:
             reader = files[engine.rank]
             _set_rng_state(reader, read_metadata(reader.path))
@@ -737,6 +773,18 @@ def load_checkpoint(
         manifest["world_size"],
     )
     return CheckpointInfo(folder, manifest["step"], manifest["world_size"], manifest.get("extra"))
+
+
+def _saved_state_keys(files: _RankFiles, world: int) -> dict[tuple[int, str], torch.dtype]:
+    """(old unit index, ``state.<key>``) -> dtype of a ZeroOptimizer's per-element state in
+    the rank files."""
+    out = {}
+    for r in range(world):
+        for name, entry in files[r].entries.items():
+            unit, dot, key = name.partition(".")
+            if dot and unit[:1] == "u" and unit[1:].isdigit() and key.startswith("state."):
+                out[(int(unit[1:]), key)] = entry.dtype
+    return out
 
 
 def _read_slice(unit, records: list[dict], files: _RankFiles, staged: dict) -> None:

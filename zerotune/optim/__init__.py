@@ -1,7 +1,15 @@
 """Optimizers over shards."""
 
 from .cpu_adam import CPUAdam, adam_update
+from .generic import ZeroOptimizer
 from .scaling import DynamicLossScaler
 from .zero_adam import StepInfo, ZeroAdamW
 
-__all__ = ["CPUAdam", "DynamicLossScaler", "StepInfo", "ZeroAdamW", "adam_update"]
+__all__ = [
+    "CPUAdam",
+    "DynamicLossScaler",
+    "StepInfo",
+    "ZeroAdamW",
+    "ZeroOptimizer",
+    "adam_update",
+]
