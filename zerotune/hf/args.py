@@ -26,6 +26,9 @@ __all__ = ["ZeroTrainingArguments"]
 _ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
 # ZeroAdamW with 8-bit moments (optim_state_bits: 8, bitsandbytes' blockwise quantization).
 _ADAMW_8BIT_NAMES = ("adamw_8bit", "adamw_bnb_8bit")
+# Optimizers that reach for the whole model's parameters (GaLore's and APOLLO's projections,
+# LOMO's updates inside backward): not over shards.
+_WHOLE_MODEL_OPTIMIZERS = ("galore_", "apollo_", "lomo", "adalomo")
 # Fields that map one to one onto ZeroConfig keys.
 _CONFIG_FIELDS = {
     "zero_stage": "stage",
@@ -158,13 +161,7 @@ class ZeroTrainingArguments(TrainingArguments):
             )
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 cannot both be set; choose one training dtype.")
-        optim = getattr(self.optim, "value", self.optim)
-        if optim not in _ADAMW_NAMES + _ADAMW_8BIT_NAMES:
-            raise ConfigError(
-                f"--optim {optim} is not supported by ZeroTrainer, which trains with ZeroAdamW "
-                f"(AdamW over the shards); use --optim adamw_torch, adamw_8bit (8-bit Adam "
-                f"states) or leave it unset."
-            )
+        self._check_optimizer()
         base = self._raw_config()
         offload = (
             self.offload_param or base.get("offload_param"),
@@ -173,6 +170,43 @@ class ZeroTrainingArguments(TrainingArguments):
         if "nvme" in offload and not self.nvme_path and not base.get("nvme_path"):
             raise ConfigError(
                 "NVMe offload needs --nvme_path (a folder on a fast local disk for the swap files)."
+            )
+
+    @property
+    def uses_zero_adamw(self) -> bool:
+        """Whether ``--optim`` names AdamW, which ZeroTrainer runs as ZeroAdamW (the fused C++
+        step, 8-bit states, NVMe streaming); any other runs through ZeroOptimizer."""
+        return getattr(self.optim, "value", self.optim) in _ADAMW_NAMES + _ADAMW_8BIT_NAMES
+
+    def _check_optimizer(self) -> None:
+        """An ``--optim`` that cannot run here is refused in one sentence naming why."""
+        optim = getattr(self.optim, "value", self.optim)
+        if self.uses_zero_adamw:
+            return
+        if optim.startswith(_WHOLE_MODEL_OPTIMIZERS):
+            raise ConfigError(
+                f"--optim {optim} is not supported by ZeroTrainer: it hooks into the whole "
+                "model's parameters (low-rank projections, or updates fused into backward), "
+                "which zerotune keeps sharded; choose another --optim."
+            )
+        from transformers import Trainer
+
+        try:
+            Trainer.get_optimizer_cls_and_kwargs(self)
+        except (ImportError, ValueError, RuntimeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"--optim {optim} cannot run here: {first}") from None
+        base = self._raw_config()
+        if (self.offload_optimizer or base.get("offload_optimizer")) == "nvme":
+            raise ConfigError(
+                f"--optim {optim} with the optimizer state on NVMe: only AdamW (--optim "
+                "adamw_torch or adamw_8bit) streams its state through NVMe so far; use "
+                "--offload_optimizer cpu for this optimizer."
+            )
+        if base.get("optim_state_bits", 32) != 32:
+            raise ConfigError(
+                f"--optim {optim} contradicts optim_state_bits={base['optim_state_bits']} in the "
+                "zerotune config (8-bit Adam states); keep one of them."
             )
 
     def _check_values(self) -> None:
@@ -217,7 +251,7 @@ class ZeroTrainingArguments(TrainingArguments):
                 "supported by ZeroTrainer: the engine gathers and releases parameters in "
                 "module hooks that a compiled graph would skip; drop the flag."
             )
-        if self.optim_args:
+        if self.optim_args and self.uses_zero_adamw:
             raise ConfigError(
                 "--optim_args is not read by ZeroAdamW; set --adam_beta1, --adam_beta2, "
                 "--adam_epsilon and --weight_decay instead."

@@ -10,8 +10,12 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
 - ``_wrap_model`` returns the engine, for training and evaluation: the Trainer then skips
   ``accelerator.prepare(model)``, so accelerate adds no DDP. Its ``no_sync(model)`` finds the
   engine's ``no_sync`` for the non-final micro-batches of gradient accumulation.
-- ``create_optimizer`` builds ``ZeroAdamW`` from the Trainer's own decay / no-decay split,
-  by parameter *name* (at stage 3 a released parameter has size 0, so shapes cannot be used).
+- ``create_optimizer`` builds ``ZeroAdamW`` (``--optim`` adamw_torch / adamw_8bit, the
+  default) or a ``ZeroOptimizer`` over the class the Trainer picks for ``--optim`` (or
+  ``optimizer_cls_and_kwargs``) from the Trainer's own decay / no-decay split, by parameter
+  *name* (at stage 3 a released parameter has size 0, so shapes cannot be used). An optimizer
+  given through ``optimizers=`` was built over the model's parameters: the same class is
+  built again over the shards from its groups, and its scheduler is pointed at it.
   The optimizer is marked as prepared, so accelerate's wrapper (which round-trips the state
   dict to move it to the device) leaves it alone; it reports skipped fp16 steps itself.
 - ``_clip_grad_norm`` / ``_get_grad_norm`` use the optimizer's global-norm clipping.
@@ -55,7 +59,7 @@ from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save
 from ..checkpoint.manifest import MARKER, trainer_checkpoints
 from ..estimate import check_estimate
 from ..init import from_pretrained, load_weights, zero_init
-from ..optim import ZeroAdamW
+from ..optim import ZeroAdamW, ZeroOptimizer
 from ..sharding import ZeroEngine
 from .args import ZeroTrainingArguments
 
@@ -126,6 +130,83 @@ class _TrainerAdamW(ZeroAdamW):
         return self.last_info is not None and self.last_info.skipped
 
 
+class _TrainerOptimizer(ZeroOptimizer):
+    """ZeroOptimizer as the Trainer drives it (see _TrainerAdamW)."""
+
+    _is_accelerate_prepared = True
+    step_was_skipped = _TrainerAdamW.step_was_skipped
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.last_info = None
+
+    def step(self, closure=None):
+        self.last_info = super().step(closure)
+        return self.last_info
+
+
+def _rebuild_over_shards(engine, optimizer, scheduler) -> ZeroOptimizer:
+    """The same optimizer class over ``engine``'s shards, from an optimizer built over the
+    model's parameters: its groups (hyper-parameters, and parameters matched by identity)."""
+    cls = type(optimizer)
+    if isinstance(optimizer, (ZeroAdamW, ZeroOptimizer)):
+        raise ValueError(
+            "the optimizer given to ZeroTrainer runs over another engine; pass "
+            "optimizer_cls_and_kwargs=(cls, kwargs) and let ZeroTrainer build it"
+        )
+    how = "pass optimizer_cls_and_kwargs=(cls, kwargs) instead"
+    if any(len(st) for st in optimizer.state.values()):
+        raise ValueError(
+            f"the {cls.__name__} given to ZeroTrainer has stepped already (its state would be "
+            f"lost when it is rebuilt over the shards); {how}"
+        )
+    params = {id(s.param) for u in engine.units for s in u.slots}
+    groups = []
+    for g in optimizer.param_groups:
+        if any(id(p) not in params for p in g["params"]):
+            raise ValueError(
+                f"the {cls.__name__} given to ZeroTrainer holds tensors that are not the "
+                f"model's parameters, so it cannot be rebuilt over the shards; {how}"
+            )
+        groups.append(dict(g))
+    try:
+        rebuilt = _TrainerOptimizer(engine, cls, groups)
+    except TypeError as exc:
+        raise ValueError(
+            f"the {cls.__name__} given to ZeroTrainer cannot be rebuilt over the shards from "
+            f"its parameter groups ({exc}); {how}"
+        ) from None
+    extra = getattr(optimizer, "args", None)  # bitsandbytes keeps some settings there
+    if extra is not None and rebuilt.inner is not None:
+        rebuilt.inner.args = extra
+    if scheduler is not None:
+        scheduler.optimizer = rebuilt  # it reads the groups of the optimizer it steps
+    return rebuilt
+
+
+def _embeddings_in_32_bits(engine, optimizer: ZeroOptimizer) -> None:
+    """As the plain Trainer does for bitsandbytes' 8-bit optimizers: embeddings keep 32-bit
+    state. bitsandbytes looks overrides up by (group, index) in a process-wide table, so
+    every tensor of this optimizer gets its entry (none, or 32 bits)."""
+    import bitsandbytes
+
+    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+    embedding = {
+        id(p)
+        for m in engine.module.modules()
+        if isinstance(m, nn.Embedding)
+        for p in m._parameters.values()
+        if p is not None
+    }
+    if optimizer.inner is None:
+        return
+    owner = optimizer.param_of_keys()
+    for gi, group in enumerate(optimizer.inner.param_groups):
+        for pi, key in enumerate(group["params"]):
+            wide = id(owner[id(key)]) in embedding
+            manager.index2config[(gi, pi)] = {"optim_bits": 32} if wide else {}
+
+
 class ZeroTrainer(Trainer):
     """``transformers.Trainer`` with ZeRO-1/2/3 sharding and ZeRO-Infinity offload.
 
@@ -153,12 +234,8 @@ class ZeroTrainer(Trainer):
                 "the model, its config or its folder"
             )
         optimizer, scheduler = kwargs.get("optimizers", (None, None))
-        if optimizer is not None or scheduler is not None or kwargs.get("optimizer_cls_and_kwargs"):
-            raise ValueError(
-                "ZeroTrainer builds its ZeroAdamW and scheduler from the arguments (learning_rate, "
-                "weight_decay, adam_*, lr_scheduler_type); subclass and override create_optimizer "
-                "or create_scheduler to change them"
-            )
+        if optimizer is not None and kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ValueError("pass either optimizers or optimizer_cls_and_kwargs, not both")
         if model is None:
             raise ValueError("ZeroTrainer needs a model: a config, a folder, a module or an engine")
         # Peaks are measured from here: check_estimate compares what the engine and the
@@ -183,6 +260,12 @@ class ZeroTrainer(Trainer):
         self.num_parameters_without_embeddings = sum(
             s.numel for u in self.engine.units for s in u.slots if id(s.param) not in embeddings
         )
+        if optimizer is not None and getattr(optimizer, "engine", None) is not self.engine:
+            # Built over the model's parameters: the same class over the shards.
+            kwargs["optimizers"] = (
+                _rebuild_over_shards(self.engine, optimizer, scheduler),
+                scheduler,
+            )
         super().__init__(model=self.engine.module, args=args, **kwargs)
         if args.world_size != self.engine.world:
             raise ValueError(
@@ -233,14 +316,23 @@ class ZeroTrainer(Trainer):
                 {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
                 {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
             ]
-            self.optimizer = _TrainerAdamW(
-                self.engine,
-                groups,
-                lr=args.learning_rate,
-                betas=(args.adam_beta1, args.adam_beta2),
-                eps=args.adam_epsilon,
-                weight_decay=args.weight_decay,
-            )
+            if self.optimizer_cls_and_kwargs is None and args.uses_zero_adamw:
+                self.optimizer = _TrainerAdamW(
+                    self.engine,
+                    groups,
+                    lr=args.learning_rate,
+                    betas=(args.adam_beta1, args.adam_beta2),
+                    eps=args.adam_epsilon,
+                    weight_decay=args.weight_decay,
+                )
+                return self.optimizer
+            if self.optimizer_cls_and_kwargs is not None:
+                cls, kwargs = self.optimizer_cls_and_kwargs
+            else:
+                cls, kwargs = self.get_optimizer_cls_and_kwargs(args)
+            self.optimizer = _TrainerOptimizer(self.engine, cls, groups, **dict(kwargs))
+            if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+                _embeddings_in_32_bits(self.engine, self.optimizer)
         return self.optimizer
 
     def _clip_grad_norm(self, model):

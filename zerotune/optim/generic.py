@@ -303,6 +303,12 @@ class ZeroOptimizer(ShardedOptimizer):
                 if k != "params":
                     dst[k] = v
 
+    def param_of_keys(self) -> dict[int, torch.nn.Parameter]:
+        """id of each tensor the inner optimizer updates -> the model parameter it is part of."""
+        if self.layout == "flat":
+            return {id(s.key): s.slot.param for segs in self._unit_segments.values() for s in segs}
+        return {id(key): slot.param for _, slot, key in self._whole}
+
     # ------------------------------------------------------------------ step interface
     def step_count(self, key) -> int:
         return self._counts[key]

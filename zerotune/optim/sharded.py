@@ -59,6 +59,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     engine: object
     _unit_segments: dict[int, list[Segment]]
+    # The global gradient norm a step fills in when it summed it itself (ZeroAdamW's
+    # overlapped step); None otherwise.
+    pending_grad_norm: torch.Tensor | None = None
 
     def _build_segments(self, engine, params: Iterable | None) -> list[dict]:
         """Set ``engine`` and ``_unit_segments`` (this rank's part of each trainable
