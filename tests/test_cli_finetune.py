@@ -174,7 +174,7 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
 
 def test_local_model_folder_and_jsonl(env, tmp_path):
     """A local HF folder (with its tokenizer) and prompt/response jsonl, ZeRO-2 with CPU
-    optimizer offload, an eval split."""
+    optimizer offload, an eval split, an optimizer other than AdamW (--optim adafactor)."""
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from zerotune.hf.data import byte_tokenizer
@@ -191,7 +191,7 @@ def test_local_model_folder_and_jsonl(env, tmp_path):
     proc = finetune(env, "--model", folder, "--dataset", data, "--output-dir", out,
                     "--stage", "2", "--offload", "cpu", "--eval-split", "0.2", "--block-size",
                     "32", "--max_steps", "4", "--logging_steps", "1",
-                    "--learning_rate", "1e-2")  # fmt: skip
+                    "--learning_rate", "1e-2", "--optim", "adafactor")  # fmt: skip
     s = summary(out)
     blocks = f"{s['train_blocks']} blocks of 32 tokens (+{s['eval_blocks']} held out)"
     assert blocks in proc.stdout, proc.stdout
@@ -407,6 +407,8 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         ),  # fmt: skip
         "compile": (["--torch_compile"], "is not supported by ZeroTrainer"),
         "optim args": (["--optim_args", "foo=1"], "--optim_args is not read"),
+        "optim not installed": (["--optim", "schedule_free_sgd"], "cannot run here"),
+        "optim state on nvme": (["--optim", "sgd"], "streams its state through NVMe"),
         "no tensorboard": (["--report_to", "tensorboard"], "its package is not installed"),
         "zero block size": (["--block-size", "0"], "--block-size must be at least 1"),
         "missing model folder": (["--model", tmp_path / "nope"], "no such file or folder"),
