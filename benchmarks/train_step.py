@@ -18,6 +18,8 @@ one JSON line with ``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain)
         --overlap-step --compare-carry          # + the same without carrying into forward
     python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
         --compare-master-copy                   # + the master copied, not updated in place
+    python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
+        --optim adafactor                       # torch Adafactor, plain and ZeroOptimizer
     python benchmarks/train_step.py --offload-activations nvme --nvme-path /tmp \
         --batch 8 --seq 512                     # checkpoints offloaded vs kept, both checkpointed
 
@@ -33,6 +35,11 @@ instead of the last ones going on during the next forward. With ``--offload-acti
 zerotune runs with activation checkpointing on, once keeping the checkpoints and once
 offloading them; the summary describes the offloaded run and adds its ratios against the
 kept one.
+
+With ``--optim adafactor`` (or ``sgd``) both sides run that ``torch.optim`` class: plain
+over the model, zerotune through ``ZeroOptimizer``. Only ZeroAdamW streams optimizer state
+through NVMe so far, so ``--offload nvme`` then puts the parameters on NVMe and the
+optimizer state in host memory (``offload_optimizer`` in the JSON says so).
 
 On a machine whose speed drifts (a shared VM), ``--rounds R`` runs all the variants R
 times in turn (plain, zerotune, plain, zerotune, ...): the table shows each variant's median
@@ -51,6 +58,9 @@ import sys
 import time
 
 from _variants import answer_as_variant, run_variants
+
+# Optimizers run through zerotune.ZeroOptimizer: (torch.optim class name, kwargs).
+GENERIC = {"adafactor": ("Adafactor", {"lr": 1e-3}), "sgd": ("SGD", {"lr": 1e-3, "momentum": 0.9})}
 
 
 def parse() -> argparse.Namespace:
@@ -74,7 +84,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--staging", default=None, help="NVMe staging buffers (zerotune's default if not given)"
     )
-    ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_8bit"])
+    ap.add_argument(
+        "--optim",
+        default="adamw",
+        choices=["adamw", "adamw_8bit", *GENERIC],
+        help="adamw / adamw_8bit: ZeroAdamW; the others: that torch optimizer through "
+        "zerotune.ZeroOptimizer against the same optimizer on the plain model",
+    )
     ap.add_argument(
         "--offload-activations",
         default="none",
@@ -134,7 +150,11 @@ def run_variant(args: argparse.Namespace) -> dict:
     if args.variant == "plain":
         model = AutoModelForCausalLM.from_config(config)
         model.to(dtype)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        if args.optim in GENERIC:
+            name, kwargs = GENERIC[args.optim]
+            opt = getattr(torch.optim, name)(model.parameters(), **kwargs)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         runner = model
     else:
         import zerotune
@@ -142,6 +162,8 @@ def run_variant(args: argparse.Namespace) -> dict:
         zcfg = {"stage": args.stage, "dtype": args.dtype}
         if args.offload != "none":
             zcfg.update(offload_param=args.offload, offload_optimizer=args.offload)
+            if args.optim in GENERIC:
+                zcfg.update(offload_optimizer="cpu")  # only ZeroAdamW streams state on NVMe
         if args.optim == "adamw_8bit" and args.variant != "zerotune-fp32-states":
             zcfg["optim_state_bits"] = 8
         if checkpointed and args.variant != "zerotune-kept-checkpoints":
@@ -156,7 +178,11 @@ def run_variant(args: argparse.Namespace) -> dict:
         if checkpointed:
             model.gradient_checkpointing_enable()
             model.train()
-        opt = zerotune.ZeroAdamW(runner, lr=1e-5)
+        if args.optim in GENERIC:
+            name, kwargs = GENERIC[args.optim]
+            opt = zerotune.ZeroOptimizer(runner, getattr(torch.optim, name), **kwargs)
+        else:
+            opt = zerotune.ZeroAdamW(runner, lr=1e-5)
         if args.variant == "zerotune-master-copied":
             opt.store.in_place = False  # [Note: the master updated in the page cache]
     io = psutil.Process().io_counters
@@ -197,7 +223,9 @@ def run_variant(args: argparse.Namespace) -> dict:
     # RAM in use while there is RAM to spare).
     result["page_cache_growth_gib"] = cached_peak / 2**30
     if args.variant != "plain":
-        result["master_in_place"] = bool(getattr(opt.store, "in_place", False))
+        result["master_in_place"] = bool(getattr(getattr(opt, "store", None), "in_place", False))
+        result["offload_optimizer"] = runner.config.offload_optimizer
+        result["optimizer_layout"] = getattr(opt, "layout", None)
         result["memory_report"] = runner.memory_report()
         if runner.swap is not None:
             files = runner.swap.files
@@ -249,6 +277,8 @@ def main() -> None:
     variants.append("zerotune")
     if args.rounds < 1:
         sys.exit("--rounds must be at least 1")
+    if args.optim in GENERIC and args.overlap_step:
+        sys.exit("--overlap-step is ZeroAdamW's; drop it for --optim " + args.optim)
     rounds = [run_variants(__file__, variants) for _ in range(args.rounds)]
     results = median_round(rounds)
 
@@ -302,6 +332,8 @@ def main() -> None:
         "io_gbps": round(moved / gb / zt["total"], 3),
         "page_cache_growth_gib": round(zt["page_cache_growth_gib"], 3),
         "master_in_place": zt.get("master_in_place"),
+        "offload_optimizer": zt.get("offload_optimizer"),
+        "optimizer_layout": zt.get("optimizer_layout"),
     }
     if "buffered_swap_gib" in zt:
         summary["buffered_swap_gib"] = round(zt["buffered_swap_gib"], 3)
