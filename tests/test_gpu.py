@@ -293,3 +293,30 @@ def test_checkpoint_round_trip_and_export_with_offloaded_shards(offload, tmp_pat
         if name in exported:
             assert torch.equal(exported[name], w), name
     assert "transformer.wte.weight" in exported
+
+
+GENERIC_CASES = [
+    ("sgd", {"stage": 3}),
+    ("adafactor", {"stage": 3}),
+    ("adafactor", {"stage": 2, "offload_optimizer": "cpu"}),
+    ("hf_adafactor", {"stage": 3}),
+    ("lion", {"stage": 3}),
+    ("adamw_bnb_8bit", {"stage": 3}),
+    ("custom", {"stage": 1, "offload_optimizer": "cpu"}),
+]
+
+
+@pytest.mark.parametrize("name, config", GENERIC_CASES, ids=lambda c: str(c))
+def test_generic_optimizers_match_the_plain_optimizer_on_the_device(name, config):
+    """zerotune.ZeroOptimizer on the device (and with its state on the host) against the same
+    optimizer on the plain model on the same device."""
+    from test_generic_optimizers import MODEL
+    from test_generic_optimizers import check as check_generic
+
+    model = MODEL.get(name, "gpt2")
+    ref = train_reference(model, optimizer=name, device="cuda")
+    ref["weights"] = {k: v.numpy() for k, v in ref["weights"].items()}
+    ref["grad_max"] = {k: v.numpy() for k, v in ref["grad_max"].items()}
+    res = train_zero(0, 1, model, config, accum=2, use_no_sync=True, device="cuda", optimizer=name)
+    res["weights"] = {k: v.numpy() for k, v in res["weights"].items()}
+    check_generic(res, ref, name, f"cuda {name} {config}")
