@@ -408,7 +408,7 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         "compile": (["--torch_compile"], "is not supported by ZeroTrainer"),
         "optim args": (["--optim_args", "foo=1"], "--optim_args is not read"),
         "optim not installed": (["--optim", "schedule_free_sgd"], "cannot run here"),
-        "optim state on nvme": (["--optim", "sgd"], "streams its state through NVMe"),
+        "optim for the whole model": (["--optim", "galore_adamw"], "hooks into the whole"),
         "no tensorboard": (["--report_to", "tensorboard"], "its package is not installed"),
         "zero block size": (["--block-size", "0"], "--block-size must be at least 1"),
         "missing model folder": (["--model", tmp_path / "nope"], "no such file or folder"),

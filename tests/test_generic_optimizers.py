@@ -3,6 +3,8 @@ on the plain model: losses and weights, every stage and tier, world sizes 1-3.""
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -29,10 +31,19 @@ NOISE_GRAD = 1e-6
 
 FLAT = ["sgd", "adagrad", "rmsprop"]  # per-element: each rank updates its slices
 WHOLE = ["adafactor", "hf_adafactor", "lion", "adamw_bnb_8bit", "custom"]  # whole parameters
-# (optimizer, stage, accumulation micro-batches, no_sync, offload_optimizer, clip)
+# (optimizer, stage, accumulation micro-batches, no_sync, offload, clip); offload: where
+# the optimizer state lives (none, cpu, nvme), "nvme-both" with the parameters on NVMe too,
+# "nvme-disk-grads" also with the gradient shards spilled to NVMe.
 CASES_BY_WORLD = {
     1: [(name, 3, 2, True, "none", True) for name in FLAT + WHOLE]
-    + [("adafactor", 2, 1, False, "cpu", True), ("sgd", 1, 2, False, "cpu", False)],
+    + [
+        ("adafactor", 2, 1, False, "cpu", True),
+        ("sgd", 1, 2, False, "cpu", False),
+        ("sgd", 3, 2, True, "nvme-both", True),
+        ("adafactor", 3, 1, False, "nvme", True),
+        ("custom", 2, 2, False, "nvme", True),
+        ("adagrad", 3, 1, False, "nvme-disk-grads", True),
+    ],
     2: [
         ("sgd", 3, 2, True, "none", True),
         ("adagrad", 2, 1, False, "cpu", True),
@@ -40,12 +51,17 @@ CASES_BY_WORLD = {
         ("hf_adafactor", 1, 1, False, "none", True),
         ("custom", 2, 2, False, "none", False),
         ("adamw_bnb_8bit", 3, 1, False, "none", True),
+        ("rmsprop", 3, 2, True, "nvme-disk-grads", True),
+        ("adafactor", 3, 1, False, "nvme-both", True),
+        ("adamw_bnb_8bit", 2, 1, False, "nvme", True),
     ],
     3: [
         ("rmsprop", 3, 2, False, "cpu", True),
         ("adafactor", 3, 1, False, "none", True),
         ("lion", 2, 2, True, "none", True),
         ("custom", 1, 1, False, "cpu", True),
+        ("hf_adafactor", 3, 1, False, "nvme-both", True),
+        ("sgd", 1, 2, False, "nvme", True),
     ],
 }
 
@@ -66,7 +82,13 @@ def reference(name: str, clip: bool) -> dict:
 def run_cases(rank, world, cases):
     out = []
     for name, stage, accum, no_sync, offload, clip in cases:
-        config = {"stage": stage, "offload_optimizer": offload}
+        config = {"stage": stage, "offload_optimizer": offload.split("-")[0]}
+        if offload.startswith("nvme"):
+            config["nvme_path"] = tempfile.gettempdir()  # each engine removes its own folder
+        if offload in ("nvme-both", "nvme-disk-grads"):
+            config["offload_param"] = "nvme"
+        if offload == "nvme-disk-grads":
+            config["grad_host_bytes"] = 0
         out.append(
             train_zero(
                 rank,

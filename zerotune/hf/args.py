@@ -197,12 +197,6 @@ class ZeroTrainingArguments(TrainingArguments):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"--optim {optim} cannot run here: {first}") from None
         base = self._raw_config()
-        if (self.offload_optimizer or base.get("offload_optimizer")) == "nvme":
-            raise ConfigError(
-                f"--optim {optim} with the optimizer state on NVMe: only AdamW (--optim "
-                "adamw_torch or adamw_8bit) streams its state through NVMe so far; use "
-                "--offload_optimizer cpu for this optimizer."
-            )
         if base.get("optim_state_bits", 32) != 32:
             raise ConfigError(
                 f"--optim {optim} contradicts optim_state_bits={base['optim_state_bits']} in the "

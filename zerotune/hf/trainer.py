@@ -368,7 +368,8 @@ class ZeroTrainer(Trainer):
         update (no clipping: ``--max_grad_norm 0``; no fp16 loss scaling; stage 2 or 3)."""
         engine = self.engine
         return (
-            engine.config.offload_optimizer == "nvme"
+            isinstance(self.optimizer, ZeroAdamW)  # its step interface can start early
+            and engine.config.offload_optimizer == "nvme"
             and engine.config.stage >= 2
             and engine.scaler is None
             and not (self.args.max_grad_norm or 0) > 0

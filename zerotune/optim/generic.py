@@ -41,7 +41,9 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from .. import dist as zdist
+from .generic_nvme import NvmeGenericState
 from .sharded import ShardedOptimizer, StepInfo
+from .state_store import master_in_param_file
 
 __all__ = ["ELEMENTWISE", "ZeroOptimizer"]
 
@@ -114,11 +116,6 @@ class ZeroOptimizer(ShardedOptimizer):
             raise ValueError(f"layout must be 'auto', 'flat' or 'whole', not {layout!r}")
         config = engine.config
         name = optimizer_class.__name__
-        if config.offload_optimizer == "nvme":
-            raise ValueError(
-                f"{name} with offload_optimizer: nvme: only ZeroAdamW streams its state through "
-                "NVMe so far; use offload_optimizer: cpu (host memory) for this optimizer"
-            )
         if config.optim_state_bits != 32:
             raise ValueError(
                 f"optim_state_bits: {config.optim_state_bits} is ZeroAdamW's 8-bit Adam; {name} "
@@ -141,10 +138,14 @@ class ZeroOptimizer(ShardedOptimizer):
         self._whole: list[tuple[object, object, torch.Tensor]] = []  # (unit, slot, key) owned
         self._units: list[object] = []  # units with parameters in the groups (whole layout)
         world = engine.world
+        on_nvme = config.offload_optimizer == "nvme"  # no master in memory: placeholders
+        self._key_group: dict[int, int] = {}  # id(inner key) -> group index
         if layout == "flat":
             for segs in self._unit_segments.values():
                 for seg in segs:
-                    seg.key = seg.unit.master[seg.start : seg.end].detach()
+                    master = seg.unit.master
+                    seg.key = torch.zeros(0) if on_nvme else master[seg.start : seg.end].detach()
+                    self._key_group[id(seg.key)] = seg.group
                     self._counts[seg.key] = 0
                     inner_params[seg.group].append(seg.key)
         else:
@@ -160,11 +161,13 @@ class ZeroOptimizer(ShardedOptimizer):
             for (unit, slot), owner in zip(slots, owners):
                 if owner != engine.rank:
                     continue
-                if world == 1:
+                if world == 1 and not on_nvme:
                     key = _param_view(unit.master, slot).detach()
                 else:
-                    key = torch.zeros(slot.shape, dtype=torch.float32, device=unit.master.device)
+                    device = unit.master.device if unit.master is not None else "cpu"
+                    key = torch.zeros(slot.shape, dtype=torch.float32, device=device)
                 self._whole.append((unit, slot, key))
+                self._key_group[id(key)] = group_of[id(slot.param)]
                 inner_params[group_of[id(slot.param)]].append(key)
             for segs in self._unit_segments.values():
                 for seg in segs:
@@ -175,13 +178,17 @@ class ZeroOptimizer(ShardedOptimizer):
             self.inner = optimizer_class(
                 [{**h, "params": ps} for h, ps in zip(full_hyper, inner_params)], **kwargs
             )
-            if world > 1:
+            if world > 1 or on_nvme:
                 for _, _, key in self._whole:
                     key.data = _empty_like(key)  # filled at each step
         # This optimizer's own groups hold the hyper-parameters schedulers change.
         super().__init__([{**h, "params": ps} for h, ps in zip(full_hyper, inner_params)], defaults)
         self._sync_hyper(to_inner=True)
         self.state = self.inner.state if self.inner is not None else self.state
+        # See [Note: a generic optimizer's state on NVMe] in generic_nvme.py.
+        self._nvme = NvmeGenericState(self, full_hyper, kwargs) if on_nvme else None
+        if on_nvme and self.inner is not None:
+            self.inner.state.clear()  # made at construction: the probe replays it per unit
         engine.optimizer = self
 
     # ------------------------------------------------------------------------- the step
@@ -198,24 +205,32 @@ class ZeroOptimizer(ShardedOptimizer):
                     seg.counted = seg.slot.got_grad
                     if seg.counted:
                         self._counts[seg.key] += 1
-            if self.layout == "flat" or self.engine.world == 1:
+            if self._nvme is not None:
+                self._step_streaming(live)
+            elif self.layout == "flat" or self.engine.world == 1:
                 self._point_at_shards(live)
                 self._inner_step()
             else:
                 self._step_by_owners()
-            for unit in live:
-                target = self.engine.lowp_target(unit)
-                if target is not None:
-                    target.copy_(unit.master)
-                    self.engine.lowp_done(unit, target)
+            if self._nvme is None:
+                for unit in live:
+                    self._refresh_lowp(unit, unit.master)
             self.engine.after_step()
         self._end_step()
         return info
 
-    def _grad_view(self, unit, start: int, end: int) -> torch.Tensor:
-        """The gradient of shard elements ``[start, end)``, fp32, scaled by the clip / loss
-        scale factor."""
-        g = unit.grad_shard[start:end]
+    def _refresh_lowp(self, unit, master: torch.Tensor) -> None:
+        """Give the engine the compute-dtype copy of the updated master (see [Note: the
+        step interface])."""
+        target = self.engine.lowp_target(unit)
+        if target is not None:
+            target.copy_(master)
+            self.engine.lowp_done(unit, target)
+
+    def _grad_view(self, unit, start: int, end: int, grad=None) -> torch.Tensor:
+        """The gradient of shard elements ``[start, end)`` (of ``grad``, default the unit's
+        gradient shard), fp32, scaled by the clip / loss scale factor."""
+        g = (unit.grad_shard if grad is None else grad)[start:end]
         if g.dtype != torch.float32:
             g = g.float()
         if self._factor != 1.0:
@@ -256,21 +271,12 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def _step_by_owners(self) -> None:
         """Whole layout at world size > 1 (see [Note: any torch optimizer over the shards])."""
-        engine = self.engine
-        mine = {id(slot.param): key for _, slot, key in self._whole}
-        device = engine.device
-        for unit in self._units:
-            if unit.grad_is_zero:
-                continue
-            full_m = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
-            zdist.all_gather_into(full_m, unit.master.to(device, torch.float32), engine.group)
-            g = unit.grad_shard.to(device, torch.float32)
-            full_g = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
-            zdist.all_gather_into(full_g, g, engine.group)
-            del g
-            for slot in unit.slots:
-                key = mine.get(id(slot.param))
-                if key is None:
+        units = [u for u in self._units if not u.grad_is_zero]
+        for unit in units:
+            g = unit.grad_shard
+            full_m, full_g = self._gather_unit(unit, unit.master, g)
+            for u, slot, key in self._whole:
+                if u is not unit:
                     continue
                 span = slice(slot.offset, slot.offset + slot.numel)
                 key.data = full_m[span].view(slot.shape).to(key.device, copy=True)
@@ -280,19 +286,103 @@ class ZeroOptimizer(ShardedOptimizer):
                         key.grad.mul_(self._factor)
             del full_m, full_g
         self._inner_step()
-        for unit in self._units:
-            if unit.grad_is_zero:
-                continue
-            contrib = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
-            for slot in unit.slots:
-                key = mine.get(id(slot.param))
-                if key is not None:
-                    contrib[slot.offset : slot.offset + slot.numel].copy_(key.data.reshape(-1))
-            out = torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
-            zdist.reduce_scatter_sum(out, contrib, engine.group)
-            unit.master.copy_(out)
+        for unit in units:
+            self._scatter_owned(unit, unit.master)
         for _, _, key in self._whole:
             key.data = _empty_like(key)
+
+    def _step_streaming(self, live) -> None:
+        """Optimizer state on NVMe: unit after unit, the next one's reads in flight (see
+        [Note: a generic optimizer's state on NVMe] in generic_nvme.py)."""
+        nv = self._nvme
+        owners = self.layout == "whole" and self.engine.world > 1
+        units = [u for u in self._units if not u.grad_is_zero] if owners else live
+        writes: list = []
+        ahead = nv.start(units[0]) if units else None
+        for i, unit in enumerate(units):
+            loaded, ahead = ahead, (nv.start(units[i + 1]) if i + 1 < len(units) else None)
+            loaded.wait()
+            targets = self._point_at_loaded(unit, loaded, owners)
+            nv.install(loaded, targets)
+            self._inner_step()
+            nv.collect(loaded, targets)
+            if owners:
+                self._scatter_owned(unit, loaded.master)
+            for key, *_ in targets:
+                key.data = _empty_like(key)
+            self._refresh_lowp(unit, loaded.master)  # none when the master is the parameters
+            for h in writes:  # one unit's writes in flight at a time
+                h.wait()
+            writes = nv.finish(loaded)
+            if unit.grad_extent is not None and unit.held_grad is not None:
+                unit.drop_held_grad()
+        for h in writes:
+            h.wait()
+
+    def _point_at_loaded(self, unit, loaded, owners: bool) -> list[tuple]:
+        """Point this unit's inner tensors at its loaded master and gradient; returns the
+        ``targets`` whose state NvmeGenericState installs."""
+        nv = self._nvme
+        targets = []
+        if self.layout == "flat":
+            for seg in self._unit_segments[unit.index]:
+                seg.key.data = loaded.master[seg.start : seg.end]
+                ok = seg.counted and loaded.grad is not None
+                seg.key.grad = (
+                    self._grad_view(unit, seg.start, seg.end, loaded.grad) if ok else None
+                )
+                span = slice(seg.start, seg.end)
+                targets.append((seg.key, nv.probe_key(seg.group, None), ("u", unit.index), span))
+            return targets
+        if owners:
+            full_m, full_g = self._gather_unit(unit, loaded.master, loaded.grad)
+        else:
+            full_m, full_g = loaded.master, loaded.grad
+        for u, slot, key in self._whole:
+            if u is not unit:
+                continue
+            span = slice(slot.offset, slot.offset + slot.numel)
+            view = full_m[span].view(slot.shape)
+            key.data = view.clone() if owners else view
+            if slot.got_grad and full_g is not None:
+                key.grad = full_g[span].view(slot.shape).clone()
+                if self._factor != 1.0:
+                    key.grad.mul_(self._factor)
+            group = self._key_group[id(key)]
+            targets.append((key, nv.probe_key(group, slot.shape), ("p", slot.name), None))
+        return targets
+
+    def _gather_unit(self, unit, master, grad) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unit's whole fp32 master and gradient, all-gathered from every rank's shard."""
+        engine = self.engine
+        device = engine.device
+        full_m = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
+        zdist.all_gather_into(full_m, master.to(device, torch.float32), engine.group)
+        full_g = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
+        zdist.all_gather_into(full_g, grad.to(device, torch.float32), engine.group)
+        return full_m, full_g
+
+    def _scatter_owned(self, unit, master: torch.Tensor) -> None:
+        """Each rank's shard of the owners' new values into ``master`` (an exact sum: every
+        rank but a parameter's owner gives zeros)."""
+        device = self.engine.device
+        mine = {id(slot.param): key for u, slot, key in self._whole if u is unit}
+        contrib = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
+        for slot in unit.slots:
+            key = mine.get(id(slot.param))
+            if key is not None:
+                contrib[slot.offset : slot.offset + slot.numel].copy_(key.data.reshape(-1))
+        out = torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
+        zdist.reduce_scatter_sum(out, contrib, self.engine.group)
+        master.copy_(out)
+
+    def master_in_param_file(self, unit) -> bool:
+        if self._nvme is None:
+            return False
+        return master_in_param_file(self.engine.optim_layout, unit)
+
+    def group_of_key(self, key) -> int:
+        return self._key_group[id(key)]
 
     def _sync_hyper(self, to_inner: bool) -> None:
         if self.inner is None:
@@ -329,6 +419,8 @@ class ZeroOptimizer(ShardedOptimizer):
         out: dict[str, torch.dtype] = {}
         if self.layout != "flat" or self.inner is None:
             return out
+        if self._nvme is not None:
+            return self._nvme.flat_keys(unit, self._unit_segments.get(unit.index, []))
         for seg in self._unit_segments.get(unit.index, []):
             for k, v in self.inner.state.get(seg.key, {}).items():
                 if _per_element(v, seg):
@@ -336,6 +428,11 @@ class ZeroOptimizer(ShardedOptimizer):
         return out
 
     def read_unit(self, unit) -> dict[str, torch.Tensor]:
+        if self._nvme is not None:
+            out = {"master": self._nvme.read_master(unit)}
+            for k in self._elementwise_keys(unit):
+                out[f"state.{k}"] = self._nvme.read_region(("u", unit.index, k))
+            return out
         out = {"master": unit.master}
         for k, dtype in self._elementwise_keys(unit).items():
             flat = torch.zeros(unit.shard_numel, dtype=dtype)
@@ -347,15 +444,17 @@ class ZeroOptimizer(ShardedOptimizer):
         return out
 
     def write_unit(self, unit, state: dict[str, torch.Tensor]) -> None:
-        if "master" in state:
+        if "master" in state and self._nvme is not None:
+            self._nvme.write_master(unit, state["master"])
+        elif "master" in state:
             unit.master.copy_(state["master"].reshape(-1))
         given = {k[len("state.") :]: v for k, v in state.items() if k.startswith("state.")}
         if given:
             self._loaded[unit.index] = given  # installed by load_state
 
     def state_bytes(self) -> int:
-        if self.inner is None:
-            return 0
+        if self.inner is None or self._nvme is not None:
+            return 0  # on NVMe: the swap space's bytes
         return sum(
             v.numel() * v.element_size()
             for st in self.inner.state.values()
@@ -369,17 +468,25 @@ class ZeroOptimizer(ShardedOptimizer):
         non-per-element state this rank writes to checkpoints."""
         if self.inner is None:
             return
+        nv = self._nvme
         if self.layout == "flat":
             for segs in self._unit_segments.values():
                 for seg in segs:
                     if seg.start + seg.unit.shard_start != seg.slot.offset:
                         continue  # another rank holds the parameter's first element
-                    st = self.inner.state.get(seg.key)
+                    if nv is not None:
+                        span = slice(seg.start, seg.end)
+                        st = nv.state_of(seg.key, ("u", seg.unit.index), span)
+                    else:
+                        st = self.inner.state.get(seg.key)
                     if st:
                         yield seg.slot.name, st, seg
             return
         for _, slot, key in self._whole:
-            st = self.inner.state.get(key)
+            if nv is not None:
+                st = nv.state_of(key, ("p", slot.name), None)
+            else:
+                st = self.inner.state.get(key)
             if st:
                 yield slot.name, st, None
 
@@ -419,7 +526,12 @@ class ZeroOptimizer(ShardedOptimizer):
         loaded, self._loaded = self._loaded, {}
         if self.inner is None:
             return
+        nv = self._nvme
         self.inner.state.clear()
+        if nv is not None:
+            for unit_index, flats in loaded.items():
+                for k, flat in flats.items():
+                    nv.write_region(("u", unit_index, k), flat)
         targets = []
         if self.layout == "flat":
             for segs in self._unit_segments.values():
@@ -429,8 +541,10 @@ class ZeroOptimizer(ShardedOptimizer):
             targets = [(slot.name, key, None) for _, slot, key in self._whole]
         for name, key, seg in targets:
             found = index.get(name)
-            if found is None:
-                continue  # no state yet for this parameter: the optimizer makes it
+            if found is None:  # no state yet for this parameter: the optimizer makes it
+                if nv is not None:
+                    nv.forget(key)
+                continue
             rank, entry = found
             st = {}
             for k, kind in entry.items():
@@ -438,7 +552,8 @@ class ZeroOptimizer(ShardedOptimizer):
                     flat = loaded.get(seg.unit.index, {}).get(k)
                     if flat is None:
                         raise ValueError(f"the checkpoint lacks state.{k} of {name}")
-                    st[k] = flat[seg.start : seg.end].to(key.device, copy=True)
+                    if nv is None:
+                        st[k] = flat[seg.start : seg.end].to(key.device, copy=True)
                 elif kind == "tensor":
                     st[k] = read(rank, f"opt.{name}.{k}").to(key.device)
                 else:
@@ -446,7 +561,12 @@ class ZeroOptimizer(ShardedOptimizer):
                     st[k] = (
                         None if typ == "None" else {"bool": bool, "int": int}.get(typ, float)(value)
                     )
-            self.inner.state[key] = st
+            if nv is None:
+                self.inner.state[key] = st
+            elif seg is not None:
+                nv.put_state(key, ("u", seg.unit.index), slice(seg.start, seg.end), st)
+            else:
+                nv.put_state(key, ("p", name), None, st)
 
     def state_dict(self):
         """Refused: the state lives in shards across ranks; see ZeroAdamW.state_dict."""

@@ -372,6 +372,12 @@ class ZeroEngine(nn.Module):
 
             write_initial_state(unit, self.swap, self.staging, self._optim_layout)
 
+    @property
+    def optim_layout(self):
+        """How the optimizer's state is laid out in the NVMe optim file (OptimLayout), or
+        None without NVMe optimizer offload."""
+        return getattr(self, "_optim_layout", None)
+
     def make_optimizer_store(self, units: list[Unit]):
         """Where the optimizer keeps master weights and moments (see optim/state_store.py)."""
         from ..optim.state_store import NvmeStore, ResidentStore
