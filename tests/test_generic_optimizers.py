@@ -145,3 +145,49 @@ def test_layouts():
     assert tuple(keys["transformer.wte.weight"].shape) == (96, 32)
     assert tuple(keys["transformer.h.0.mlp.c_fc.weight"].shape) == (32, 128)
     engine.close()
+
+
+def _branch_run(rank, world, name, config):
+    """A model whose optional layers get no gradient on most steps, with a frozen layer:
+    plain (``config`` None, the whole batch in one process) or over the shards."""
+    from test_unused_params import STEPS, BranchNet, branches_of, data
+
+    torch.manual_seed(0)
+    model = BranchNet()
+    model.blocks[0].a.requires_grad_(False)
+    cls, kwargs = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.1}),
+                   "adafactor": (torch.optim.Adafactor, {"lr": 1e-2})}[name]  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config is None:
+        opt, runner = cls(params, **kwargs), model
+    else:
+        runner = zerotune.shard(model, config)
+        opt = zerotune.ZeroOptimizer(runner, cls, params, **kwargs)
+    ranks = range(world) if config is None else [rank]
+    for step in range(STEPS):
+        x = data(step)
+        loss = sum(runner(x[r::world], branches_of(step, r, "same")) for r in ranks) / len(ranks)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if config is None:
+        return {n: p.detach().clone().numpy() for n, p in model.named_parameters()}
+    weights = {n: w.numpy() for n, w in runner.full_state_dict().items()}
+    runner.close()
+    return weights
+
+
+@pytest.mark.parametrize("name", ["sgd", "adafactor"])
+def test_frozen_parameters_and_parameters_without_a_gradient_are_left_alone(name):
+    """No update, no weight decay, no momentum for a parameter whose ``.grad`` is None in a
+    step, as the plain optimizer; a frozen one never moves."""
+    nvme = {"offload_optimizer": "nvme", "nvme_path": tempfile.gettempdir()}
+    for world, config in [(1, {"stage": 3}), (2, {"stage": 2}), (2, {"stage": 3, **nvme})]:
+        ref = _branch_run(0, world, name, None)
+        got = run_world(world, _branch_run, name, config)[0]
+        for k, w in ref.items():
+            np.testing.assert_allclose(got[k], w, rtol=1e-5, atol=1e-6, err_msg=f"{config} {k}")
+    torch.manual_seed(0)
+    from test_unused_params import BranchNet
+
+    assert np.array_equal(ref["blocks.0.a.weight"], BranchNet().blocks[0].a.weight.detach().numpy())

@@ -363,7 +363,7 @@ class ZeroOptimizer(ShardedOptimizer):
         return full_m, full_g
 
     def _scatter_owned(self, unit, master: torch.Tensor) -> None:
-        """Each rank's shard of the owners' new values into ``master`` (an exact sum: every
+        """This rank's part of the owners' new values into ``master`` (an exact sum: every
         rank but a parameter's owner gives zeros)."""
         device = self.engine.device
         mine = {id(slot.param): key for u, slot, key in self._whole if u is unit}
@@ -374,7 +374,9 @@ class ZeroOptimizer(ShardedOptimizer):
                 contrib[slot.offset : slot.offset + slot.numel].copy_(key.data.reshape(-1))
         out = torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
         zdist.reduce_scatter_sum(out, contrib, self.engine.group)
-        master.copy_(out)
+        # Only the optimized parameters: frozen ones (and the padding) keep their values.
+        for seg in self._unit_segments.get(unit.index, []):
+            master[seg.start : seg.end].copy_(out[seg.start : seg.end])
 
     def master_in_param_file(self, unit) -> bool:
         if self._nvme is None:
