@@ -37,9 +37,9 @@ offloading them; the summary describes the offloaded run and adds its ratios aga
 kept one.
 
 With ``--optim adafactor`` (or ``sgd``) both sides run that ``torch.optim`` class: plain
-over the model, zerotune through ``ZeroOptimizer``. Only ZeroAdamW streams optimizer state
-through NVMe so far, so ``--offload nvme`` then puts the parameters on NVMe and the
-optimizer state in host memory (``offload_optimizer`` in the JSON says so).
+over the model, zerotune through ``ZeroOptimizer`` (with ``--offload nvme`` its state
+streams through NVMe unit by unit; ``optimizer_layout`` in the JSON says whether each rank
+updated slices or whole parameters).
 
 On a machine whose speed drifts (a shared VM), ``--rounds R`` runs all the variants R
 times in turn (plain, zerotune, plain, zerotune, ...): the table shows each variant's median
@@ -162,8 +162,6 @@ def run_variant(args: argparse.Namespace) -> dict:
         zcfg = {"stage": args.stage, "dtype": args.dtype}
         if args.offload != "none":
             zcfg.update(offload_param=args.offload, offload_optimizer=args.offload)
-            if args.optim in GENERIC:
-                zcfg.update(offload_optimizer="cpu")  # only ZeroAdamW streams state on NVMe
         if args.optim == "adamw_8bit" and args.variant != "zerotune-fp32-states":
             zcfg["optim_state_bits"] = 8
         if checkpointed and args.variant != "zerotune-kept-checkpoints":

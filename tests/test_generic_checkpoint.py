@@ -4,6 +4,8 @@ state the optimizer made for itself (per element, factored, scalars) comes back.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +115,37 @@ def test_another_optimizer_class_is_refused(tmp_path):
     with pytest.raises(zerotune.CheckpointError, match="saved by torch.optim.sgd.SGD.*Adagrad"):
         zerotune.load_checkpoint(engine, folder, optimizer=opt)
     engine.close()
+
+
+def _save_and_keep_weights(rank, world, folder):
+    """Two steps of Adafactor with its state on NVMe, a checkpoint, and the weights then."""
+    config = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}
+    config["nvme_path"] = str(Path(folder).parent)
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    engine = zerotune.shard(model, config)
+    opt = make_optimizer("adafactor", groups, engine)
+    per = GLOBAL_BATCH // world
+    for ids in batches("gpt2", 2):
+        engine.backward(loss_of(engine, ids[rank * per : (rank + 1) * per]))
+        opt.step()
+    zerotune.save_checkpoint(engine, folder, optimizer=opt)
+    weights = {k: v.numpy() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    return weights
+
+
+def test_export_of_a_generic_optimizers_checkpoint(tmp_path):
+    """zerotune export reads the master weights of a checkpoint a ZeroOptimizer saved (state
+    on NVMe, world size 2) like one of ZeroAdamW: the model as it was at the save."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "ckpt"
+    saved = run_world(2, _save_and_keep_weights, str(folder))[0]
+    out = zerotune.export_hf(folder, tmp_path / "hf", dtype="fp32")
+    exported = load_file(str(out / "model.safetensors"))
+    assert "transformer.h.0.mlp.c_fc.weight" in exported
+    for name, w in exported.items():
+        np.testing.assert_array_equal(w.numpy(), saved[name], err_msg=name)
+    fresh = build("gpt2").state_dict()["transformer.h.0.mlp.c_fc.weight"]
+    assert not np.array_equal(fresh.numpy(), saved["transformer.h.0.mlp.c_fc.weight"])

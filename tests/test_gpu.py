@@ -303,13 +303,17 @@ GENERIC_CASES = [
     ("lion", {"stage": 3}),
     ("adamw_bnb_8bit", {"stage": 3}),
     ("custom", {"stage": 1, "offload_optimizer": "cpu"}),
+    ("sgd", {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}),
+    ("adafactor", {"stage": 3, "offload_optimizer": "nvme"}),
 ]
 
 
 @pytest.mark.parametrize("name, config", GENERIC_CASES, ids=lambda c: str(c))
-def test_generic_optimizers_match_the_plain_optimizer_on_the_device(name, config):
-    """zerotune.ZeroOptimizer on the device (and with its state on the host) against the same
-    optimizer on the plain model on the same device."""
+def test_generic_optimizers_match_the_plain_optimizer_on_the_device(name, config, tmp_path):
+    """zerotune.ZeroOptimizer on the device (and with its state on the host or NVMe) against
+    the same optimizer on the plain model on the same device."""
+    if "nvme" in config.values():
+        config = dict(config, nvme_path=str(tmp_path))
     from test_generic_optimizers import MODEL
     from test_generic_optimizers import check as check_generic
 
