@@ -181,7 +181,22 @@ def _rebuild_over_shards(engine, optimizer, scheduler) -> ZeroOptimizer:
         rebuilt.inner.args = extra
     if scheduler is not None:
         scheduler.optimizer = rebuilt  # it reads the groups of the optimizer it steps
+        _mark_steps(rebuilt)
     return rebuilt
+
+
+def _mark_steps(optimizer) -> None:
+    """Do to ``optimizer`` what a torch LR scheduler does to the one it is built with: its
+    ``step`` records that it ran, which the scheduler's ``step`` checks (and warns about
+    otherwise)."""
+    step = optimizer.step
+
+    def wrapper(*args, **kwargs):
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    optimizer.step = wrapper
 
 
 def _embeddings_in_32_bits(engine, optimizer: ZeroOptimizer) -> None:
