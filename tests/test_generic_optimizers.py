@@ -191,3 +191,56 @@ def test_frozen_parameters_and_parameters_without_a_gradient_are_left_alone(name
     from test_unused_params import BranchNet
 
     assert np.array_equal(ref["blocks.0.a.weight"], BranchNet().blocks[0].a.weight.detach().numpy())
+
+
+class _GroupCounter(torch.optim.SGD):
+    """Keeps a counter in its parameter groups, as schedule-free optimizers do."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["k"] = group.get("k", 0) + 1
+        return super().step(closure)
+
+
+class _PairStats(torch.optim.SGD):
+    """Keeps two numbers per parameter besides SGD's state: not per element."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p].setdefault("pair", torch.zeros(2)).add_(1)
+        return out
+
+
+def test_what_cannot_run_says_why(tmp_path):
+    engine = zerotune.shard(tiny_gpt2(), {"stage": 3})
+    with pytest.raises(TypeError, match="needs a torch.optim.Optimizer subclass"):
+        zerotune.ZeroOptimizer(engine, torch.nn.Linear)
+    with pytest.raises(ValueError, match="layout must be"):
+        zerotune.ZeroOptimizer(engine, torch.optim.SGD, lr=0.1, layout="rows")
+    with pytest.raises(ValueError, match="Invalid learning rate"):  # the class checks it
+        zerotune.ZeroOptimizer(engine, torch.optim.SGD, lr=-1.0)
+    zerotune.ZeroAdamW(engine)
+    with pytest.raises(ValueError, match="already has an optimizer"):
+        zerotune.ZeroOptimizer(engine, torch.optim.SGD, lr=0.1)
+    engine.close()
+    config = {"stage": 3, "offload_optimizer": "nvme", "nvme_path": str(tmp_path)}
+    engine = zerotune.shard(tiny_gpt2(), config)
+    with pytest.raises(ValueError, match="keeps state in its parameter groups \\(k\\)"):
+        zerotune.ZeroOptimizer(engine, _GroupCounter, lr=0.1)
+    with pytest.raises(ValueError, match="pair of shape \\(2,\\).*use layout='whole'"):
+        zerotune.ZeroOptimizer(engine, _PairStats, lr=0.1, layout="flat")
+    engine.close()
+    # The same in memory: found at the first step that makes such state.
+    engine = zerotune.shard(tiny_gpt2(), {"stage": 3})
+    opt = zerotune.ZeroOptimizer(engine, _PairStats, lr=0.1, layout="flat")
+    engine.backward(engine(input_ids=torch.zeros(2, 4, dtype=torch.long), labels=None).logits.sum())
+    with pytest.raises(ValueError, match="pair of shape \\(2,\\).*use layout='whole'"):
+        opt.step()
+    engine.close()
+    engine = zerotune.shard(tiny_gpt2(), {"stage": 3, "optim_state_bits": 8})
+    with pytest.raises(ValueError, match="optim_state_bits: 8 is ZeroAdamW's"):
+        zerotune.ZeroOptimizer(engine, torch.optim.SGD, lr=0.1)
+    engine.close()

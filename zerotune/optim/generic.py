@@ -210,6 +210,8 @@ class ZeroOptimizer(ShardedOptimizer):
             elif self.layout == "flat" or self.engine.world == 1:
                 self._point_at_shards(live)
                 self._inner_step()
+                if self.layout == "flat":
+                    self._check_per_element()
             else:
                 self._step_by_owners()
             if self._nvme is None:
@@ -218,6 +220,19 @@ class ZeroOptimizer(ShardedOptimizer):
             self.engine.after_step()
         self._end_step()
         return info
+
+    def _check_per_element(self) -> None:
+        """Flat layout: every state tensor of a segment is per element or a scalar (else
+        each rank would keep its own, different, numbers for one parameter)."""
+        for segs in self._unit_segments.values():
+            for seg in segs:
+                for k, v in self.inner.state.get(seg.key, {}).items():
+                    if torch.is_tensor(v) and v.numel() > 1 and not _per_element(v, seg):
+                        raise ValueError(
+                            f"{self.optimizer_class.__name__} keeps {k} of shape "
+                            f"{tuple(v.shape)} for a parameter slice of {seg.end - seg.start} "
+                            "elements: it is not per element; use layout='whole'"
+                        )
 
     def _refresh_lowp(self, unit, master: torch.Tensor) -> None:
         """Give the engine the compute-dtype copy of the updated master (see [Note: the
