@@ -189,7 +189,7 @@ class ZeroOptimizer(ShardedOptimizer):
         self._nvme = NvmeGenericState(self, full_hyper, kwargs) if on_nvme else None
         if on_nvme and self.inner is not None:
             self.inner.state.clear()  # made at construction: the probe replays it per unit
-        engine.optimizer = self
+        engine.attach_optimizer(self)
 
     # ------------------------------------------------------------------------- the step
     @torch.no_grad()

@@ -4,8 +4,13 @@ and checkpoints use.
 [Note: the step interface]
 The engine and an optimizer over its shards meet through a few named methods, never through
 each other's private fields. The engine hands gradients over as shards (``finalize_grads``,
-``grad_chunks``) and gives back the compute-dtype copy of an updated shard through
-``lowp_target`` / ``lowp_done``. The optimizer answers, for each unit:
+``grad_chunks``), takes the compute-dtype copy of an updated shard back through
+``lowp_target`` / ``lowp_done``, and offers an optimizer that starts early the hooks of
+backward and forward: ``attach_optimizer``, ``syncing``, ``begin_overlapped_step`` /
+``end_overlapped_step`` (backward then calls ``launch(unit)`` on the step as each unit's
+gradient is final, and ``pump()`` between layers) and ``carry_into_forward`` (forward then
+pumps the optimizer and settles a unit's update before gathering it). The optimizer answers,
+for each unit:
 - ``owns(unit)``: it updates parameters of the unit (it keeps state for it);
 - ``master_in_param_file(unit)``: the fp32 master is read and written in the parameter file
   (so the engine writes no separate compute-dtype copy);
@@ -66,7 +71,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _build_segments(self, engine, params: Iterable | None) -> list[dict]:
         """Set ``engine`` and ``_unit_segments`` (this rank's part of each trainable
         parameter in a group, unit by unit) and return the model's parameter groups."""
-        if getattr(engine, "optimizer", None) is not None:
+        if engine.optimizer is not None:
             raise ValueError("this engine already has an optimizer")
         self.engine = engine
         groups = self._model_groups(engine, params)

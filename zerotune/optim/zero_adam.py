@@ -203,7 +203,7 @@ class ZeroAdamW(ShardedOptimizer):
         # as the updates read the gradients, and the norm step() fills in.
         self._norm_sq: torch.Tensor | None = None
         self.pending_grad_norm: torch.Tensor | None = None
-        engine.optimizer = self
+        engine.attach_optimizer(self)
 
     @contextlib.contextmanager
     def overlapped(self, track_norm: bool = False, carry: bool = True):
@@ -226,21 +226,22 @@ class ZeroAdamW(ShardedOptimizer):
             raise RuntimeError(
                 "overlapped(): stage 1 keeps whole gradients until the step; use stage 2 or 3"
             )
-        if not engine._sync:
+        if not engine.syncing:
             raise RuntimeError(
                 "overlapped(): the backward inside must be synchronized, not in no_sync()"
             )
-        if self._overlap is not None or engine._overlap is not None:
+        if self._overlap is not None or engine.overlapping:
             raise RuntimeError("overlapped(): call step() before the next overlapped backward")
         self._factor = 1.0
         if track_norm:
             self._norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
             self.pending_grad_norm = torch.zeros(())
-        self._overlap = engine._overlap = _OverlappedStep(self, carry=carry and self.store.carries)
+        self._overlap = _OverlappedStep(self, carry=carry and self.store.carries)
+        engine.begin_overlapped_step(self._overlap)
         try:
             yield
         finally:
-            engine._overlap = None
+            engine.end_overlapped_step()
 
     def state_dict(self):
         """Refused: the state lives in shards across ranks and tiers (memory, NVMe), not in
@@ -316,7 +317,8 @@ class ZeroAdamW(ShardedOptimizer):
         self._frozen_groups = [
             copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.param_groups
         ]
-        self._carry = self.engine._carry = overlap
+        self._carry = overlap
+        self.engine.carry_into_forward(True)
         overlap._phase = "after step() (carried into the next forward)"
 
     def _add_carried_norm(self, carry) -> None:
@@ -408,7 +410,8 @@ class ZeroAdamW(ShardedOptimizer):
         else:
             carry.settle(unit)
         if not carry.unfinished:
-            self._carry = self.engine._carry = None
+            self._carry = None
+            self.engine.carry_into_forward(False)
             self._frozen_groups = None
             carry.finish()
 

@@ -197,10 +197,11 @@ class ZeroEngine(nn.Module):
         trainable = [(u.padded_numel, u.shard_numel) for u in self.units if u.trainable and u.numel]
         self.pool.keep_only(pool_keep_sizes(trainable, config, self.world, self.device.type))
         self._sync = True
+        self.optimizer = None  # attach_optimizer
         self._overlap = None  # the optimizer's overlapped step, during its backward
-        # The optimizer's step still updating units in the next forward (see [Note:
+        # The optimizer's step goes on updating units in the next forward (see [Note:
         # carrying the step into the next forward] in optim/zero_adam.py).
-        self._carry = None
+        self._carrying = False
         # The unit whose gradients are on their way to the host (finished after the next).
         self._copying: Unit | None = None
         dm = getattr(torch, self.device.type, None)
@@ -548,13 +549,52 @@ class ZeroEngine(nn.Module):
         if self.activations is not None:
             self.activations.remove()
 
+    # ------------------------------------------------- the optimizer's side of the step
+    # See [Note: the step interface] in optim/sharded.py.
+    def attach_optimizer(self, optimizer) -> None:
+        """``optimizer`` updates this engine's shards (one optimizer per engine)."""
+        if self.optimizer is not None:
+            raise ValueError("this engine already has an optimizer")
+        self.optimizer = optimizer
+
+    @property
+    def syncing(self) -> bool:
+        """Whether this backward reduces gradients (False inside ``no_sync()``)."""
+        return self._sync
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether an overlapped optimizer step takes units as backward finishes them."""
+        return self._overlap is not None
+
+    def begin_overlapped_step(self, step) -> None:
+        """Until ``end_overlapped_step``, backward hands each unit whose gradient shard is
+        final to ``step.launch(unit)``, and lets it ``pump()`` between layers (see [Note:
+        overlapped step] in optim/zero_adam.py)."""
+        if self._overlap is not None:
+            raise RuntimeError("overlapped(): call step() before the next overlapped backward")
+        self._overlap = step
+
+    def end_overlapped_step(self) -> None:
+        self._overlap = None
+
+    def pump_overlapped_step(self) -> None:
+        """A chance, between two layers of backward, to move the overlapped step along."""
+        if self._overlap is not None:
+            self._overlap.pump()
+
+    def carry_into_forward(self, carrying: bool) -> None:
+        """Whether the optimizer's last step goes on in the next forward: the engine then
+        pumps it between layers and settles a unit's update before gathering the unit."""
+        self._carrying = carrying
+
     # ------------------------------------------------------------------ unit life cycle
     # See [Note: unit life cycle] in hooks.py.
     def settle_optimizer(self, unit: Unit | None = None, overwrite: bool = False) -> None:
         """Finish the optimizer updates the last step carried into this forward: ``unit``'s,
         or all of them (see [Note: carrying the step into the next forward] in
         optim/zero_adam.py)."""
-        if self._carry is not None:
+        if self._carrying:
             self.optimizer.settle(unit, overwrite=overwrite)
 
     def units_kept_gathered(self) -> list[Unit]:
@@ -622,7 +662,7 @@ class ZeroEngine(nn.Module):
             self._gathered_in_forward = 0
         if self.finds_unused and not torch.is_grad_enabled():
             self._hidden_units.add(unit.index)  # inside a reentrant checkpoint, or no_grad
-        if self._carry is not None:
+        if self._carrying:
             self.optimizer.pump()  # the last step's updates, between this forward's layers
         self._use("forward", unit)
         lookup = None
@@ -669,8 +709,7 @@ class ZeroEngine(nn.Module):
             return
         if unit.index == 0:
             self.prefetcher.start_pass("backward")
-        if self._overlap is not None:
-            self._overlap.pump()
+        self.pump_overlapped_step()
         if unit.weightless_backward and not unit.deps:
             # Nothing to gather: an embedding's backward needs no weight, only the shape
             # its gradient is stored under.

@@ -207,7 +207,7 @@ def _grad_ready_hook(engine: ZeroEngine, unit: Unit):
         unit.grads_ready += 1
         if unit.grads_ready == unit.n_trainable:
             engine.post_backward(unit)
-        elif engine._overlap is not None:
-            engine._overlap.pump()  # a chance, between two layers, to move the step along
+        else:
+            engine.pump_overlapped_step()
 
     return hook
