@@ -33,7 +33,8 @@ FLAT = ["sgd", "adagrad", "rmsprop"]  # per-element: each rank updates its slice
 WHOLE = ["adafactor", "hf_adafactor", "lion", "adamw_bnb_8bit", "custom"]  # whole parameters
 # (optimizer, stage, accumulation micro-batches, no_sync, offload, clip); offload: where
 # the optimizer state lives (none, cpu, nvme), "nvme-both" with the parameters on NVMe too,
-# "nvme-disk-grads" also with the gradient shards spilled to NVMe.
+# "nvme-disk-grads" also with the gradient shards spilled to NVMe, "nvme-chunks" with a
+# staging budget that cuts each block's shard into several chunks.
 CASES_BY_WORLD = {
     1: [(name, 3, 2, True, "none", True) for name in FLAT + WHOLE]
     + [
@@ -43,6 +44,7 @@ CASES_BY_WORLD = {
         ("adafactor", 3, 1, False, "nvme", True),
         ("custom", 2, 2, False, "nvme", True),
         ("adagrad", 3, 1, False, "nvme-disk-grads", True),
+        ("rmsprop", 3, 2, True, "nvme-chunks", True),
     ],
     2: [
         ("sgd", 3, 2, True, "none", True),
@@ -62,6 +64,7 @@ CASES_BY_WORLD = {
         ("custom", 1, 1, False, "cpu", True),
         ("hf_adafactor", 3, 1, False, "nvme-both", True),
         ("sgd", 1, 2, False, "nvme", True),
+        ("adagrad", 3, 1, False, "nvme-chunks", True),
     ],
 }
 
@@ -89,6 +92,8 @@ def run_cases(rank, world, cases):
             config["offload_param"] = "nvme"
         if offload == "nvme-disk-grads":
             config["grad_host_bytes"] = 0
+        if offload == "nvme-chunks":
+            config["staging_bytes"] = 3 * 16 * 4096
         out.append(
             train_zero(
                 rank,
@@ -244,3 +249,25 @@ def test_what_cannot_run_says_why(tmp_path):
     with pytest.raises(ValueError, match="optim_state_bits: 8 is ZeroAdamW's"):
         zerotune.ZeroOptimizer(engine, torch.optim.SGD, lr=0.1)
     engine.close()
+
+
+def test_state_on_nvme_leaves_nothing_in_memory(tmp_path):
+    """With the state on NVMe, between steps the optimizer holds no state tensor in memory;
+    the state file holds one region per unit and per-element key (SGD's momentum: 4 bytes
+    an element, rounded to pages), and three chunks fit the staging budget."""
+    staging = 3 * 16 * 4096
+    config = {"stage": 3, "offload_optimizer": "nvme", "nvme_path": str(tmp_path)}
+    engine = zerotune.shard(tiny_gpt2(), {**config, "staging_bytes": staging})
+    opt = zerotune.ZeroOptimizer(engine, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ids = torch.arange(32).reshape(2, 16) % 96
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        opt.step()
+    nv = opt._nvme
+    assert opt.inner.state == {} and engine.memory_report()["optimizer"] == 0
+    expected = sum(-(-u.shard_numel * 4 // 4096) * 4096 for u in engine.units if opt.owns(u))
+    assert nv.file.size == expected and engine.swap.files["gstate"] is nv.file
+    assert 3 * nv.chunk * (4 + 4 + 4) <= staging
+    assert len(nv.present) == sum(len(s) for s in opt._unit_segments.values())
+    engine.close()
+    assert not any(tmp_path.iterdir())  # the swap folder, state file included, is gone

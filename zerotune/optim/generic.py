@@ -307,46 +307,64 @@ class ZeroOptimizer(ShardedOptimizer):
             key.data = _empty_like(key)
 
     def _step_streaming(self, live) -> None:
-        """Optimizer state on NVMe: unit after unit, the next one's reads in flight (see
-        [Note: a generic optimizer's state on NVMe] in generic_nvme.py)."""
+        """Optimizer state on NVMe: chunk after chunk (flat) or unit after unit (whole), the
+        next one's reads in flight (see [Note: a generic optimizer's state on NVMe] in
+        generic_nvme.py)."""
         nv = self._nvme
         owners = self.layout == "whole" and self.engine.world > 1
         units = [u for u in self._units if not u.grad_is_zero] if owners else live
+        items = [(u, c0, c1) for u in units for c0, c1 in nv.chunks(u)]
         writes: list = []
-        ahead = nv.start(units[0]) if units else None
-        for i, unit in enumerate(units):
-            loaded, ahead = ahead, (nv.start(units[i + 1]) if i + 1 < len(units) else None)
-            loaded.wait()
-            targets = self._point_at_loaded(unit, loaded, owners)
-            nv.install(loaded, targets)
-            self._inner_step()
-            nv.collect(loaded, targets)
-            if owners:
-                self._scatter_owned(unit, loaded.master)
-            for key, *_ in targets:
-                key.data = _empty_like(key)
-            self._refresh_lowp(unit, loaded.master)  # none when the master is the parameters
-            for h in writes:  # one unit's writes in flight at a time
+        nv.begin_step()
+        try:
+            ahead = nv.start(*items[0]) if items else None
+            for i, (unit, c0, c1) in enumerate(items):
+                loaded = ahead
+                ahead = nv.start(*items[i + 1]) if i + 1 < len(items) else None
+                loaded.wait()
+                targets = self._point_at_loaded(loaded, owners)
+                nv.install(loaded, targets)
+                self._inner_step()
+                nv.collect(loaded, targets)
+                if owners:
+                    self._scatter_owned(unit, loaded.master)
+                for key, *_ in targets:
+                    key.data = _empty_like(key)
+                if c0 == 0 and c1 == unit.shard_numel:
+                    self._refresh_lowp(unit, loaded.master)  # none: the master is the params
+                else:
+                    self._refresh_lowp_chunk(unit, c0, c1, loaded.master)
+                for h in writes:  # one chunk's writes in flight at a time
+                    h.wait()
+                writes = nv.finish(loaded)
+        finally:
+            nv.end_step()
+            for h in writes:
                 h.wait()
-            writes = nv.finish(loaded)
-            if unit.grad_extent is not None and unit.held_grad is not None:
-                unit.drop_held_grad()
-        for h in writes:
-            h.wait()
 
-    def _point_at_loaded(self, unit, loaded, owners: bool) -> list[tuple]:
-        """Point this unit's inner tensors at its loaded master and gradient; returns the
-        ``targets`` whose state NvmeGenericState installs."""
-        nv = self._nvme
+    def _refresh_lowp_chunk(self, unit, c0: int, c1: int, master: torch.Tensor) -> None:
+        """As ``_refresh_lowp``, one chunk at a time; the engine gets the copy with the last."""
+        target = self.engine.lowp_target(unit)
+        if target is not None:
+            target[c0:c1].copy_(master)
+            if c1 == unit.shard_numel:
+                self.engine.lowp_done(unit, target)
+
+    def _point_at_loaded(self, loaded, owners: bool) -> list[tuple]:
+        """Point the inner tensors of the loaded chunk at its master and gradient; returns
+        the ``targets`` whose state NvmeGenericState installs."""
+        nv, unit, c0, c1 = self._nvme, loaded.unit, loaded.c0, loaded.c1
         targets = []
         if self.layout == "flat":
             for seg in self._unit_segments[unit.index]:
-                seg.key.data = loaded.master[seg.start : seg.end]
+                a, b = max(seg.start, c0), min(seg.end, c1)
+                if a >= b:
+                    continue
+                seg.key.data = loaded.master[a - c0 : b - c0]
                 ok = seg.counted and loaded.grad is not None
-                seg.key.grad = (
-                    self._grad_view(unit, seg.start, seg.end, loaded.grad) if ok else None
-                )
-                span = slice(seg.start, seg.end)
+                g = self._grad_view(unit, a - c0, b - c0, loaded.grad) if ok else None
+                seg.key.grad = g
+                span = slice(a - c0, b - c0)
                 targets.append((seg.key, nv.probe_key(seg.group, None), ("u", unit.index), span))
             return targets
         if owners:

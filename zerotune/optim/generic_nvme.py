@@ -10,16 +10,18 @@ and key for ``flat`` (a tensor of the shard's length: a segment's state is a sli
 per owned parameter and key for ``whole`` (the probe's shape and dtype). Scalars (step
 counts) stay in memory. State made at construction (Adagrad's accumulator) is replayed
 from the probe, for ``flat`` as one value per element.
-A step streams unit after unit: the unit's fp32 master (from the optim file, or the
-parameter file with fp32 compute), its gradient and its state regions are read into host
-buffers (the next unit's reads are issued before this one is updated), the inner optimizer
-steps with only this unit's tensors holding a gradient (the others are skipped, so indices
-into the groups stay as they are), and the new master and state are written back while the
-next unit is updated. So the inner ``step()`` runs once per unit: an optimizer that keeps
-state in its parameter groups (a step counter in the group) is refused here, which the
-probe finds out. Memory: the buffers of two units (master, gradient, state), bounded by the
-largest unit rather than ``staging_bytes``; the Adam regions the engine's optim file keeps
-for ZeroAdamW stay unused (the master's is used).
+A step streams chunk after chunk: for ``flat``, pieces of each unit's shard sized so that
+three (read ahead, updated, written back) fit ``staging_bytes`` (fp32 master, gradient and
+the per-element state of each element); for ``whole``, each unit whole (its parameters must
+be). A chunk's fp32 master (from the optim file, or the parameter file with fp32 compute),
+gradient and state are read into host buffers (the next chunk's reads are issued before this
+one is updated), the inner optimizer steps with only this chunk's tensors holding a gradient
+(the others are skipped, so indices into the groups stay as they are), and the new master and
+state are written back while the next chunk is updated. Every chunk of a segment starts
+from the scalars the segment had before the step (``begin_step``). So the inner ``step()``
+runs once per chunk: an optimizer that keeps state in its parameter groups (a step counter in
+the group) is refused here, which the probe finds out. The Adam regions the engine's optim
+file keeps for ZeroAdamW stay unused (the master's is used).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from .state_store import master_in_param_file
 __all__ = ["NvmeGenericState", "probe_layout"]
 
 _PROBE = 8  # elements of the flat probe
+_F32 = 4
+_CHUNK_ALIGN = 4096  # chunks start at multiples of this many elements: aligned offsets
 
 
 @dataclass
@@ -105,8 +109,9 @@ class _Loaded:
     """One unit's buffers during the step: its master, gradient and state, and the reads
     still in flight."""
 
-    def __init__(self, unit) -> None:
+    def __init__(self, unit, c0: int = 0, c1: int | None = None) -> None:
         self.unit = unit
+        self.c0, self.c1 = c0, unit.shard_numel if c1 is None else c1
         self.master: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
         self.state: dict[tuple, torch.Tensor] = {}  # region key -> host tensor
@@ -158,6 +163,16 @@ class NvmeGenericState:
                     region(("p", slot.name, k), dtype, shape)
         self.scalars: dict[int, dict[str, object]] = {}  # id(inner key) -> scalar state
         self.present: set[int] = set()  # id(inner key) whose state exists
+        # During a step (see begin_step): what held before it, and what the chunks made.
+        self._before: tuple[set[int], dict[int, dict]] | None = None
+        # Flat layout: chunks such that three (read ahead, updated, written back) fit in
+        # staging_bytes: fp32 master and gradient and the per-element state of each element.
+        per_element = 2 * _F32 + max(
+            (sum(d.itemsize for d, _ in p.tensors.values()) for p in self.probes.values()),
+            default=0,
+        )
+        chunk = engine.config.staging_bytes // (3 * per_element)
+        self.chunk = max(_CHUNK_ALIGN, chunk // _CHUNK_ALIGN * _CHUNK_ALIGN)
         self.file = None
         self.nbytes = at
         if at:
@@ -194,25 +209,50 @@ class NvmeGenericState:
         optim = self.engine.swap.extent("optim", unit.index)
         return optim.file, optim.offset, False
 
-    def start(self, unit, with_grad: bool = True) -> _Loaded:
-        """Issue the reads of ``unit``'s master and state (and gather its gradient)."""
-        loaded = _Loaded(unit)
+    def chunks(self, unit) -> list[tuple[int, int]]:
+        """The pieces of ``unit``'s shard a step streams: chunks of ``chunk`` elements (flat
+        layout), or the whole shard (whole parameters)."""
         n = unit.shard_numel
-        file, offset, _ = self._master_location(unit)
+        if self.opt.layout != "flat":
+            return [(0, n)]
+        return [(c0, min(c0 + self.chunk, n)) for c0 in range(0, n, self.chunk)]
+
+    def start(self, unit, c0: int = 0, c1: int | None = None, with_grad: bool = True) -> _Loaded:
+        """Issue the reads of elements ``[c0, c1)`` of ``unit``'s master, gradient and
+        per-element state (or its whole parameters' state)."""
+        loaded = _Loaded(unit, c0, c1)
+        c1 = loaded.c1
+        n = c1 - c0
+        file, offset, buffered = self._master_location(unit)
         for h in unit.param_file_writes:
             h.wait()
         loaded.master = aligned_empty(n, torch.float32)
-        loaded.handles.append(file.read(loaded.master, offset))
+        loaded.handles.append(file.read(loaded.master, offset + c0 * _F32))
         for key, r in self._regions_of(unit):
-            buf = aligned_empty(r.numel, r.dtype)
-            loaded.handles.append(self.file.read(buf, r.offset))
-            loaded.state[key] = buf.view(r.shape)
+            if key[0] == "u":  # a shard-long region: this chunk of it
+                buf = aligned_empty(n, r.dtype)
+                loaded.handles.append(self.file.read(buf, r.offset + c0 * r.dtype.itemsize))
+                loaded.state[key] = buf
+            else:
+                buf = aligned_empty(r.numel, r.dtype)
+                loaded.handles.append(self.file.read(buf, r.offset))
+                loaded.state[key] = buf.view(r.shape)
         if with_grad and not unit.grad_is_zero:
-            grad = torch.empty(n, dtype=torch.float32)
-            for c0, c1, part in self.engine.grad_chunks(unit):
-                grad[c0:c1].copy_(part)
-            loaded.grad = grad
+            loaded.grad = self._grad(unit, c0, c1, loaded)
         return loaded
+
+    def _grad(self, unit, c0: int, c1: int, loaded: _Loaded) -> torch.Tensor:
+        """The chunk's gradient: a view of the shard in memory, or read from its file."""
+        held = unit.held_grad
+        if held is not None:
+            return held[c0:c1]
+        if unit.grad_extent is None:
+            return unit.grad_shard[c0:c1]
+        unit.wait_writes()  # spilled gradients must be on disk first
+        g = unit.grad_extent
+        buf = aligned_empty(c1 - c0, torch.float32)
+        loaded.handles.append(g.file.read(buf, g.offset + c0 * _F32))
+        return buf
 
     def _regions_of(self, unit):
         if self.opt.layout == "flat":
@@ -230,29 +270,40 @@ class NvmeGenericState:
 
     def finish(self, loaded: _Loaded, master_changed: bool = True) -> list:
         """Write the unit's master (when changed) and state back; returns the handles."""
-        unit = loaded.unit
+        unit, c0 = loaded.unit, loaded.c0
         handles = []
         if master_changed:
             file, offset, buffered = self._master_location(unit)
             if buffered:
                 unit.keep_private()  # a gather mapping that file must not see the change
-            h = file.write(loaded.master, offset)
+            h = file.write(loaded.master, offset + c0 * _F32)
             handles.append(h)
             if buffered:
                 unit.param_file_writes.append(h)  # a gather waits for it
         for key, buf in loaded.state.items():
-            handles.append(self.file.write(buf.reshape(-1), self.regions[key].offset))
+            r = self.regions[key]
+            at = r.offset + (c0 * r.dtype.itemsize if key[0] == "u" else 0)
+            handles.append(self.file.write(buf.reshape(-1), at))
         return handles
 
     # ------------------------------------------------------------------------ state
+    def begin_step(self) -> None:
+        """A step starts: every chunk of a segment starts from the state (presence and
+        scalars) the segment had before it; ``collect`` updates those as chunks finish."""
+        self._before = (set(self.present), {k: dict(v) for k, v in self.scalars.items()})
+
+    def end_step(self) -> None:
+        self._before = None
+
     def install(self, loaded: _Loaded, targets) -> None:
         """Put the state of ``targets`` ((inner key, probe key, region prefix, slice or None))
         into the inner optimizer: views of the loaded buffers, scalars, or what the class
         makes at construction for a key without state yet."""
         inner = self.opt.inner
+        present, scalars = self._before or (self.present, self.scalars)
         for key, probe_key, prefix, span in targets:
-            if id(key) in self.present:
-                st = dict(self.scalars.get(id(key), {}))
+            if id(key) in present:
+                st = dict(scalars.get(id(key), {}))
                 for rk, buf in loaded.state.items():
                     if rk[:-1] == prefix:
                         st[rk[-1]] = buf[span] if span is not None else buf
