@@ -109,11 +109,11 @@ def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
     )
 
 
-class _TrainerAdamW(ZeroAdamW):
-    """ZeroAdamW as the Trainer drives it. Marked as prepared so accelerate does not wrap it
-    (see [Note: how ZeroTrainer plugs into Trainer]); ``step_was_skipped`` is what
-    ``accelerator.optimizer_step_was_skipped`` reads to hold the scheduler back on fp16
-    overflow."""
+class _DrivenByTrainer:
+    """An optimizer over the shards as the Trainer drives it. Marked as prepared so
+    accelerate does not wrap it (see [Note: how ZeroTrainer plugs into Trainer]);
+    ``step_was_skipped`` is what ``accelerator.optimizer_step_was_skipped`` reads to hold the
+    scheduler back on fp16 overflow."""
 
     _is_accelerate_prepared = True
 
@@ -130,19 +130,12 @@ class _TrainerAdamW(ZeroAdamW):
         return self.last_info is not None and self.last_info.skipped
 
 
-class _TrainerOptimizer(ZeroOptimizer):
-    """ZeroOptimizer as the Trainer drives it (see _TrainerAdamW)."""
+class _TrainerAdamW(_DrivenByTrainer, ZeroAdamW):
+    """ZeroAdamW as the Trainer drives it."""
 
-    _is_accelerate_prepared = True
-    step_was_skipped = _TrainerAdamW.step_was_skipped
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.last_info = None
-
-    def step(self, closure=None):
-        self.last_info = super().step(closure)
-        return self.last_info
+class _TrainerOptimizer(_DrivenByTrainer, ZeroOptimizer):
+    """ZeroOptimizer as the Trainer drives it."""
 
 
 def _rebuild_over_shards(engine, optimizer, scheduler) -> ZeroOptimizer:
