@@ -271,3 +271,19 @@ def test_state_on_nvme_leaves_nothing_in_memory(tmp_path):
     assert len(nv.present) == sum(len(s) for s in opt._unit_segments.values())
     engine.close()
     assert not any(tmp_path.iterdir())  # the swap folder, state file included, is gone
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_bf16_compute_keeps_the_fp32_master(offload, tmp_path):
+    """bf16 parameters: torch's AdamW through ZeroOptimizer updates the fp32 master and
+    refreshes the bf16 copy, as ZeroAdamW's fused step does: the same losses within bf16's
+    rounding (a copy never refreshed would leave the losses where they started)."""
+    config = {"stage": 3, "dtype": "bf16", "offload_optimizer": offload}
+    if offload == "nvme":
+        config.update(offload_param="nvme", nvme_path=str(tmp_path))
+    losses = {}
+    for name in ("zero_adamw", "adamw"):
+        res = train_zero(0, 1, "gpt2", config, optimizer=name, steps=5, clip=None)
+        losses[name] = np.array(res["losses"])
+        assert losses[name][-1] < losses[name][0] - 0.05, name  # it learns
+    np.testing.assert_allclose(losses["adamw"], losses["zero_adamw"], rtol=2e-3)
