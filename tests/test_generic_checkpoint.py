@@ -115,6 +115,14 @@ def test_another_optimizer_class_is_refused(tmp_path):
     with pytest.raises(zerotune.CheckpointError, match="saved by torch.optim.sgd.SGD.*Adagrad"):
         zerotune.load_checkpoint(engine, folder, optimizer=opt)
     engine.close()
+    # The same class in the other layout: refused too (state of another shape).
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    engine = zerotune.shard(model, {"stage": 3})
+    opt = zerotune.ZeroOptimizer(engine, torch.optim.SGD, groups, lr=0.05, layout="whole")
+    with pytest.raises(zerotune.CheckpointError, match="layout='flat', this .* layout='whole'"):
+        zerotune.load_checkpoint(engine, folder, optimizer=opt)
+    engine.close()
 
 
 def _save_and_keep_weights(rank, world, folder):

@@ -76,6 +76,18 @@ def test_optimizer_class_and_kwargs_and_a_built_optimizer(tmp_path):
         opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
 
+    # A ZeroOptimizer built over the engine given as the model is used as it is.
+    args = ZeroTrainingArguments(output_dir=str(tmp_path / "c"), **COMMON)
+    engine = zerotune.shard(model(), args.zero)
+    opt = zerotune.ZeroOptimizer(engine, PlainSGD, lr=0.05, momentum=0.8)
+    zero = ZeroTrainer(model=engine, args=args, train_dataset=dataset(), optimizers=(opt, None))
+    zero.train()
+    assert zero.optimizer is opt
+    m = model()  # the same optimizer over every parameter (no decay groups)
+    same = plain_with_model(tmp_path, m, (PlainSGD(m.parameters(), lr=0.05, momentum=0.8), None))
+    np.testing.assert_allclose(logged(zero), same, rtol=RTOL)
+    zero.close()
+
     m = model()
     plain = plain_with_model(tmp_path, m, built(m))
     m = model()
@@ -87,6 +99,15 @@ def test_optimizer_class_and_kwargs_and_a_built_optimizer(tmp_path):
     np.testing.assert_allclose(
         logged(zero, "learning_rate"), [1 / (1 + s) * 0.05 for s in range(6)], rtol=1e-6
     )
+    zero.close()
+    # Linears the engine cut into tiles: the optimizer built over the untiled weights is
+    # rebuilt over the tiles.
+    m = model()
+    args = ZeroTrainingArguments(output_dir=str(tmp_path / "d"), tile_linear_bytes=4096, **COMMON)
+    zero = ZeroTrainer(model=m, args=args, train_dataset=dataset(), optimizers=built(m))
+    assert zero.engine.tiled_from
+    zero.train()
+    np.testing.assert_allclose(logged(zero), plain, rtol=RTOL)
     zero.close()
 
 

@@ -520,8 +520,9 @@ def _build_manifest(engine, step, steps, files, optimizer, scheduler_state, extr
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         opt = {"class": type(optimizer).__name__, "groups": _jsonable(groups, "optimizer groups")}
         inner = getattr(optimizer, "optimizer_class", None)
-        if inner is not None:  # a ZeroOptimizer: the class it runs
+        if inner is not None:  # a ZeroOptimizer: the class it runs, and how
             opt["inner"] = f"{inner.__module__}.{inner.__qualname__}"
+            opt["layout"] = optimizer.layout
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -709,6 +710,12 @@ def load_checkpoint(
                 f"{folder / MANIFEST}: the optimizer state was saved by "
                 f"{saved_opt.get('inner') or 'ZeroAdamW'}, this run uses {inner or 'ZeroAdamW'}; "
                 "load it with load_optimizer=False to start the optimizer state fresh"
+            )
+        if generic and saved_opt.get("layout") != optimizer.layout:
+            raise CheckpointError(
+                f"{folder / MANIFEST}: the optimizer state was saved with layout="
+                f"{saved_opt.get('layout')!r}, this ZeroOptimizer has layout={optimizer.layout!r}; "
+                "build it with the saved layout, or load with load_optimizer=False"
             )
     with_moments = set()
     if restore_opt:

@@ -138,6 +138,15 @@ class _TrainerOptimizer(_DrivenByTrainer, ZeroOptimizer):
     """ZeroOptimizer as the Trainer drives it."""
 
 
+def _driven_by_trainer(optimizer) -> None:
+    """Give an optimizer built over the engine (``optimizers=``) what the Trainer's own get
+    (``_DrivenByTrainer``): the same object, its class swapped for a subclass."""
+    cls = type(optimizer)
+    if not isinstance(optimizer, _DrivenByTrainer):
+        optimizer.__class__ = type(cls.__name__, (_DrivenByTrainer, cls), {})
+        optimizer.last_info = None
+
+
 def _rebuild_over_shards(engine, optimizer, scheduler) -> ZeroOptimizer:
     """The same optimizer class over ``engine``'s shards, from an optimizer built over the
     model's parameters: its groups (hyper-parameters, and parameters matched by identity)."""
@@ -154,6 +163,7 @@ def _rebuild_over_shards(engine, optimizer, scheduler) -> ZeroOptimizer:
             f"lost when it is rebuilt over the shards); {how}"
         )
     params = {id(s.param) for u in engine.units for s in u.slots}
+    params.update(engine.tiled_from)  # a weight the engine cut into tiles stands for them
     groups = []
     for g in optimizer.param_groups:
         if any(id(p) not in params for p in g["params"]):
@@ -268,7 +278,9 @@ class ZeroTrainer(Trainer):
         self.num_parameters_without_embeddings = sum(
             s.numel for u in self.engine.units for s in u.slots if id(s.param) not in embeddings
         )
-        if optimizer is not None and getattr(optimizer, "engine", None) is not self.engine:
+        if optimizer is not None and getattr(optimizer, "engine", None) is self.engine:
+            _driven_by_trainer(optimizer)  # built over this engine's shards already
+        elif optimizer is not None:
             # Built over the model's parameters: the same class over the shards.
             kwargs["optimizers"] = (
                 _rebuild_over_shards(self.engine, optimizer, scheduler),
