@@ -287,3 +287,47 @@ def test_bf16_compute_keeps_the_fp32_master(offload, tmp_path):
         losses[name] = np.array(res["losses"])
         assert losses[name][-1] < losses[name][0] - 0.05, name  # it learns
     np.testing.assert_allclose(losses["adamw"], losses["zero_adamw"], rtol=2e-3)
+
+
+def _overlapped_run(rank, world, name, config, overlap):
+    """Six steps with the state on NVMe, the backward inside ``overlapped()`` or not;
+    losses, gradient norms (summed by the updates when overlapped) and weights."""
+    from harness import GLOBAL_BATCH, WD, batches, build, loss_of, make_optimizer, no_decay_groups
+
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    engine = zerotune.shard(model, config)
+    opt = make_optimizer(name, groups, engine)
+    per = GLOBAL_BATCH // world
+    losses, norms, launched = [], [], 0
+    for ids in batches("gpt2", 6):
+        loss = loss_of(engine, ids[rank * per : (rank + 1) * per])
+        if overlap:
+            with opt.overlapped(track_norm=True):
+                engine.backward(loss)
+            launched += len(opt._overlap.launched)
+            norms.append(float(opt.step().grad_norm))
+        else:
+            engine.backward(loss)
+            norms.append(float(opt.clip_grad_norm_(float("inf"))))
+            opt.step()
+        losses.append(float(loss))
+    weights = {k: v.numpy() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    return {"losses": losses, "norms": norms, "weights": weights, "launched": launched}
+
+
+@pytest.mark.parametrize("name, world", [("sgd", 1), ("adafactor", 1), ("adagrad", 2)])
+def test_overlapped_updates_during_backward_equal_the_step(name, world, tmp_path):
+    """With the state on NVMe, ``overlapped()`` updates each unit as backward finishes it:
+    the same results as updating after backward, bit for bit, units really launched during
+    backward, and the gradient norm summed from what the updates read."""
+    config = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+              "nvme_path": str(tmp_path), "staging_bytes": 3 * 16 * 4096}  # fmt: skip
+    plain = run_world(world, _overlapped_run, name, config, False)[0]
+    over = run_world(world, _overlapped_run, name, config, True)[0]
+    assert over["launched"] > 0
+    assert over["losses"] == plain["losses"]
+    np.testing.assert_allclose(over["norms"], plain["norms"], rtol=1e-6)
+    for k, w in plain["weights"].items():
+        np.testing.assert_array_equal(over["weights"][k], w, err_msg=k)

@@ -47,6 +47,18 @@ def test_optim_trains_like_the_plain_trainer(tmp_path, optim, overrides):
     plain = plain_run(str(tmp_path / "plain"), optim=optim, **lr)
     zero = zero_run(str(tmp_path / "zero"), optim=optim, **lr, **overrides)
     assert not isinstance(zero.optimizer, zerotune.ZeroAdamW)
+    if "8bit" in optim and "nvme" not in overrides.values():
+        # As the plain Trainer: embeddings keep 32-bit state, the other matrices 8-bit.
+        opt = zero.optimizer
+        names = {id(p): n for n, p in zero.engine.module.named_parameters()}
+        kinds = {
+            names[id(p)]: opt.inner.state[key]["state1"].dtype
+            for key in opt.inner.state
+            for kid, p in opt.param_of_keys().items()
+            if kid == id(key)
+        }
+        assert kinds["transformer.wte.weight"] == torch.float32, kinds
+        assert kinds["transformer.h.0.mlp.c_fc.weight"] == torch.uint8, kinds
     rtol = LOOSE.get(optim, RTOL)
     np.testing.assert_allclose(logged(zero), logged(plain), rtol=rtol)
     np.testing.assert_allclose(logged(zero, "grad_norm"), logged(plain, "grad_norm"), rtol=rtol)
@@ -138,3 +150,24 @@ def test_optimizers_that_cannot_run_say_why(tmp_path):
     args = ZeroTrainingArguments(output_dir=str(tmp_path), **COMMON)
     with pytest.raises(ValueError, match="has stepped already.*optimizer_cls_and_kwargs"):
         ZeroTrainer(model=m, args=args, train_dataset=dataset(), optimizers=(opt, None))
+
+
+def test_without_clipping_nvme_updates_overlap_backward(tmp_path, monkeypatch):
+    """--max_grad_norm 0 with the state of an --optim other than AdamW on NVMe: ZeroTrainer
+    runs each step's last backward inside overlapped() and logs the plain Trainer's losses
+    and gradient norms."""
+    calls = []
+    overlapped = zerotune.ZeroOptimizer.overlapped
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return overlapped(self, *args, **kwargs)
+
+    monkeypatch.setattr(zerotune.ZeroOptimizer, "overlapped", spy)
+    plain = plain_run(str(tmp_path / "plain"), optim="adagrad", max_grad_norm=0)
+    nvme = dict(offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path))
+    zero = zero_run(str(tmp_path / "zero"), optim="adagrad", max_grad_norm=0, **nvme)
+    assert zero.overlap_step and len(calls) == 6
+    np.testing.assert_allclose(logged(zero), logged(plain), rtol=RTOL)
+    np.testing.assert_allclose(logged(zero, "grad_norm"), logged(plain, "grad_norm"), rtol=RTOL)
+    zero.close()

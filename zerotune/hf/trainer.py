@@ -204,25 +204,13 @@ def _mark_steps(optimizer) -> None:
 
 def _embeddings_in_32_bits(engine, optimizer: ZeroOptimizer) -> None:
     """As the plain Trainer does for bitsandbytes' 8-bit optimizers: embeddings keep 32-bit
-    state. bitsandbytes looks overrides up by (group, index) in a process-wide table, so
-    every tensor of this optimizer gets its entry (none, or 32 bits)."""
-    import bitsandbytes
-
-    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
-    embedding = {
-        id(p)
-        for m in engine.module.modules()
-        if isinstance(m, nn.Embedding)
-        for p in m._parameters.values()
-        if p is not None
-    }
-    if optimizer.inner is None:
-        return
-    owner = optimizer.param_of_keys()
-    for gi, group in enumerate(optimizer.inner.param_groups):
-        for pi, key in enumerate(group["params"]):
-            wide = id(owner[id(key)]) in embedding
-            manager.index2config[(gi, pi)] = {"optim_bits": 32} if wide else {}
+    state. Set on this optimizer alone: an override in bitsandbytes' process-wide manager
+    would make every later bitsandbytes optimizer read these (sharded) weights."""
+    for module in engine.module.modules():
+        if isinstance(module, nn.Embedding):
+            weight = module._parameters.get("weight")
+            if weight is not None:
+                optimizer.override_config(weight, {"optim_bits": 32})
 
 
 class ZeroTrainer(Trainer):
@@ -388,7 +376,7 @@ class ZeroTrainer(Trainer):
         update (no clipping: ``--max_grad_norm 0``; no fp16 loss scaling; stage 2 or 3)."""
         engine = self.engine
         return (
-            isinstance(self.optimizer, ZeroAdamW)  # its step interface can start early
+            (isinstance(self.optimizer, ZeroAdamW) or getattr(self.optimizer, "can_overlap", False))
             and engine.config.offload_optimizer == "nvme"
             and engine.config.stage >= 2
             and engine.scaler is None

@@ -35,7 +35,9 @@ holding the parameter's first element), with an index in the rank file's metadat
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -125,6 +127,10 @@ class ZeroOptimizer(ShardedOptimizer):
         self.optimizer_class = optimizer_class
         self.layout = layout
         self._counts: dict[object, int] = {}  # segment key -> its parameter's step count
+        self._overlap: _OverlappedChunks | None = None  # see overlapped()
+        self._overrides_mapped = False  # see _map_bitsandbytes_overrides
+        self._overrides: dict[int, dict] = {}  # id(model parameter) -> its settings
+        self._norm_sq: torch.Tensor | None = None  # overlapped(track_norm=True)
         self._loaded: dict[int, dict[str, torch.Tensor]] = {}  # unit -> state.* being loaded
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         # Built once on stand-ins: checks the arguments and fills each group's defaults.
@@ -196,15 +202,27 @@ class ZeroOptimizer(ShardedOptimizer):
     def step(self, closure=None) -> StepInfo:
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
+        overlap, self._overlap = self._overlap, None
+        launched: dict[int, None] = {}  # units updated during backward already
+        if overlap is not None:
+            overlap.finish()
+            launched = overlap.launched
+        try:
+            return self._step_rest(launched)
+        finally:
+            if self._nvme is not None:
+                self._nvme.end_step()
+            self._norm_sq = None
+            self.pending_grad_norm = None
+
+    def _step_rest(self, launched) -> StepInfo:
+        """``step()`` after the overlapped updates: the units not launched during backward."""
         self._prepare()
         info = self._step_info()
         if not self._overflow:
-            live = self._live_units()
+            live = [u for u in self._live_units() if u.index not in launched]
             for unit in live:
-                for seg in self._unit_segments[unit.index]:
-                    seg.counted = seg.slot.got_grad
-                    if seg.counted:
-                        self._counts[seg.key] += 1
+                self._count_unit(unit)
             if self._nvme is not None:
                 self._step_streaming(live)
             elif self.layout == "flat" or self.engine.world == 1:
@@ -217,9 +235,75 @@ class ZeroOptimizer(ShardedOptimizer):
             if self._nvme is None:
                 for unit in live:
                     self._refresh_lowp(unit, unit.master)
+            if self._norm_sq is not None:
+                zdist.all_reduce_sum(self._norm_sq, self.engine.group)
+                info.grad_norm = float(self._norm_sq.sqrt())
+                self.pending_grad_norm.fill_(info.grad_norm)
             self.engine.after_step()
         self._end_step()
         return info
+
+    def _before_clip(self) -> None:
+        if self._overlap is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ after an overlapped backward: units were updated during "
+                "backward, before the global norm existed; clip without overlapped()"
+            )
+
+    def _count_unit(self, unit) -> None:
+        """The unit is about to be updated: one more step for each segment whose parameter
+        got a gradient (read once, here; the update follows this reading)."""
+        for seg in self._unit_segments[unit.index]:
+            seg.counted = seg.slot.got_grad
+            if seg.counted:
+                self._counts[seg.key] += 1
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether ``overlapped()`` can update units during backward: with the state on
+        NVMe (where the step waits on the disk), per-element state or one rank (no
+        collective inside an update, whose timing differs by rank)."""
+        return self._nvme is not None and (self.layout == "flat" or self.engine.world == 1)
+
+    @contextlib.contextmanager
+    def overlapped(self, track_norm: bool = False):
+        """As ``ZeroAdamW.overlapped``: run the last backward of a step inside, and each unit
+        is updated (its chunks streamed through NVMe) as soon as its gradient is final, while
+        backward goes on; then call ``step()``. Not with clipping, fp16 or stage 1, nor
+        inside ``no_sync()``; ``track_norm``: the global gradient norm is summed from the
+        chunks the updates read (``pending_grad_norm``, filled by ``step()``)."""
+        engine = self.engine
+        if not self.can_overlap:
+            raise RuntimeError(
+                "overlapped(): ZeroOptimizer updates during backward only with its state on "
+                "NVMe and a per-element (flat) layout or one rank"
+            )
+        if engine.scaler is not None:
+            raise RuntimeError(
+                "overlapped(): fp16 loss scaling must see every gradient before any update "
+                "(an overflow skips the whole step); use bf16 or fp32"
+            )
+        if engine.config.stage < 2:
+            raise RuntimeError(
+                "overlapped(): stage 1 keeps whole gradients until the step; use stage 2 or 3"
+            )
+        if not engine.syncing:
+            raise RuntimeError(
+                "overlapped(): the backward inside must be synchronized, not in no_sync()"
+            )
+        if self._overlap is not None or engine.overlapping:
+            raise RuntimeError("overlapped(): call step() before the next overlapped backward")
+        self._factor = 1.0
+        if track_norm:
+            self._norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
+            self.pending_grad_norm = torch.zeros(())
+        self._nvme.begin_step()
+        self._overlap = _OverlappedChunks(self)
+        engine.begin_overlapped_step(self._overlap)
+        try:
+            yield
+        finally:
+            engine.end_overlapped_step()
 
     def _check_per_element(self) -> None:
         """Flat layout: every state tensor of a segment is per element or a scalar (else
@@ -275,6 +359,8 @@ class ZeroOptimizer(ShardedOptimizer):
     def _inner_step(self) -> None:
         if self.inner is None:
             return
+        if not self._overrides_mapped:
+            self._map_bitsandbytes_overrides()
         self._sync_hyper(to_inner=True)
         try:
             self.inner.step()
@@ -315,32 +401,41 @@ class ZeroOptimizer(ShardedOptimizer):
         units = [u for u in self._units if not u.grad_is_zero] if owners else live
         items = [(u, c0, c1) for u in units for c0, c1 in nv.chunks(u)]
         writes: list = []
-        nv.begin_step()
+        if not nv.in_step:  # overlapped() began it before backward
+            nv.begin_step()
         try:
             ahead = nv.start(*items[0]) if items else None
-            for i, (unit, c0, c1) in enumerate(items):
+            for i in range(len(items)):
                 loaded = ahead
                 ahead = nv.start(*items[i + 1]) if i + 1 < len(items) else None
                 loaded.wait()
-                targets = self._point_at_loaded(loaded, owners)
-                nv.install(loaded, targets)
-                self._inner_step()
-                nv.collect(loaded, targets)
-                if owners:
-                    self._scatter_owned(unit, loaded.master)
-                for key, *_ in targets:
-                    key.data = _empty_like(key)
-                if c0 == 0 and c1 == unit.shard_numel:
-                    self._refresh_lowp(unit, loaded.master)  # none: the master is the params
-                else:
-                    self._refresh_lowp_chunk(unit, c0, c1, loaded.master)
-                for h in writes:  # one chunk's writes in flight at a time
-                    h.wait()
-                writes = nv.finish(loaded)
+                writes = self._update_loaded(loaded, writes, owners)
         finally:
-            nv.end_step()
             for h in writes:
                 h.wait()
+
+    def _update_loaded(self, loaded, writes: list, owners: bool = False) -> list:
+        """Update one loaded chunk: the inner step over its tensors, the new values back to
+        the shard; returns its writes (after waiting for ``writes``, the chunk before's)."""
+        nv, unit, c0, c1 = self._nvme, loaded.unit, loaded.c0, loaded.c1
+        targets = self._point_at_loaded(loaded, owners)
+        nv.install(loaded, targets)
+        self._inner_step()
+        nv.collect(loaded, targets)
+        if owners:
+            self._scatter_owned(unit, loaded.master)
+        for key, *_ in targets:
+            key.data = _empty_like(key)
+        if c0 == 0 and c1 == unit.shard_numel:
+            self._refresh_lowp(unit, loaded.master)  # none when the master is the parameters
+        else:
+            self._refresh_lowp_chunk(unit, c0, c1, loaded.master)
+        for h in writes:  # one chunk's writes in flight at a time
+            h.wait()
+        out = nv.finish(loaded)
+        if c1 == unit.shard_numel:
+            unit.drop_held_grad()  # kept in memory for this update (overlapped step)
+        return out
 
     def _refresh_lowp_chunk(self, unit, c0: int, c1: int, master: torch.Tensor) -> None:
         """As ``_refresh_lowp``, one chunk at a time; the engine gets the copy with the last."""
@@ -362,6 +457,9 @@ class ZeroOptimizer(ShardedOptimizer):
                     continue
                 seg.key.data = loaded.master[a - c0 : b - c0]
                 ok = seg.counted and loaded.grad is not None
+                if self._norm_sq is not None and loaded.grad is not None:
+                    g = loaded.grad[a - c0 : b - c0].float()
+                    self._norm_sq += torch.dot(g, g)
                 g = self._grad_view(unit, a - c0, b - c0, loaded.grad) if ok else None
                 seg.key.grad = g
                 span = slice(a - c0, b - c0)
@@ -377,6 +475,9 @@ class ZeroOptimizer(ShardedOptimizer):
             span = slice(slot.offset, slot.offset + slot.numel)
             view = full_m[span].view(slot.shape)
             key.data = view.clone() if owners else view
+            if self._norm_sq is not None and full_g is not None and not owners:
+                g = full_g[span].float()
+                self._norm_sq += torch.dot(g, g)
             if slot.got_grad and full_g is not None:
                 key.grad = full_g[span].view(slot.shape).clone()
                 if self._factor != 1.0:
@@ -418,6 +519,39 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def group_of_key(self, key) -> int:
         return self._key_group[id(key)]
+
+    def override_config(self, param, config: dict) -> None:
+        """Per-parameter settings for a bitsandbytes inner optimizer (as its manager's
+        ``override_config``), e.g. ``{"optim_bits": 32}`` for an embedding; before the
+        first step."""
+        self._overrides[id(param)] = dict(config)
+
+    def _map_bitsandbytes_overrides(self) -> None:
+        """bitsandbytes' optimizers look per-parameter settings (``optim_bits`` for an
+        embedding, ...) up in a process-wide manager by (group, index) of the optimizer that
+        registered them: give the inner optimizer a manager of its own, holding the
+        overrides registered for the model's parameters (the manager's
+        ``register_module_override`` and ``override_config``, and this optimizer's
+        ``override_config``) at the indices of the tensors standing for them."""
+        self._overrides_mapped = True
+        shared = getattr(self.inner, "mng", None)
+        if shared is None or not hasattr(shared, "module_weight_config_triple"):
+            return
+        own = object.__new__(type(shared))
+        own.initialize()
+        by_param = dict(shared.pid2config)
+        for module, attr, config in shared.module_weight_config_triple:
+            p = module._parameters.get(attr)  # not getattr: a sharded weight is released
+            if p is not None:
+                by_param[id(p)] = config
+        by_param.update(self._overrides)
+        model = self.param_of_keys()
+        for gi, group in enumerate(self.inner.param_groups):
+            for pi, key in enumerate(group["params"]):
+                config = by_param.get(id(model[id(key)]))
+                if config:
+                    own.index2config[gi, pi] = dict(config)
+        self.inner.mng = own
 
     def _sync_hyper(self, to_inner: bool) -> None:
         if self.inner is None:
@@ -616,6 +750,57 @@ class ZeroOptimizer(ShardedOptimizer):
             "ZeroOptimizer.load_state_dict(): resume with zerotune.load_checkpoint(engine, "
             "folder, optimizer=opt) from a folder zerotune.save_checkpoint wrote"
         )
+
+
+class _OverlappedChunks:
+    """The units ``ZeroOptimizer.overlapped()`` updates during backward: their chunks, one
+    read in flight, updated between layers once read (``pump``)."""
+
+    def __init__(self, opt: ZeroOptimizer) -> None:
+        self.opt = opt
+        self.launched: dict[int, None] = {}  # unit indices, in launch order
+        self.queue: deque = deque()  # (unit, c0, c1) not started
+        self.loaded = None  # the chunk whose reads are in flight
+        self.writes: list = []  # the last updated chunk's writes
+
+    def launch(self, unit) -> None:
+        """``unit``'s gradient shard is final: queue its chunks and start what can start."""
+        opt = self.opt
+        if unit.index not in opt._unit_segments or unit.grad_is_zero:
+            return
+        if unit.index in self.launched:
+            return
+        self.launched[unit.index] = None
+        opt._count_unit(unit)
+        self.queue.extend((unit, c0, c1) for c0, c1 in opt._nvme.chunks(unit))
+        self.pump()
+
+    def pump(self, block: bool = False) -> None:
+        """Update the chunks whose reads are done (all of them, with ``block``)."""
+        while True:
+            if self.loaded is None:
+                if not self.queue:
+                    return
+                self.loaded = self.opt._nvme.start(*self.queue.popleft())
+            if not block and not all(h.done() for h in self.loaded.handles):
+                return
+            loaded, self.loaded = self.loaded, None
+            loaded.wait()
+            self.writes = self.opt._update_loaded(loaded, self.writes)
+
+    def check_second_backward(self) -> None:
+        if self.launched:
+            raise RuntimeError(
+                "overlapped(): a second backward pass inside one overlapped() block: the first "
+                "already updated the units it finished, without this one's gradients; sum the "
+                "losses and call backward once, or wrap only the step's last backward"
+            )
+
+    def finish(self) -> None:
+        self.pump(block=True)
+        for h in self.writes:
+            h.wait()
+        self.writes = []
 
 
 def _per_element(v, seg) -> bool:

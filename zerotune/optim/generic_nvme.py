@@ -295,6 +295,10 @@ class NvmeGenericState:
     def end_step(self) -> None:
         self._before = None
 
+    @property
+    def in_step(self) -> bool:
+        return self._before is not None
+
     def install(self, loaded: _Loaded, targets) -> None:
         """Put the state of ``targets`` ((inner key, probe key, region prefix, slice or None))
         into the inner optimizer: views of the loaded buffers, scalars, or what the class
