@@ -194,7 +194,10 @@ def run_variant(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         loss = runner(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
-        if args.overlap_step and args.variant != "plain":
+        if args.overlap_step and args.variant != "plain" and args.optim in GENERIC:
+            with opt.overlapped():  # ZeroOptimizer: no carrying into the next forward
+                loss.backward()
+        elif args.overlap_step and args.variant != "plain":
             with opt.overlapped(carry=args.variant != "zerotune-no-carry"):
                 loss.backward()
         else:
@@ -275,8 +278,8 @@ def main() -> None:
     variants.append("zerotune")
     if args.rounds < 1:
         sys.exit("--rounds must be at least 1")
-    if args.optim in GENERIC and args.overlap_step:
-        sys.exit("--overlap-step is ZeroAdamW's; drop it for --optim " + args.optim)
+    if args.optim in GENERIC and (args.compare_carry or args.compare_master_copy):
+        sys.exit("--compare-carry / --compare-master-copy are ZeroAdamW's")
     rounds = [run_variants(__file__, variants) for _ in range(args.rounds)]
     results = median_round(rounds)
 
