@@ -243,13 +243,6 @@ class ZeroOptimizer(ShardedOptimizer):
         self._end_step()
         return info
 
-    def _before_clip(self) -> None:
-        if self._overlap is not None:
-            raise RuntimeError(
-                "clip_grad_norm_ after an overlapped backward: units were updated during "
-                "backward, before the global norm existed; clip without overlapped()"
-            )
-
     def _count_unit(self, unit) -> None:
         """The unit is about to be updated: one more step for each segment whose parameter
         got a gradient (read once, here; the update follows this reading)."""
@@ -278,25 +271,7 @@ class ZeroOptimizer(ShardedOptimizer):
                 "overlapped(): ZeroOptimizer updates during backward only with its state on "
                 "NVMe and a per-element (flat) layout or one rank"
             )
-        if engine.scaler is not None:
-            raise RuntimeError(
-                "overlapped(): fp16 loss scaling must see every gradient before any update "
-                "(an overflow skips the whole step); use bf16 or fp32"
-            )
-        if engine.config.stage < 2:
-            raise RuntimeError(
-                "overlapped(): stage 1 keeps whole gradients until the step; use stage 2 or 3"
-            )
-        if not engine.syncing:
-            raise RuntimeError(
-                "overlapped(): the backward inside must be synchronized, not in no_sync()"
-            )
-        if self._overlap is not None or engine.overlapping:
-            raise RuntimeError("overlapped(): call step() before the next overlapped backward")
-        self._factor = 1.0
-        if track_norm:
-            self._norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
-            self.pending_grad_norm = torch.zeros(())
+        self._start_overlap(track_norm)
         self._nvme.begin_step()
         self._overlap = _OverlappedChunks(self)
         engine.begin_overlapped_step(self._overlap)

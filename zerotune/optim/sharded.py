@@ -64,9 +64,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     engine: object
     _unit_segments: dict[int, list[Segment]]
-    # The global gradient norm a step fills in when it summed it itself (ZeroAdamW's
-    # overlapped step); None otherwise.
+    # The global gradient norm a step fills in when it summed it itself (an overlapped
+    # step); None otherwise.
     pending_grad_norm: torch.Tensor | None = None
+    _overlap = None  # the overlapped step, from overlapped() to step()
+    _norm_sq: torch.Tensor | None = None  # this rank's sum of grad**2 (track_norm)
 
     def _build_segments(self, engine, params: Iterable | None) -> list[dict]:
         """Set ``engine`` and ``_unit_segments`` (this rank's part of each trainable
@@ -203,6 +205,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _before_clip(self) -> None:
         """Called first by ``clip_grad_norm_``."""
+        if self._overlap is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ after an overlapped backward: units were updated during "
+                "backward, before the global norm existed; clip without overlapped()"
+            )
+        self.settle()
+
+    def _start_overlap(self, track_norm: bool) -> None:
+        """What every ``overlapped()`` checks and sets before backward: updates made before
+        every gradient exists cannot be undone or rescaled."""
+        engine = self.engine
+        if engine.scaler is not None:
+            raise RuntimeError(
+                "overlapped(): fp16 loss scaling must see every gradient before any update "
+                "(an overflow skips the whole step); use bf16 or fp32"
+            )
+        if engine.config.stage < 2:
+            raise RuntimeError(
+                "overlapped(): stage 1 keeps whole gradients until the step; use stage 2 or 3"
+            )
+        if not engine.syncing:
+            raise RuntimeError(
+                "overlapped(): the backward inside must be synchronized, not in no_sync()"
+            )
+        if self._overlap is not None or engine.overlapping:
+            raise RuntimeError("overlapped(): call step() before the next overlapped backward")
+        self._factor = 1.0
+        if track_norm:
+            self._norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
+            self.pending_grad_norm = torch.zeros(())
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -217,25 +217,7 @@ class ZeroAdamW(ShardedOptimizer):
         (see [Note: carrying the step into the next forward])."""
         self.settle()
         engine = self.engine
-        if engine.scaler is not None:
-            raise RuntimeError(
-                "overlapped(): fp16 loss scaling must see every gradient before any update "
-                "(an overflow skips the whole step); use bf16 or fp32"
-            )
-        if engine.config.stage < 2:
-            raise RuntimeError(
-                "overlapped(): stage 1 keeps whole gradients until the step; use stage 2 or 3"
-            )
-        if not engine.syncing:
-            raise RuntimeError(
-                "overlapped(): the backward inside must be synchronized, not in no_sync()"
-            )
-        if self._overlap is not None or engine.overlapping:
-            raise RuntimeError("overlapped(): call step() before the next overlapped backward")
-        self._factor = 1.0
-        if track_norm:
-            self._norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
-            self.pending_grad_norm = torch.zeros(())
+        self._start_overlap(track_norm)
         self._overlap = _OverlappedStep(self, carry=carry and self.store.carries)
         engine.begin_overlapped_step(self._overlap)
         try:
@@ -259,14 +241,6 @@ class ZeroAdamW(ShardedOptimizer):
             "ZeroAdamW.load_state_dict(): resume with zerotune.load_checkpoint(engine, folder, "
             "optimizer=opt) from a folder zerotune.save_checkpoint wrote"
         )
-
-    def _before_clip(self) -> None:
-        if self._overlap is not None:
-            raise RuntimeError(
-                "clip_grad_norm_ after an overlapped backward: units were updated during "
-                "backward, before the global norm existed; clip without overlapped()"
-            )
-        self.settle()
 
     @torch.no_grad()
     def step(self, closure=None) -> StepInfo:
