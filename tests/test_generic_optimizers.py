@@ -48,22 +48,18 @@ CASES_BY_WORLD = {
     ],
     2: [
         ("sgd", 3, 2, True, "none", True),
-        ("adagrad", 2, 1, False, "cpu", True),
         ("adafactor", 3, 2, True, "cpu", True),
         ("hf_adafactor", 1, 1, False, "none", True),
         ("custom", 2, 2, False, "none", False),
         ("adamw_bnb_8bit", 3, 1, False, "none", True),
         ("rmsprop", 3, 2, True, "nvme-disk-grads", True),
         ("adafactor", 3, 1, False, "nvme-both", True),
-        ("adamw_bnb_8bit", 2, 1, False, "nvme", True),
     ],
     3: [
         ("rmsprop", 3, 2, False, "cpu", True),
         ("adafactor", 3, 1, False, "none", True),
-        ("lion", 2, 2, True, "none", True),
         ("custom", 1, 1, False, "cpu", True),
         ("hf_adafactor", 3, 1, False, "nvme-both", True),
-        ("sgd", 1, 2, False, "nvme", True),
         ("adagrad", 3, 1, False, "nvme-chunks", True),
     ],
 }
