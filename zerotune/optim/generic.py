@@ -226,7 +226,8 @@ class ZeroOptimizer(ShardedOptimizer):
             if self._nvme is not None:
                 self._step_streaming(live)
             elif self.layout == "flat" or self.engine.world == 1:
-                self._point_at_shards(live)
+                for unit in live:
+                    self._point(unit, unit.master, unit.grad_shard, 0)
                 self._inner_step()
                 if self.layout == "flat":
                     self._check_per_element()
@@ -235,10 +236,7 @@ class ZeroOptimizer(ShardedOptimizer):
             if self._nvme is None:
                 for unit in live:
                     self._refresh_lowp(unit, unit.master)
-            if self._norm_sq is not None:
-                zdist.all_reduce_sum(self._norm_sq, self.engine.group)
-                info.grad_norm = float(self._norm_sq.sqrt())
-                self.pending_grad_norm.fill_(info.grad_norm)
+            self._fill_tracked_norm(info)
             self.engine.after_step()
         self._end_step()
         return info
@@ -293,13 +291,16 @@ class ZeroOptimizer(ShardedOptimizer):
                             "elements: it is not per element; use layout='whole'"
                         )
 
-    def _refresh_lowp(self, unit, master: torch.Tensor) -> None:
-        """Give the engine the compute-dtype copy of the updated master (see [Note: the
-        step interface])."""
+    def _refresh_lowp(self, unit, master: torch.Tensor, c0: int = 0) -> None:
+        """Give the engine the compute-dtype copy of the updated master elements ``[c0, c0 +
+        len(master))`` (see [Note: the step interface]); it takes the copy with the last
+        chunk. Nothing to do when the master is the parameters."""
         target = self.engine.lowp_target(unit)
         if target is not None:
-            target.copy_(master)
-            self.engine.lowp_done(unit, target)
+            c1 = c0 + master.numel()
+            target[c0:c1].copy_(master)
+            if c1 == unit.shard_numel:
+                self.engine.lowp_done(unit, target)
 
     def _grad_view(self, unit, start: int, end: int, grad=None) -> torch.Tensor:
         """The gradient of shard elements ``[start, end)`` (of ``grad``, default the unit's
@@ -310,26 +311,6 @@ class ZeroOptimizer(ShardedOptimizer):
         if self._factor != 1.0:
             g.mul_(self._factor)
         return g
-
-    def _point_at_shards(self, live) -> None:
-        """Flat layout, or whole at world size 1: the inner tensors are views of the shards."""
-        live_ids = {u.index for u in live}
-        if self.layout == "flat":
-            for segs in self._unit_segments.values():
-                for seg in segs:
-                    unit = seg.unit
-                    seg.key.data = unit.master[seg.start : seg.end]
-                    ok = unit.index in live_ids and seg.counted
-                    seg.key.grad = self._grad_view(unit, seg.start, seg.end) if ok else None
-            return
-        for unit, slot, key in self._whole:
-            key.data = _param_view(unit.master, slot)
-            ok = unit.index in live_ids and slot.got_grad
-            if ok:
-                a = slot.offset - unit.shard_start
-                key.grad = self._grad_view(unit, a, a + slot.numel).view(slot.shape)
-            else:
-                key.grad = None
 
     def _inner_step(self) -> None:
         if self.inner is None:
@@ -349,18 +330,7 @@ class ZeroOptimizer(ShardedOptimizer):
         """Whole layout at world size > 1 (see [Note: any torch optimizer over the shards])."""
         units = [u for u in self._units if not u.grad_is_zero]
         for unit in units:
-            g = unit.grad_shard
-            full_m, full_g = self._gather_unit(unit, unit.master, g)
-            for u, slot, key in self._whole:
-                if u is not unit:
-                    continue
-                span = slice(slot.offset, slot.offset + slot.numel)
-                key.data = full_m[span].view(slot.shape).to(key.device, copy=True)
-                if slot.got_grad:
-                    key.grad = full_g[span].view(slot.shape).to(key.device, copy=True)
-                    if self._factor != 1.0:
-                        key.grad.mul_(self._factor)
-            del full_m, full_g
+            self._point(unit, unit.master, unit.grad_shard, 0, owners=True)
         self._inner_step()
         for unit in units:
             self._scatter_owned(unit, unit.master)
@@ -393,7 +363,7 @@ class ZeroOptimizer(ShardedOptimizer):
         """Update one loaded chunk: the inner step over its tensors, the new values back to
         the shard; returns its writes (after waiting for ``writes``, the chunk before's)."""
         nv, unit, c0, c1 = self._nvme, loaded.unit, loaded.c0, loaded.c1
-        targets = self._point_at_loaded(loaded, owners)
+        targets = self._point(unit, loaded.master, loaded.grad, c0, owners)
         nv.install(loaded, targets)
         self._inner_step()
         nv.collect(loaded, targets)
@@ -401,10 +371,7 @@ class ZeroOptimizer(ShardedOptimizer):
             self._scatter_owned(unit, loaded.master)
         for key, *_ in targets:
             key.data = _empty_like(key)
-        if c0 == 0 and c1 == unit.shard_numel:
-            self._refresh_lowp(unit, loaded.master)  # none when the master is the parameters
-        else:
-            self._refresh_lowp_chunk(unit, c0, c1, loaded.master)
+        self._refresh_lowp(unit, loaded.master, c0)
         for h in writes:  # one chunk's writes in flight at a time
             h.wait()
         out = nv.finish(loaded)
@@ -412,53 +379,48 @@ class ZeroOptimizer(ShardedOptimizer):
             unit.drop_held_grad()  # kept in memory for this update (overlapped step)
         return out
 
-    def _refresh_lowp_chunk(self, unit, c0: int, c1: int, master: torch.Tensor) -> None:
-        """As ``_refresh_lowp``, one chunk at a time; the engine gets the copy with the last."""
-        target = self.engine.lowp_target(unit)
-        if target is not None:
-            target[c0:c1].copy_(master)
-            if c1 == unit.shard_numel:
-                self.engine.lowp_done(unit, target)
-
-    def _point_at_loaded(self, loaded, owners: bool) -> list[tuple]:
-        """Point the inner tensors of the loaded chunk at its master and gradient; returns
-        the ``targets`` whose state NvmeGenericState installs."""
-        nv, unit, c0, c1 = self._nvme, loaded.unit, loaded.c0, loaded.c1
+    def _point(self, unit, master, grad, c0: int, owners: bool = False) -> list[tuple]:
+        """Point the inner tensors of ``unit``'s shard elements ``[c0, c0 + len(master))`` at
+        ``master`` and ``grad`` (those elements', or None: no gradient); with ``owners``
+        (whole layout, world size > 1) at copies of the whole parameters this rank owns,
+        gathered from every rank. Returns the ``targets`` whose state NvmeGenericState
+        installs when the state is on NVMe."""
+        nv, c1 = self._nvme, c0 + master.numel()
+        if self._norm_sq is not None and grad is not None and not owners:
+            self._add_sum_of_squares(self._norm_sq, unit, c0, c1, grad)
         targets = []
         if self.layout == "flat":
             for seg in self._unit_segments[unit.index]:
-                a, b = max(seg.start, c0), min(seg.end, c1)
+                a, b = max(seg.start, c0) - c0, min(seg.end, c1) - c0
                 if a >= b:
                     continue
-                seg.key.data = loaded.master[a - c0 : b - c0]
-                ok = seg.counted and loaded.grad is not None
-                if self._norm_sq is not None and loaded.grad is not None:
-                    g = loaded.grad[a - c0 : b - c0].float()
-                    self._norm_sq += torch.dot(g, g)
-                g = self._grad_view(unit, a - c0, b - c0, loaded.grad) if ok else None
-                seg.key.grad = g
-                span = slice(a - c0, b - c0)
-                targets.append((seg.key, nv.probe_key(seg.group, None), ("u", unit.index), span))
+                seg.key.data = master[a:b]
+                ok = seg.counted and grad is not None
+                seg.key.grad = self._grad_view(unit, a, b, grad) if ok else None
+                if nv is not None:
+                    probe = nv.probe_key(seg.group, None)
+                    targets.append((seg.key, probe, ("u", unit.index), slice(a, b)))
             return targets
         if owners:
-            full_m, full_g = self._gather_unit(unit, loaded.master, loaded.grad)
-        else:
-            full_m, full_g = loaded.master, loaded.grad
+            master, grad = self._gather_unit(unit, master, grad)
         for u, slot, key in self._whole:
             if u is not unit:
                 continue
-            span = slice(slot.offset, slot.offset + slot.numel)
-            view = full_m[span].view(slot.shape)
-            key.data = view.clone() if owners else view
-            if self._norm_sq is not None and full_g is not None and not owners:
-                g = full_g[span].float()
-                self._norm_sq += torch.dot(g, g)
-            if slot.got_grad and full_g is not None:
-                key.grad = full_g[span].view(slot.shape).clone()
-                if self._factor != 1.0:
-                    key.grad.mul_(self._factor)
-            group = self._key_group[id(key)]
-            targets.append((key, nv.probe_key(group, slot.shape), ("p", slot.name), None))
+            a, b = slot.offset, slot.offset + slot.numel
+            if owners:
+                key.data = master[a:b].view(slot.shape).to(key.device, copy=True)
+            else:
+                key.data = master[a:b].view(slot.shape)
+            if slot.got_grad and grad is not None:
+                if owners:
+                    key.grad = grad[a:b].view(slot.shape).to(key.device, copy=True)
+                    if self._factor != 1.0:
+                        key.grad.mul_(self._factor)
+                else:
+                    key.grad = self._grad_view(unit, a, b, grad).view(slot.shape)
+            if nv is not None:
+                probe = nv.probe_key(self._key_group[id(key)], slot.shape)
+                targets.append((key, probe, ("p", slot.name), None))
         return targets
 
     def _gather_unit(self, unit, master, grad) -> tuple[torch.Tensor, torch.Tensor]:
@@ -608,8 +570,9 @@ class ZeroOptimizer(ShardedOptimizer):
 
     # ------------------------------------------------------------------- checkpoints
     def _owned_states(self):
-        """(parameter name, state dict, per-element test) for each parameter whose
-        non-per-element state this rank writes to checkpoints."""
+        """(parameter name, state, per-element keys) for each parameter whose state this
+        rank writes to checkpoints: ``state`` holds what is not per element (per-element
+        state goes with the unit's flat tensors, ``read_unit``)."""
         if self.inner is None:
             return
         nv = self._nvme
@@ -619,32 +582,34 @@ class ZeroOptimizer(ShardedOptimizer):
                     if seg.start + seg.unit.shard_start != seg.slot.offset:
                         continue  # another rank holds the parameter's first element
                     if nv is not None:
-                        span = slice(seg.start, seg.end)
-                        st = nv.state_of(seg.key, ("u", seg.unit.index), span)
-                    else:
-                        st = self.inner.state.get(seg.key)
+                        if id(seg.key) not in nv.present:
+                            continue
+                        flat = list(nv.flat_keys(seg.unit, [seg]))
+                        yield seg.slot.name, nv.scalars.get(id(seg.key), {}), flat
+                        continue
+                    st = self.inner.state.get(seg.key)
                     if st:
-                        yield seg.slot.name, st, seg
+                        flat = [k for k, v in st.items() if _per_element(v, seg)]
+                        rest = {k: v for k, v in st.items() if k not in flat}
+                        yield seg.slot.name, rest, flat
             return
         for _, slot, key in self._whole:
             if nv is not None:
-                st = nv.state_of(key, ("p", slot.name), None)
+                st = nv.state_of(key, ("p", slot.name))
             else:
                 st = self.inner.state.get(key)
             if st:
-                yield slot.name, st, None
+                yield slot.name, st, []
 
     def extra_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """What this rank's checkpoint file holds besides the units' flat tensors: tensors
         named ``opt.<parameter>.<key>`` and an index (for the file's metadata)."""
         tensors: dict[str, torch.Tensor] = {}
         index: dict[str, dict] = {}
-        for name, st, seg in self._owned_states():
-            entry: dict[str, object] = {}
+        for name, st, flat in self._owned_states():
+            entry: dict[str, object] = dict.fromkeys(flat, "flat")
             for k, v in st.items():
-                if seg is not None and _per_element(v, seg):
-                    entry[k] = "flat"
-                elif torch.is_tensor(v):
+                if torch.is_tensor(v):
                     tensors[f"opt.{name}.{k}"] = v.detach().to("cpu").contiguous()
                     entry[k] = "tensor"
                 elif isinstance(v, _PY_SCALARS):

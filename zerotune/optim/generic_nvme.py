@@ -217,7 +217,14 @@ class NvmeGenericState:
             return [(0, n)]
         return [(c0, min(c0 + self.chunk, n)) for c0 in range(0, n, self.chunk)]
 
-    def start(self, unit, c0: int = 0, c1: int | None = None, with_grad: bool = True) -> _Loaded:
+    def start(
+        self,
+        unit,
+        c0: int = 0,
+        c1: int | None = None,
+        with_grad: bool = True,
+        with_state: bool = True,
+    ) -> _Loaded:
         """Issue the reads of elements ``[c0, c1)`` of ``unit``'s master, gradient and
         per-element state (or its whole parameters' state)."""
         loaded = _Loaded(unit, c0, c1)
@@ -228,7 +235,7 @@ class NvmeGenericState:
             h.wait()
         loaded.master = aligned_empty(n, torch.float32)
         loaded.handles.append(file.read(loaded.master, offset + c0 * _F32))
-        for key, r in self._regions_of(unit):
+        for key, r in self._regions_of(unit) if with_state else ():
             if key[0] == "u":  # a shard-long region: this chunk of it
                 buf = aligned_empty(n, r.dtype)
                 loaded.handles.append(self.file.read(buf, r.offset + c0 * r.dtype.itemsize))
@@ -379,15 +386,15 @@ class NvmeGenericState:
         buf.copy_(value.reshape(-1))
         self.file.write(buf, r.offset).wait()
 
-    def state_of(self, key, prefix, span) -> dict:
-        """The state of one inner key, read from the file (checkpoints)."""
+    def state_of(self, key, prefix) -> dict:
+        """The state of a whole parameter's inner key: its tensors read from the file, its
+        scalars (checkpoints)."""
         if id(key) not in self.present:
             return {}
         st = dict(self.scalars.get(id(key), {}))
         for rk in self.regions:
             if rk[:-1] == prefix:
-                whole = self.read_region(rk)
-                st[rk[-1]] = whole[span].clone() if span is not None else whole
+                st[rk[-1]] = self.read_region(rk)
         return st
 
     def put_state(self, key, prefix, span, st: dict) -> None:
@@ -412,7 +419,7 @@ class NvmeGenericState:
         self.scalars.pop(id(key), None)
 
     def read_master(self, unit) -> torch.Tensor:
-        loaded = self.start(unit, with_grad=False)
+        loaded = self.start(unit, with_grad=False, with_state=False)
         loaded.wait()
         return loaded.master
 

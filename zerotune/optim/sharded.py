@@ -258,6 +258,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grad_norm = norm.item()
         return norm
 
+    def _fill_tracked_norm(self, info: StepInfo) -> None:
+        """With ``overlapped(track_norm=True)``: the global norm from every rank's sum of
+        squares, into ``info`` and ``pending_grad_norm``."""
+        if self._norm_sq is not None:
+            zdist.all_reduce_sum(self._norm_sq, self.engine.group)
+            info.grad_norm = float(self._norm_sq.sqrt())
+            self.pending_grad_norm.fill_(info.grad_norm)
+
     def _step_info(self) -> StepInfo:
         scaler = self.engine.scaler
         return StepInfo(

@@ -131,7 +131,6 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import dist as zdist
 from .cpu_adam import adam_arguments, adam_update, adam_update_8bit, fallback_adam_update
 from .quant8 import Q8Moments
 from .sharded import ShardedOptimizer, StepInfo
@@ -262,10 +261,7 @@ class ZeroAdamW(ShardedOptimizer):
             items = [(u, c0, c1) for u in units for c0, c1 in self.store.chunks(u)]
             if items:
                 self.store.run(items, self._update_chunk)
-            if self._norm_sq is not None:
-                zdist.all_reduce_sum(self._norm_sq, self.engine.group)
-                info.grad_norm = float(self._norm_sq.sqrt())
-                self.pending_grad_norm.fill_(info.grad_norm)
+            self._fill_tracked_norm(info)
             self.engine.after_step()
         self._scratch.release()
         self._norm_sq = None
