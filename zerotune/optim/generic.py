@@ -222,7 +222,7 @@ class ZeroOptimizer(ShardedOptimizer):
         if not self._overflow:
             live = [u for u in self._live_units() if u.index not in launched]
             for unit in live:
-                self._count_unit(unit)
+                self._count_step(unit)
             if self._nvme is not None:
                 self._step_streaming(live)
             elif self.layout == "flat" or self.engine.world == 1:
@@ -240,14 +240,6 @@ class ZeroOptimizer(ShardedOptimizer):
             self.engine.after_step()
         self._end_step()
         return info
-
-    def _count_unit(self, unit) -> None:
-        """The unit is about to be updated: one more step for each segment whose parameter
-        got a gradient (read once, here; the update follows this reading)."""
-        for seg in self._unit_segments[unit.index]:
-            seg.counted = seg.slot.got_grad
-            if seg.counted:
-                self._counts[seg.key] += 1
 
     @property
     def can_overlap(self) -> bool:
@@ -711,7 +703,7 @@ class _OverlappedChunks:
         if unit.index in self.launched:
             return
         self.launched[unit.index] = None
-        opt._count_unit(unit)
+        opt._count_step(unit)
         self.queue.extend((unit, c0, c1) for c0, c1 in opt._nvme.chunks(unit))
         self.pump()
 

@@ -26,6 +26,7 @@ file keeps for ZeroAdamW stay unused (the master's is used).
 
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import dataclass, field
 
@@ -50,10 +51,7 @@ class _Region:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass

@@ -152,6 +152,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def master_in_param_file(self, unit) -> bool:
         return False
 
+    def _count_step(self, unit) -> None:
+        """The unit is about to be updated: one more step for each of its segments whose
+        parameter got a gradient (the others are left alone, as torch's AdamW leaves a
+        parameter whose ``.grad`` is None)."""
+        for seg in self._unit_segments[unit.index]:
+            # Read once, here: the update follows this, not a flag set later.
+            seg.counted = seg.slot.got_grad
+            if seg.counted:
+                self.set_step_count(seg.key, self.step_count(seg.key) + 1)
+
     def settle(self, unit=None, overwrite: bool = False) -> None:
         """Finish work carried into this forward (none by default)."""
 

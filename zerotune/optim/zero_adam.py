@@ -301,16 +301,6 @@ class ZeroAdamW(ShardedOptimizer):
                     a = max(c0, done)
                     self._add_sum_of_squares(self._norm_sq, unit, a, c1, grad[a - c0 :])
 
-    def _count_step(self, unit) -> None:
-        """The unit is about to be updated: one more step for each of its segments whose
-        parameter got a gradient (the others are left alone, as torch's AdamW leaves a
-        parameter whose ``.grad`` is None)."""
-        for seg in self._unit_segments[unit.index]:
-            # Read once, here: the update follows this, not a flag set later.
-            seg.counted = seg.slot.got_grad
-            if seg.counted:
-                self.state[seg.key]["step"] += 1
-
     def _update_chunk(self, unit, c0, c1, master, moments, grad) -> None:
         """Update elements ``[c0, c1)`` of ``unit``'s shard: ``master``, ``grad`` and the
         moments (a pair of fp32 tensors, or a :class:`Q8Moments`) are that chunk's."""
