@@ -337,9 +337,9 @@ def test_nvme_gathers_map_the_parameter_file(tmp_path):
     for name, w in weights_read.items():
         assert torch.equal(weights[name], w), name
     block = next(u for u in engine.units if u.name == "transformer.h.0")
-    assert block.map_params
+    assert block.params.mapped
     pid_maps = "/proc/self/maps"
-    swap_path = str(block.param_extent.file.path)
+    swap_path = str(block.params.extent.file.path)
     with engine.gathered([block]):
         assert sum(swap_path in line for line in open(pid_maps)) == 1
         p = block.slots[0].param
@@ -492,7 +492,7 @@ def test_overlapped_updates_find_their_units_released(tmp_path, monkeypatch):
     model = tiny_gpt2(seed=0, layers=4)
     config = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"}
     engine = zerotune.shard(model, {**config, "nvme_path": str(tmp_path)})
-    assert all(u.map_params for u in engine.units if u.param_extent is not None)
+    assert all(u.params.mapped for u in engine.units if u.placement.params == "nvme")
     opt = zerotune.ZeroAdamW(engine, lr=1e-3)
     g = torch.Generator().manual_seed(1)
     launched = []
@@ -555,9 +555,7 @@ def run_overlapped(rank, world, nvme_root, configs):
                 "losses": losses,
                 "weights": weights,
                 "early": early,
-                "grad_file_bytes": sum(
-                    u.shard_numel * 4 for u in engine.units if u.grad_extent is not None
-                )
+                "grad_file_bytes": sum(u.shard_numel * 4 for u in engine.units if u.grads.on_disk)
                 if grad_file is not None
                 else 0,
                 "held_peak": held_peak,
@@ -814,12 +812,12 @@ def test_fp32_master_lives_in_the_parameter_file(dtype, tmp_path):
     }
     engine = zerotune.shard(tiny_gpt2(seed=0, layers=2), config)
     opt = zerotune.ZeroAdamW(engine, lr=1e-3)
-    swapped = [u for u in engine.units if u.param_extent is not None and u.trainable]
+    swapped = [u for u in engine.units if u.placement.params == "nvme" and u.trainable]
     assert swapped
     regions = 2 if dtype == "fp32" else 3
     for u in engine.units:
         if u.trainable:
-            want = (regions if u.param_extent is not None else 3) * round_up(u.shard_numel * 4)
+            want = (regions if u.placement.params == "nvme" else 3) * round_up(u.shard_numel * 4)
             assert engine.swap.extent("optim", u.index).nbytes == want, u.name
     optim_file = engine.swap.files["optim"]
     assert os.path.getsize(optim_file.path) == sum(

@@ -66,6 +66,7 @@ from torch import nn
 
 from .config import ConfigError, ZeroConfig, parse_bytes
 from .memory.host import host_cache_used
+from .memory.tiers import GRAD_CHUNK, master_in_param_file
 from .sharding.engine import ZeroEngine
 from .sharding.plan import (
     SwapPlan,
@@ -99,7 +100,6 @@ ROWS = ("params", "grads", "optimizer", "activations", "buffers", "staging")
 _OFFLOADS = ("none", "cpu", "nvme")
 _LEVEL = {"none": 0, "cpu": 1, "nvme": 2}
 _F32 = 4
-_GRAD_CHUNK = 1 << 22  # elements per read of a gradient shard on NVMe (ZeroEngine.grad_chunks)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -376,14 +376,14 @@ def _working_buffers(
             count = _buffers_writing(u.padded * _F32)
             need(u.padded, _F32, min(count, same(lambda v, n=u.padded: v.padded == n)), u, "host")
         if grads_disk:
-            need(min(_GRAD_CHUNK, u.shard), _F32, tier="host")  # gradients read for the step
+            need(min(GRAD_CHUNK, u.shard), _F32, tier="host")  # gradients read for the step
     for u in units:
         if u.persistent and world > 1 and u.numel:
             need(u.shard, e)  # refresh: the updated shard, all-gathered
         shared_master = (
             u.index in param_disk
             and u.index in swap.sizes.get("optim", {})
-            and swap.layout.master_in_param_file(u.numel, True, e)
+            and master_in_param_file(True, e)
         )
         if u.index in param_disk and not shared_master:
             # Updated shards on their way to NVMe (none when the parameter file holds the
@@ -836,7 +836,7 @@ def _staging_resident(units: list[UnitPlan], swap: SwapPlan, rank: int) -> int:
         layout.touched_bytes(
             u.numel,
             u.shard,
-            not layout.master_in_param_file(u.numel, u.index in params, u.itemsize),
+            not master_in_param_file(u.index in params, u.itemsize),
         )
         for u in live
     )

@@ -45,7 +45,6 @@ import torch
 from .. import dist as zdist
 from .generic_nvme import NvmeGenericState
 from .sharded import ShardedOptimizer, StepInfo
-from .state_store import master_in_param_file
 
 __all__ = ["ELEMENTWISE", "ZeroOptimizer"]
 
@@ -440,11 +439,6 @@ class ZeroOptimizer(ShardedOptimizer):
         # Only the optimized parameters: frozen ones (and the padding) keep their values.
         for seg in self._unit_segments.get(unit.index, []):
             master[seg.start : seg.end].copy_(out[seg.start : seg.end])
-
-    def master_in_param_file(self, unit) -> bool:
-        if self._nvme is None:
-            return False
-        return master_in_param_file(self.engine.optim_layout, unit)
 
     def group_of_key(self, key) -> int:
         return self._key_group[id(key)]

@@ -34,7 +34,6 @@ import torch
 
 from ..memory.aio import SwapFile, aligned_empty
 from ..memory.swap import round_up
-from .state_store import master_in_param_file
 
 __all__ = ["NvmeGenericState", "probe_layout"]
 
@@ -201,8 +200,8 @@ class NvmeGenericState:
 
     def _master_location(self, unit) -> tuple[object, int, bool]:
         """(file, offset, buffered) of the unit's fp32 master shard."""
-        if master_in_param_file(self.layout, unit):
-            p = unit.param_extent
+        if unit.placement.master_in_param_file:
+            p = unit.params.extent
             return p.file, p.offset, True
         optim = self.engine.swap.extent("optim", unit.index)
         return optim.file, optim.offset, False
@@ -248,15 +247,12 @@ class NvmeGenericState:
 
     def _grad(self, unit, c0: int, c1: int, loaded: _Loaded) -> torch.Tensor:
         """The chunk's gradient: a view of the shard in memory, or read from its file."""
-        held = unit.held_grad
-        if held is not None:
-            return held[c0:c1]
-        if unit.grad_extent is None:
-            return unit.grad_shard[c0:c1]
+        grad = unit.grads.view(unit, c0, c1)
+        if grad is not None:
+            return grad
         unit.wait_writes()  # spilled gradients must be on disk first
-        g = unit.grad_extent
         buf = aligned_empty(c1 - c0, torch.float32)
-        loaded.handles.append(g.file.read(buf, g.offset + c0 * _F32))
+        loaded.handles.append(unit.grads.read(unit, c0, c1, buf))
         return buf
 
     def _regions_of(self, unit):

@@ -12,8 +12,6 @@ gradient is final, and ``pump()`` between layers) and ``carry_into_forward`` (fo
 pumps the optimizer and settles a unit's update before gathering it). The optimizer answers,
 for each unit:
 - ``owns(unit)``: it updates parameters of the unit (it keeps state for it);
-- ``master_in_param_file(unit)``: the fp32 master is read and written in the parameter file
-  (so the engine writes no separate compute-dtype copy);
 - ``state_specs`` / ``state_numels`` / ``read_unit`` / ``write_unit``: the unit's state as
   flat tensors of this rank's shard (``master`` and what the optimizer keeps per element),
   for checkpoints and ``engine.unit_state``;
@@ -21,6 +19,9 @@ for each unit:
   [Note: segments] in zero_adam.py), saved per parameter in checkpoints;
 - ``settle`` / ``promote`` / ``pump`` / ``can_preview``: work an optimizer carries into the
   next forward (only ZeroAdamW's overlapped step carries any; the others have nothing to do).
+Where a unit's master and gradient live is its ``placement``, decided once by the tier layer
+(see [Note: memory tiers] in memory/tiers.py): an optimizer reads it, and reads gradients
+through the unit's gradient tier, rather than deciding placement again.
 Optimizers differ in how they update a chunk: ``ZeroAdamW`` streams fused C++ Adam over
 chunks of any tier; ``ZeroOptimizer`` runs any ``torch.optim.Optimizer`` over views of the
 shards (see [Note: any torch optimizer over the shards] in generic.py).
@@ -148,9 +149,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def set_step_count(self, key, step: int) -> None:
         self.state[key]["step"] = step
-
-    def master_in_param_file(self, unit) -> bool:
-        return False
 
     def _count_step(self, unit) -> None:
         """The unit is about to be updated: one more step for each of its segments whose

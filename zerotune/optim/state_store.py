@@ -207,12 +207,6 @@ class OptimLayout:
         step = self.q8_chunk if self.quantized(unit_numel) else self.chunk
         return [(c0, min(c0 + step, shard)) for c0 in range(0, shard, step)]
 
-    def master_in_param_file(self, unit_numel: int, param_on_disk: bool, itemsize: int) -> bool:
-        """Whether the unit's fp32 master lives in the parameter swap file rather than in its
-        optim extent: with fp32 compute and the shard on NVMe the two are the same numbers
-        (see [Note: optimizer state stores]), whatever the width of the moments."""
-        return param_on_disk and itemsize == _F32
-
     def extent_bytes(self, unit_numel: int, shard: int, with_master: bool = True) -> int:
         """Bytes of the unit's optim extent: three fp32 regions (two when the master is in
         the parameter file), or the chunk records (with or without the master)."""
@@ -365,9 +359,6 @@ class ResidentStore:
         if self.q8:
             require_bitsandbytes()
 
-    def master_in_param_file(self, unit) -> bool:
-        return False  # the master is in memory (see NvmeStore.master_in_param_file)
-
     def chunks(self, unit):
         n = unit.shard_numel
         if unit.index not in self.q8:
@@ -387,7 +378,7 @@ class ResidentStore:
 
     def run(self, items, update) -> None:
         for unit, c0, c1 in items:
-            master, grad = unit.master[c0:c1], unit.grad_shard[c0:c1]
+            master, grad = unit.master[c0:c1], unit.grads.view(unit, c0, c1)
             q8 = self.q8.get(unit.index)
             if q8 is None:
                 m, v = self.moments[unit.index]
@@ -432,19 +423,13 @@ class ResidentStore:
         return f32 + sum(q.nbytes() for q in self.q8.values())
 
 
-def master_in_param_file(layout: OptimLayout, unit) -> bool:
-    """Whether ``unit``'s fp32 master is read from and written to its parameter extent."""
-    itemsize = torch.finfo(unit.dtype).bits // 8
-    return layout.master_in_param_file(unit.numel, unit.param_extent is not None, itemsize)
-
-
 def _fp32_locations(swap, layout: OptimLayout, unit, c0: int) -> list[tuple[object, int]]:
     """(file, offset) of element ``c0`` of the unit's master, exp_avg and exp_avg_sq."""
     optim = swap.files["optim"]
     base = swap.extent("optim", unit.index).offset
     region = round_up(unit.shard_numel * _F32)
-    if master_in_param_file(layout, unit):
-        p = unit.param_extent
+    if unit.placement.master_in_param_file:
+        p = unit.params.extent
         return [(p.file, p.offset + c0 * _F32)] + [
             (optim, base + k * region + c0 * _F32) for k in range(2)
         ]
@@ -453,7 +438,7 @@ def _fp32_locations(swap, layout: OptimLayout, unit, c0: int) -> list[tuple[obje
 
 def _record_offset(swap, layout: OptimLayout, unit, c0: int) -> int:
     """File offset of the chunk record starting at element ``c0`` of a quantized unit."""
-    stride = round_up(record_bytes(layout.q8_chunk, not master_in_param_file(layout, unit)))
+    stride = round_up(record_bytes(layout.q8_chunk, not unit.placement.master_in_param_file))
     return swap.extent("optim", unit.index).offset + (c0 // layout.q8_chunk) * stride
 
 
@@ -482,7 +467,7 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
     then on."""
     f = swap.files["optim"]
     q8 = layout.quantized(unit.numel)
-    with_master = not master_in_param_file(layout, unit)
+    with_master = not unit.placement.master_in_param_file
     for c0, c1 in layout.chunks(unit.numel, unit.shard_numel):
         if q8:
             nbytes = round_up(record_bytes(c1 - c0, with_master))
@@ -528,11 +513,6 @@ class NvmeStore:
     def _q8(self, unit) -> bool:
         return self.layout.quantized(unit.numel)
 
-    def master_in_param_file(self, unit) -> bool:
-        """Whether the step reads and writes ``unit``'s master in its parameter extent (so
-        the new parameters need no separate write)."""
-        return master_in_param_file(self.layout, unit)
-
     def chunks(self, unit):
         return self.layout.chunks(unit.numel, unit.shard_numel)
 
@@ -542,7 +522,7 @@ class NvmeStore:
     def updates_in_place(self, unit) -> bool:
         """Whether the step updates ``unit``'s master in the parameter file's pages (see
         [Note: the master updated in the page cache])."""
-        return self.in_place and not self._q8(unit) and self.master_in_param_file(unit)
+        return self.in_place and not self._q8(unit) and unit.placement.master_in_param_file
 
     def _pieces(self, unit, c0: int, c1: int, buf: torch.Tensor, in_place: bool = False) -> list:
         """(part of ``buf``, file, offset) for each region of the chunk's optimizer state;
@@ -550,13 +530,13 @@ class NvmeStore:
         I/O) moves exactly its bytes: the rest of that page belongs to the next extent's.
         ``in_place``: the master does not move (its region of ``buf`` stays unused)."""
         if self._q8(unit):
-            n, with_master = c1 - c0, not self.master_in_param_file(unit)
+            n, with_master = c1 - c0, not unit.placement.master_in_param_file
             start = _record_start(n, with_master)
             record = buf[start : record_buffer_bytes(n, with_master)]
             pieces = [(record, self._file(), _record_offset(self.swap, self.layout, unit, c0))]
             if with_master:
                 return pieces
-            p = unit.param_extent
+            p = unit.params.extent
             return [(buf[: n * _F32], p.file, p.offset + c0 * _F32), *pieces]
         nbytes = round_up((c1 - c0) * _F32)
         out = []
@@ -574,10 +554,10 @@ class NvmeStore:
         unit, c0, c1 = item
         n = c1 - c0
         if self._q8(unit):
-            state_bytes = record_buffer_bytes(n, not self.master_in_param_file(unit))
+            state_bytes = record_buffer_bytes(n, not unit.placement.master_in_param_file)
         else:
             state_bytes = 3 * round_up(n * _F32)
-        grad_room = n * _F32 if unit.grad_extent is not None else 0
+        grad_room = n * _F32 if unit.grads.on_disk else 0
         buf = self.staging.acquire(state_bytes + grad_room)
         in_place = self.updates_in_place(unit)
         pieces = self._pieces(unit, c0, c1, buf, in_place)
@@ -610,7 +590,7 @@ class NvmeStore:
     def _update_in_place(self, update, unit, c0: int, c1: int, moments, grad) -> None:
         """``update`` with the chunk's master in the parameter file's pages (see [Note: the
         master updated in the page cache])."""
-        p = unit.param_extent
+        p = unit.params.extent
         start, nbytes = p.offset + c0 * _F32, (c1 - c0) * _F32
         lo = start // HUGE * HUGE  # other units' bytes around it are mapped, not touched
         hi = min(round_up(start + nbytes, HUGE), p.file.size)
@@ -644,15 +624,13 @@ class NvmeStore:
         """The chunk's gradient: a view of the shard held in memory, or a read from the
         gradient file into the slot after the state."""
         unit, c0, c1 = entry.item
-        held = unit.held_grad
-        if unit.grad_extent is not None and held is None:
-            n, g = c1 - c0, unit.grad_extent
+        entry.grad = unit.grads.view(unit, c0, c1)
+        if entry.grad is None:
+            n = c1 - c0
             dst = entry.buf[entry.state_bytes : entry.state_bytes + n * _F32]
-            entry.handles.append(g.file.read(dst, g.offset + c0 * _F32))
+            entry.handles.append(unit.grads.read(unit, c0, c1, dst))
             self.bytes_read += n * _F32
             entry.grad = dst.view(torch.float32)
-        else:
-            entry.grad = (held if held is not None else unit.grad_shard)[c0:c1]
 
     def run(self, items, update) -> None:
         for handle in self.pipeline(items, update):
@@ -781,7 +759,7 @@ class NvmeStore:
                         yield h
                     h.wait()
                 n = c1 - c0
-                in_param_file = self.master_in_param_file(unit)
+                in_param_file = unit.placement.master_in_param_file
                 if self._q8(unit):
                     master, q8 = _record_views(buf, n, not in_param_file)
                     update(unit, c0, c1, master, q8, entry.grad)
@@ -882,7 +860,7 @@ class NvmeStore:
         if self._q8(unit):
             master = torch.empty(n, dtype=torch.float32)
             q8 = Q8Moments.zeros(n, "cpu")
-            with_master = not self.master_in_param_file(unit)
+            with_master = not unit.placement.master_in_param_file
             for c0, c1 in self.chunks(unit):
                 held = self.staging.acquire(record_buffer_bytes(c1 - c0, with_master))
                 for part, file, off in self._pieces(unit, c0, c1, held):
@@ -909,7 +887,7 @@ class NvmeStore:
             self._write_records(unit, state)
             return
         keys = ("master", *MOMENTS)
-        if "master" in state and self.master_in_param_file(unit):
+        if "master" in state and unit.placement.master_in_param_file:
             unit.keep_private()  # a unit mapping that file must not see the change
         for c0, c1 in self.chunks(unit):
             nbytes = round_up((c1 - c0) * _F32)
@@ -931,7 +909,7 @@ class NvmeStore:
         quantizing the whole shard). A master in the parameter file is written only when
         given."""
         flat = {k: v.reshape(-1) for k, v in state.items()}
-        with_master = not self.master_in_param_file(unit)
+        with_master = not unit.placement.master_in_param_file
         if "master" in flat and not with_master:
             unit.keep_private()  # a unit mapping that file must not see the change
         for c0, c1 in self.chunks(unit):

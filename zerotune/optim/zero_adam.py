@@ -309,7 +309,9 @@ class ZeroAdamW(ShardedOptimizer):
         if self._norm_sq is not None:
             self._add_sum_of_squares(self._norm_sq, unit, c0, c1, grad)
         target = self.engine.lowp_target(unit)  # compute-dtype shard to refresh, or None
-        fused = target is not None and target.dtype != torch.float32 and unit.param_extent is None
+        fused = (
+            target is not None and target.dtype != torch.float32 and unit.placement.params != "nvme"
+        )
         out = target[c0:c1] if fused else None
         segments = self._segments_in(unit, c0, c1)
         if isinstance(moments, Q8Moments):
@@ -394,11 +396,11 @@ class ZeroAdamW(ShardedOptimizer):
             type(module).forward is torch.nn.Embedding.forward
             and len(unit.slots) == 1
             and unit.slots[0].param is module._parameters.get("weight")
-            and unit.map_params
+            and unit.params.mapped
             and getattr(self.store, "previews", False)
-            and self.store.master_in_param_file(unit)
+            and unit.placement.master_in_param_file
             and not self.store._q8(unit)
-            and (unit.held_grad is not None or unit.grad_extent is None)
+            and (unit.held_grad is not None or not unit.grads.on_disk)
         )
 
     @torch.no_grad()
@@ -418,8 +420,7 @@ class ZeroAdamW(ShardedOptimizer):
         segments = self._segments_in(unit, 0, unit.shard_numel)  # one: the weight's
         if not segments:
             return  # no gradient this step: the update leaves the weights as they are
-        held = unit.held_grad
-        grad = held if held is not None else unit.grad_shard
+        grad = unit.grads.view(unit, 0, unit.shard_numel)  # in memory (can_preview)
         m, v = self.store.read_moment_ranges(unit, ranges)
         # One kernel call over the rows side by side: each element's arithmetic does not
         # depend on where it sits in the call.
@@ -437,9 +438,6 @@ class ZeroAdamW(ShardedOptimizer):
             self._carry.pump()
 
     # ------------------------------------------------------------------ step interface
-    def master_in_param_file(self, unit) -> bool:
-        return self.store.master_in_param_file(unit)
-
     def state_specs(self, unit) -> list[tuple[str, torch.dtype, int]]:
         return self.store.state_specs(unit)
 

@@ -29,6 +29,14 @@ from ..memory.host import (
     release_free_memory,
 )
 from ..memory.pool import BufferPool
+from ..memory.tiers import (
+    DeviceParams,
+    HostParams,
+    MemoryGrads,
+    NvmeGrads,
+    NvmeParams,
+    placement,
+)
 from ..optim.scaling import DynamicLossScaler
 from .external import ExternalParams, ShardedParameterError
 from .hooks import in_backward, install_hooks, params_reached
@@ -189,8 +197,8 @@ class ZeroEngine(nn.Module):
                     for u in self.units
                     if not u.persistent
                     and u.numel > 0
-                    and (u.world > 1 or u.param_extent is not None)
-                    and not u.map_params
+                    and u.params.lends_storage(u)
+                    and not getattr(u.params, "mapped", False)
                 ],
                 self.prefetcher.budget,
             )
@@ -334,10 +342,20 @@ class ZeroEngine(nn.Module):
         self.staging = StagingPool(self.config.staging_bytes, swap_plan.slot_bytes)
 
     def _place(self, unit: Unit) -> None:
-        """Move a freshly built unit's shards to their tiers."""
+        """Move a freshly built unit's shards to their tiers (see [Note: memory tiers])."""
         cfg = self.config
         host = torch.device("cpu")
-        if cfg.offload_param == "cpu" and not unit.persistent and unit.shard.device != host:
+        where = placement(
+            cfg,
+            persistent=unit.persistent,
+            numel=unit.numel,
+            trainable=unit.trainable,
+            itemsize=torch.finfo(unit.dtype).bits // 8,
+            grads_on_disk=self._grads_on_disk,
+            device_type=self.device.type,
+        )
+        on_host = self.device.type != "cpu"  # else host and device are one memory
+        if where.params == "host" and on_host:
             shared = unit.master is unit.shard
             unit.shard = _to_host(unit.shard)
             unit.master = unit.shard if shared else unit.master
@@ -345,20 +363,12 @@ class ZeroEngine(nn.Module):
                 # The flat buffer was the shard; now its storage exists only while gathered.
                 unit.flat = torch.empty(unit.padded_numel, dtype=unit.dtype, device=self.device)
                 unit.flat.untyped_storage().resize_(0)
-        if cfg.offload_optimizer == "cpu":
-            if unit.master is not None and unit.master.device != host:
-                # With fp32 the master was the device shard itself: now a host copy.
-                unit.master = _to_host(unit.master.float())
-        if cfg.offload_optimizer == "nvme" or (
-            unit.master is not None and unit.master.device == host
-        ):
-            unit.grad_device = host  # the CPU Adam reads the gradient shards there
-        if self.swap is None:
-            return
-        if ("param", unit.index) in self.swap.extents:
+        if where.master == "host" and unit.master.device != host:
+            # With fp32 the master was the device shard itself: now a host copy.
+            unit.master = _to_host(unit.master.float())
+        if where.params == "nvme":
             extent = self.swap.extent("param", unit.index)
-            unit.offload_params(extent)
-            unit.map_params = (
+            mapped = (
                 cfg.map_param_file
                 and unit.world == 1
                 and self.device.type == "cpu"
@@ -366,9 +376,17 @@ class ZeroEngine(nn.Module):
                 and self.pool.gather_cache is not None
                 and extent.offset % mmap.ALLOCATIONGRANULARITY == 0  # 4 KiB extents, 64 KiB pages
             )
-        if ("grad", unit.index) in self.swap.extents:
-            unit.grad_extent = self.swap.extent("grad", unit.index)
-        if ("optim", unit.index) in self.swap.extents:
+            params = NvmeParams(extent, mapped)
+        elif where.params == "host" and on_host:
+            params = HostParams()
+        else:
+            params = DeviceParams()
+        if where.grads == "nvme":
+            grads = NvmeGrads(self.swap.extent("grad", unit.index))
+        else:
+            grads = MemoryGrads(host if where.grads == "host" else self.device)
+        unit.place(where, params, grads)
+        if where.master in ("nvme", "param_file"):
             from ..optim.state_store import write_initial_state
 
             write_initial_state(unit, self.swap, self.staging, self._optim_layout)
@@ -391,38 +409,20 @@ class ZeroEngine(nn.Module):
 
     def grad_chunks(self, unit: Unit):
         """(start, stop, gradient values) over this rank's gradient shard of ``unit``."""
-        if unit.grad_extent is None:
-            yield 0, unit.shard_numel, unit.grad_shard
-            return
-        if unit.held_grad is not None:
-            yield 0, unit.shard_numel, unit.held_grad
-            return
-        unit.wait_writes()
-        step = 1 << 22
-        buf = self.host_pool.acquire(min(step, unit.shard_numel), torch.float32)
-        try:
-            for c0 in range(0, unit.shard_numel, step):
-                c1 = min(c0 + step, unit.shard_numel)
-                part = buf[: c1 - c0]
-                unit.grad_extent.file.read(part, unit.grad_extent.offset + c0 * 4).wait()
-                yield c0, c1, part
-        finally:
-            self.host_pool.release(buf)
+        return unit.grads.chunks(unit)
 
     def lowp_target(self, unit: Unit) -> torch.Tensor | None:
         """The compute-dtype shard the optimizer refreshes (None: it is the master itself,
         in memory or, with fp32 compute and both tiers on NVMe, in the parameter file). A
         host buffer stands in for a shard on NVMe, or on the device when the optimizer runs
         on the host (``lowp_done`` moves it)."""
-        optimizer = getattr(self, "optimizer", None)
-        if optimizer is not None and optimizer.master_in_param_file(unit):
+        if unit.placement.master_in_param_file:
             return None
-        if unit.param_extent is None and unit.master is unit.shard:
+        if unit.shard is not None and unit.master is unit.shard:
             return None
         # The update runs where the master is (on the host when it streams from NVMe).
         update_device = torch.device("cpu") if unit.master is None else unit.master.device
-        staged = unit.param_extent is not None or unit.shard.device != update_device
-        if not staged:
+        if not unit.params.staged_for(unit, update_device):
             return unit.shard
         buf = self._lowp_buffers.get(unit.index)
         if buf is None:
@@ -435,11 +435,7 @@ class ZeroEngine(nn.Module):
         if target is None or self._lowp_buffers.get(unit.index) is not target:
             return
         self._lowp_buffers.pop(unit.index)
-        if unit.param_extent is not None:
-            unit.store_shard(target, give_back=self.host_pool.release)
-        else:
-            unit.shard.copy_(target)  # host to device, blocking: the buffer goes back now
-            self.host_pool.release(target)
+        unit.store_shard(target, give_back=self.host_pool.release)
 
     def close(self) -> None:
         """Finish pending I/O and remove this rank's swap files (also done at exit)."""
@@ -846,7 +842,7 @@ class ZeroEngine(nn.Module):
         shard is held at a time (more would add their buffers to the backward peak); a
         unit of one parameter is held anyway: its gradient is the parameter's own tensor,
         which a write would keep alive until written."""
-        if self._overlap is None or not self._sync or unit.grad_extent is None:
+        if self._overlap is None or not self._sync or not unit.grads.on_disk:
             return False
         # One shard at a time (a unit's update follows its backward closely), and an
         # embedding's own .grad (no extra buffer).
@@ -985,15 +981,7 @@ class ZeroEngine(nn.Module):
         elif "master" in state:
             unit.master.copy_(state["master"].reshape(-1))
         if "master" in state:
-            master = state["master"].reshape(-1).to(unit.dtype)
-            if unit.param_extent is not None:
-                # A host buffer, aligned for the file.
-                staged = self.host_pool.acquire(unit.shard_numel, unit.dtype)
-                staged.copy_(master)
-                unit.store_shard(staged, give_back=self.host_pool.release)
-                unit.wait_writes()
-            elif unit.shard is not unit.master:
-                unit.shard.copy_(master)
+            unit.params.put(unit, state["master"].reshape(-1).to(unit.dtype))
         unit.refresh()
 
     # ------------------------------------------------------------------------ reporting

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig
+from ..memory.tiers import master_in_param_file, placement
 from ..optim.quant8 import quantized, state_bytes
 from ..optim.state_store import OptimLayout
 from .policy import select_unit_modules
@@ -244,7 +245,7 @@ def plan_swap(units: list[UnitPlan], config: ZeroConfig, world: int) -> SwapPlan
             plan.sizes["param"][u.index] = u.shard * itemsize
         if config.offload_optimizer == "nvme" and u.trainable:
             # With fp32 compute the parameter extent holds the master (state_store.py).
-            shared = layout.master_in_param_file(u.numel, param_on_disk, itemsize)
+            shared = master_in_param_file(param_on_disk, itemsize)
             plan.sizes["optim"][u.index] = layout.extent_bytes(u.numel, u.shard, not shared)
     plan.grads_on_disk = grads_on_disk
     if grads_on_disk:
@@ -273,25 +274,20 @@ def resident_bytes(
     kinds as in ``ZeroEngine.memory_report`` (params, master, grads, optimizer, full_grads)
     and tiers ``device`` (the compute device) or ``host``. Swap-file bytes are in ``swap``.
 
-    Placement follows ``ZeroEngine._place``: stage-3 shards go to the host with
-    ``offload_param="cpu"``; the fp32 master goes to the host with ``offload_optimizer="cpu"``
-    (with fp32 compute the master *is* the parameter shard, except that on an accelerator
-    ``device`` the host gets a copy when the shard stays on the device); Adam moments sit next
-    to the master; gradient shards live where the optimizer reads them: on the host when
-    it runs there (optimizer on CPU or NVMe, or a master on the host), else on the device.
-    On a CPU ``device`` both tiers are the same memory.
+    The shards are where ``memory.tiers.placement`` puts them, as in ``ZeroEngine._place``;
+    Adam moments sit next to the master. On a CPU ``device`` both tiers are the same memory.
     """
-    lowp = config.torch_dtype != torch.float32
-    param_on_disk = swap is not None and unit.index in swap.sizes.get("param", {})
-    optim_on_disk = swap is not None and unit.index in swap.sizes.get("optim", {})
-    grads_on_disk = swap is not None and unit.index in swap.sizes.get("grad", {})
-    param_tier = "host" if config.offload_param == "cpu" and not unit.persistent else "device"
-    optimizer_on_host = config.offload_optimizer == "cpu"
-    master_tier = "host" if optimizer_on_host or (not lowp and param_tier == "host") else "device"
-    # With fp32 on an accelerator and the optimizer on the host, the device keeps the
-    # parameter shard and the host a master copy (on a CPU they are one tensor).
-    fp32_copy = not lowp and device != "cpu" and optimizer_on_host and param_tier == "device"
-    grads_tier = "host" if config.offload_optimizer != "none" or master_tier == "host" else "device"
+    where = placement(
+        config,
+        persistent=unit.persistent,
+        numel=unit.numel,
+        trainable=unit.trainable,
+        itemsize=unit.itemsize,
+        grads_on_disk=swap is not None and swap.grads_on_disk,
+        device_type=device,
+    )
+    master_tier = where.master
+    optim_on_disk = master_tier in ("nvme", "param_file")
 
     out: dict[str, dict[str, int]] = {}
 
@@ -300,14 +296,13 @@ def resident_bytes(
             out.setdefault(kind, {}).setdefault(tier, 0)
             out[kind][tier] += nbytes
 
-    if not param_on_disk:
-        add("params", param_tier, (unit.padded if unit.persistent else unit.shard) * unit.itemsize)
-    # A separate master: bf16/fp16 compute, or fp32 whose parameter shard went to NVMe
-    # (the tensor stays as the master); none once the optimizer state lives on NVMe.
-    if not optim_on_disk and (lowp or param_on_disk or fp32_copy):
+    if where.params != "nvme":
+        numel = unit.padded if unit.persistent else unit.shard
+        add("params", where.params, numel * unit.itemsize)
+    if where.separate_master:
         add("master", master_tier, unit.shard * _F32)
-    if unit.trainable and not grads_on_disk:
-        add("grads", grads_tier, unit.shard * _itemsize(config.torch_grad_dtype))
+    if unit.trainable and where.grads != "nvme":
+        add("grads", where.grads, unit.shard * _itemsize(config.torch_grad_dtype))
     if config.stage == 1:
         # Whole gradients wait in param.grad (compute dtype) from backward to the step.
         add(

@@ -31,6 +31,7 @@ from torch import nn
 from .. import dist as zdist
 from ..memory.aio import aligned_empty
 from ..memory.pool import BufferPool
+from ..memory.tiers import DeviceParams, MemoryGrads, NvmeParams, Placement
 
 __all__ = ["Slot", "Unit", "UnitState"]
 
@@ -134,25 +135,20 @@ class Unit:
         self.full = self.flat if persistent else None
         self.master = self.shard if dtype == torch.float32 else master
         del master, shard
-        # Allocated on the first gradient (see _grad_buffer): building or evaluating a model
-        # holds no gradient memory.
-        self.grad_shard: torch.Tensor | None = None
-        self.grad_device = device  # the host, with optimizer offload
-        self.grad_is_zero = True  # grad_shard holds no gradient yet (contents are stale)
+        # Where the shards live (see [Note: memory tiers] in memory/tiers.py): in memory on
+        # the device until the engine places the unit.
+        self.placement = Placement("device", "device", "device", dtype != torch.float32)
+        self.params = DeviceParams()
+        self.grads = MemoryGrads(device)
+        self.grad_is_zero = True  # the gradient shard holds no gradient yet (contents stale)
         self.unreduced: torch.Tensor | None = None  # full-size grads kept under no_sync()
         self.on_gather = None  # called with the unit as its all-gather is issued (world > 1)
 
         self.state = UnitState.SHARDED
         self._placeholders = False  # released parameters keep their shapes (keep_shapes)
-        self._work = None
-        # NVMe tiers (see memory/swap.py): set by the engine when offloading.
-        self.param_extent = None  # the compute-dtype shard lives here instead of ``shard``
-        # Gathers map param_extent's pages instead of reading them (set by the engine).
-        self.map_params = False
-        self._mapped = False  # flat's storage is such a mapping now
-        self.grad_extent = None  # the gradient shard lives here instead of ``grad_shard``
+        self._fetch = None  # the parameter tier's fetch in flight (GATHERING)
         # The final gradient shard kept in memory for an overlapped update instead of a
-        # round trip through ``grad_extent`` (see [Note: overlapped step] in zero_adam.py).
+        # round trip through the gradient file (see [Note: overlapped step] in zero_adam.py).
         self.held_grad: torch.Tensor | None = None
         # An overlapped step's update of this unit is queued or running (it may run on
         # into the next forward): its gradient stays until the update is done.
@@ -161,16 +157,16 @@ class Unit:
         # before their update] in optim/zero_adam.py); cleared on release.
         self.previewed = False
         self._held_pooled = True  # it came from host_pool (else: a parameter's own .grad)
-        self._read = None  # (handle, staging tensor or None) of a parameter read in flight
-        self._send = None  # a device copy of a host shard that a gather in flight sends
+        self._mapped = False  # flat's storage is a mapping of the parameter file now
         # Gradients on their way to the host: (buffer, event, straight into the shard)
         # until finish_host_copy.
         self._host_copy = None
         self.copy_stream = None  # the side stream of those copies (the engine sets it)
         self._lent = None  # the GatherCache buffer behind flat's storage while gathered
-        self._pending_writes: list = []  # this unit's entries of pool.writes
-        # The optimizer store's writes of the fp32 master into param_extent (the parameter
-        # file holds the master with fp32 compute; optim/state_store.py): gathers wait.
+        self.pending_writes: list = []  # this unit's entries of pool.writes
+        # The optimizer store's writes of the fp32 master into the parameter extent (the
+        # parameter file holds the master with fp32 compute; optim/state_store.py):
+        # gathers wait.
         self.param_file_writes: list = []
         if persistent:
             self._point_params(self.full)
@@ -181,77 +177,24 @@ class Unit:
     # ----------------------------------------------------------------------------- gather
 
     def gather(self, async_op: bool = False) -> None:
-        """Make every parameter a view of the whole flat buffer (all-gather of the shards)."""
+        """Make every parameter a view of the whole flat buffer: the parameter tier fetches
+        it (see [Note: memory tiers])."""
         if self.state is UnitState.GATHERED:
             return
         if self.state is UnitState.GATHERING:
             self.wait()
             return
-        if self.param_extent is not None:
-            self._gather_from_nvme(async_op)
-            return
-        if self.world == 1 and self.shard.device == self.device:
-            # The shard is the whole flat buffer: point at it, nothing to move.
+        fetch = self.params.fetch(self, async_op)
+        if fetch is None:
             self._point_params(self.flat)
             self.state = UnitState.GATHERED
             return
-        self._alloc_storage()
-        send = self.shard
-        if send.device != self.device:
-            # Offloaded to (pinned) host memory: copy in, then gather on the device. The
-            # copy is ordered before the collective and the forward on this stream; the
-            # host shard changes only in the optimizer step, after backward's gradient
-            # copies to the host have synchronized with everything before them.
-            if self.world == 1:
-                self.flat.copy_(send, non_blocking=True)
-                self._point_params(self.flat)
-                self.state = UnitState.GATHERED
-                return
-            send = self.pool.acquire(self.shard_numel, self.dtype)
-            send.copy_(self.shard, non_blocking=True)
-        self._note_gather()
-        work = zdist.all_gather_into(self.flat, send, group=self.group, async_op=async_op)
-        staged = send if send is not self.shard else None
-        if work is None:
-            if staged is not None:
-                self.pool.release(staged)  # later work on this stream follows the collective
-            self._point_params(self.flat)
-            self.state = UnitState.GATHERED
-        else:
-            self._work = work
-            self._send = staged  # back to the pool once the collective is waited for
-            self.state = UnitState.GATHERING
-
-    def _gather_from_nvme(self, async_op: bool) -> None:
-        # Read this rank's slice from the swap file: straight into the flat buffer at world
-        # size 1 when its storage is a lent (aligned) buffer, else into a read buffer that
-        # the all-gather (a copy at world size 1) then sends.
-        self.wait_writes()
-        if self.map_params:
-            # Map the file's pages (page cache) as the flat buffer: no copy, no buffer of
-            # our own; the readahead the mapping starts is the prefetch.
-            self._alloc_storage(
-                self.param_extent.file.map(self.param_extent.offset, self.gathered_bytes)
-            )
-            self._mapped = True
-            self._point_params(self.flat)
-            self.state = UnitState.GATHERED
-            return
-        self._alloc_storage()
-        if self.world == 1 and self._lent is not None:
-            tmp = None
-            handle = self.param_extent.file.read(self.flat, self.param_extent.offset)
-        else:
-            # A fresh aligned buffer, freed right after the gather: a pooled one would keep
-            # prefetch-depth copies of the shards resident for good.
-            tmp = aligned_empty(self.shard_numel, self.dtype)
-            handle = self.param_extent.file.read(tmp, self.param_extent.offset)
-        self._read = (handle, tmp)
+        self._fetch = fetch
         self.state = UnitState.GATHERING
         if not async_op:
             self.wait()
 
-    def _note_gather(self) -> None:
+    def note_gather(self) -> None:
         """An all-gather of this unit is issued (the engine fingerprints their order)."""
         if self.on_gather is not None and self.world > 1:
             self.on_gather(self)
@@ -259,29 +202,15 @@ class Unit:
     def wait(self) -> None:
         if self.state is not UnitState.GATHERING:
             return
-        if self._read is not None:
-            handle, tmp = self._read
-            self._read = None
-            try:
-                handle.wait()
-            except BaseException:
-                # The read failed: back to SHARDED, so that hooks running after the error
-                # (release) find a consistent unit.
-                self._free_storage()
-                self.state = UnitState.SHARDED
-                raise
-            if tmp is not None:
-                if tmp.device != self.device and self.world > 1:
-                    tmp = tmp.to(self.device)  # collectives run on the device
-                self._note_gather()
-                zdist.all_gather_into(self.flat, tmp, group=self.group)  # a copy at world 1
-                del tmp
-        else:
-            self._work.wait()
-            self._work = None
-            if self._send is not None:
-                self.pool.release(self._send)
-                self._send = None
+        fetch, self._fetch = self._fetch, None
+        try:
+            fetch.wait(self)
+        except BaseException:
+            # The fetch failed: back to SHARDED, so that hooks running after the error
+            # (release) find a consistent unit.
+            self._free_storage()
+            self.state = UnitState.SHARDED
+            raise
         self._point_params(self.flat)
         self.state = UnitState.GATHERED
 
@@ -304,47 +233,42 @@ class Unit:
         self.wait_writes()
         if self._mapped:
             self.keep_private()  # a buffer of its own to read into
-        self.param_extent.file.read(self.flat, self.param_extent.offset).wait()
+        extent = self.params.extent
+        extent.file.read(self.flat, extent.offset).wait()
         self.previewed = False
 
     def pending_write_handles(self) -> list:
         """The I/O handles of this unit's NVMe writes still queued (oldest first)."""
-        return [entry[0] for entry in self._pending_writes]
+        return [entry[0] for entry in self.pending_writes]
 
     def wait_writes(self) -> None:
         """Finish this unit's NVMe writes in flight and give their buffers back."""
-        for entry in self._pending_writes:
+        for entry in self.pending_writes:
             self.pool.writes.finish(entry)
-        self._pending_writes.clear()
+        self.pending_writes.clear()
         for handle in self.param_file_writes:
             handle.wait()
         self.param_file_writes.clear()
 
-    def offload_params(self, extent) -> None:
-        """Keep this rank's compute-dtype shard in ``extent`` (NVMe) instead of memory."""
-        self.wait_writes()
-        staged = self.host_pool.acquire(self.shard_numel, self.dtype)
-        staged.copy_(self.shard)
-        extent.file.write(staged, extent.offset).wait()
-        self.host_pool.release(staged)
-        self.param_extent = extent
-        if self.world == 1:
-            # The flat buffer was the shard; now it is allocated on each gather.
-            self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-            self.flat.untyped_storage().resize_(0)
-        self.shard = None  # with fp32, self.master keeps the tensor
+    def place(self, placement: Placement, params, grads) -> None:
+        """Move the shards to their tiers (the engine, once, right after building the unit):
+        a parameter shard bound for NVMe is written to its extent and leaves memory."""
+        self.placement, self.grads = placement, grads
+        if isinstance(params, NvmeParams):
+            self.wait_writes()
+            self.params = params
+            params.put(self, self.shard)
+            if self.world == 1:
+                # The flat buffer was the shard; now it is allocated on each gather.
+                self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+                self.flat.untyped_storage().resize_(0)
+            self.shard = None  # with fp32, self.master keeps the tensor
+        self.params = params
 
     def store_shard(self, values: torch.Tensor, give_back=None) -> None:
         """After an optimizer step: the new compute-dtype shard, written to NVMe (async;
         ``give_back(values)`` runs once the write is done) or copied into memory."""
-        if self.param_extent is None:
-            self.shard.copy_(values)
-            if give_back is not None:
-                give_back(values)
-            return
-        self.keep_private()
-        handle = self.param_extent.file.write(values, self.param_extent.offset)
-        self.pool.writes.add(self._pending_writes, handle, values, give_back)
+        self.params.store(self, values, give_back)
 
     def keep_shapes(self) -> None:
         """Point each parameter of this released unit at one shared element expanded to its
@@ -371,7 +295,7 @@ class Unit:
             return
         self.wait()
         self._empty_params()
-        if self.world > 1 or self.param_extent is not None or self.shard.device != self.device:
+        if self.params.lends_storage(self):
             self._free_storage()
         self.state = UnitState.SHARDED
 
@@ -384,15 +308,22 @@ class Unit:
         zdist.all_gather_into(self.full, send, group=self.group)
         self.pool.release(send)
 
-    def _alloc_storage(self, mapped: torch.Tensor | None = None) -> None:
+    def alloc_storage(self, mapped: torch.Tensor | None = None) -> None:
+        """Give the flat buffer storage: ``mapped`` (a mapping of the parameter file), a
+        buffer lent by the gather cache, or its own."""
         cache = self.pool.gather_cache
         if mapped is not None:
             cache.lend_unmanaged(self.flat, mapped)
+            self._mapped = True
         elif cache is not None:
             self._lent = cache.lend(self.flat, self.gathered_bytes)
         else:
             self.flat.untyped_storage().resize_(self.gathered_bytes)
         self.pool.gathered.add(self.gathered_bytes)
+
+    def lends_aligned_storage(self) -> bool:
+        """Whether the flat buffer's storage is lent by the gather cache (aligned for I/O)."""
+        return self._lent is not None
 
     def _free_storage(self) -> None:
         self._mapped = False
@@ -434,7 +365,7 @@ class Unit:
         if self.world == 1 and sync and self.unreduced is None:
             self._add_into_shard_directly(hold)
             return
-        flat = self._take_grads(self.pool)
+        flat = self.take_grads(self.pool)
         if not sync:
             if self.unreduced is None:
                 self.unreduced = flat.clone()
@@ -448,13 +379,9 @@ class Unit:
         out = self.pool.acquire(self.shard_numel, torch.float32)
         zdist.reduce_scatter_avg(out, flat, group=self.group)
         self.pool.release(flat)
-        if self.grad_extent is not None:
-            self._accumulate_nvme(out, hold)
-            return
-        self._accumulate(self._grad_buffer(), out)
-        self.pool.release(out)
+        self.grads.add(self, out, self.pool, hold)
 
-    def _take_grads(self, pool: BufferPool) -> torch.Tensor:
+    def take_grads(self, pool: BufferPool) -> torch.Tensor:
         """Every parameter's gradient in its region of an fp32 buffer from ``pool`` (zeros
         where there is none and in the padding); the parameters' gradients are dropped."""
         flat = pool.acquire(self.padded_numel, torch.float32)
@@ -471,7 +398,7 @@ class Unit:
         """One parameter fills the flat buffer (an embedding at world size 1)."""
         return len(self.slots) == 1 and self.padded_numel == self.numel
 
-    def _whole_grad(self) -> torch.Tensor | None:
+    def whole_grad(self) -> torch.Tensor | None:
         """The gradient of a ``one_parameter`` unit, taken as the flat gradient itself when
         it is a contiguous fp32 host tensor: no copy, and no second buffer of the largest
         size at the end of backward."""
@@ -490,44 +417,20 @@ class Unit:
         s.param.grad = None
         return g.view(-1)
 
-    def _grad_buffer(self) -> torch.Tensor:
-        if self.grad_extent is not None:
-            raise RuntimeError("the gradient shard of this unit is on NVMe")
-        if self.grad_shard is None:
-            # Pinned when an accelerator copies gradients into it.
-            pin = self.grad_device.type == "cpu" and self.device.type != "cpu"
-            self.grad_shard = torch.zeros(
-                self.shard_numel, dtype=self.grad_dtype, device=self.grad_device, pin_memory=pin
-            )
-        return self.grad_shard
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """The gradient shard when it is in memory (None before the first gradient, or on
+        NVMe)."""
+        return None if self.grads.on_disk else self.grads.shard
 
     def _add_into_shard_directly(self, hold: bool = False) -> None:
         # World 1: the shard is the whole flat buffer; no collective and no staging copy on
         # the device. Gradients bound for the host (NVMe, or an optimizer on the host) are
         # copied parameter by parameter into a (pinned) host buffer.
-        if self.device.type != "cpu" and (
-            self.grad_extent is not None or self.grad_device != self.device
-        ):
+        if self.device.type != "cpu" and (self.grads.on_disk or self.grads.device != self.device):
             self._gradients_to_host()
             return
-        if self.grad_extent is not None:
-            whole = self._whole_grad() if hold else None
-            if whole is not None:
-                self._accumulate_nvme(whole, hold=True, pooled=False)
-            else:
-                self._accumulate_nvme(self._take_grads(self.host_pool), hold)
-            return
-        self._grad_buffer()
-        first = self.grad_is_zero
-        for s in self.slots:
-            view = self.grad_shard[s.offset : s.offset + s.numel].view(s.shape)
-            g = s.param.grad
-            if g is not None and s.trainable:
-                view.copy_(g) if first else view.add_(g)
-            elif first:
-                view.zero_()
-            s.param.grad = None
-        self.grad_is_zero = False
+        self.grads.add_params(self, hold)
 
     def _gradients_to_host(self) -> None:
         """World size 1 on an accelerator, gradients bound for the host: every parameter's
@@ -544,9 +447,9 @@ class Unit:
         dm = getattr(torch, self.device.type)
         current = dm.current_stream(self.device)
         stream = self.copy_stream or current
-        if self.grad_extent is None and self.grad_dtype == torch.float32:
-            flat = self._take_grads(self.pool)
-            shard = self._grad_buffer()
+        if not self.grads.on_disk and self.grad_dtype == torch.float32:
+            flat = self.take_grads(self.pool)
+            shard = self.grads.buffer(self)
             held = [flat]  # back to the pool once the copies are done
             if not self.grad_is_zero:
                 held.append(self.pool.acquire(self.padded_numel, torch.float32))
@@ -591,61 +494,20 @@ class Unit:
                 self.pool.release(buf)
             self.grad_is_zero = False
             return
-        if self.grad_extent is None:
-            self._accumulate(self._grad_buffer(), staged)
-            self.host_pool.release(staged)
-            return
-        if staged.dtype == torch.float32:
-            self._accumulate_nvme(staged)
+        if staged.dtype == torch.float32 or not self.grads.on_disk:
+            self.grads.add(self, staged, self.host_pool)
             return
         flat = self.host_pool.acquire(self.padded_numel, torch.float32)
         flat.copy_(staged)
         self.host_pool.release(staged)
-        self._accumulate_nvme(flat)
+        self.grads.add(self, flat, self.host_pool)
 
-    def _accumulate_nvme(
-        self, values: torch.Tensor, hold: bool = False, pooled: bool = True
-    ) -> None:
-        """Add ``values`` (fp32, a pool buffer this call takes over, or with ``hold`` and not
-        ``pooled`` a parameter's own gradient) to the gradient shard on NVMe: the first
-        micro-batch is written while backward goes on; later ones read, add and write. With
-        ``hold`` the sum stays in memory as ``held_grad`` instead of being written."""
-        if self.grad_dtype != torch.float32:
-            raise RuntimeError("gradient shards on NVMe are fp32")
-        if values.device.type != "cpu":
-            host = self.host_pool.acquire(values.numel(), torch.float32)
-            host.copy_(values)  # device to host, blocking
-            self.pool.release(values)
-            values = host
-        if not self.grad_is_zero:
-            self.wait_writes()
-            old = self.host_pool.acquire(self.shard_numel, torch.float32)
-            self.grad_extent.file.read(old, self.grad_extent.offset).wait()
-            values.add_(old)
-            self.host_pool.release(old)
-        if hold:
-            self.held_grad = values  # the overlapped update reads it from memory
-            self._held_pooled = pooled
-            self.host_pool.held_grads.add(values.numel() * values.element_size())
-            self.grad_is_zero = False
-            return
-        handle = self.grad_extent.file.write(values, self.grad_extent.offset)
-        self.pool.writes.add(self._pending_writes, handle, values, self.host_pool.release)
-        self.grad_is_zero = False
-
-    def _accumulate(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if src.device != dst.device:
-            # Device to host (optimizer offload): through a pinned buffer, a blocking copy.
-            host = self.host_pool.acquire(src.numel(), src.dtype)
-            host.copy_(src)
-            self._accumulate(dst, host)
-            self.host_pool.release(host)
-            return
-        if self.grad_is_zero:
-            dst.copy_(src)
-            self.grad_is_zero = False
-        else:
-            dst.add_(src)
+    def hold_grad(self, values: torch.Tensor, pooled: bool) -> None:
+        """Keep the final gradient shard in memory for an overlapped update (``pooled``: a
+        host_pool buffer, else a parameter's own gradient)."""
+        self.held_grad = values
+        self._held_pooled = pooled
+        self.host_pool.held_grads.add(values.numel() * values.element_size())
 
     def drop_held_grad(self) -> None:
         """Give back the gradient shard held for an overlapped update (once it is done)."""
@@ -674,12 +536,9 @@ class Unit:
 
         params = nbytes(self.full) if self.persistent else nbytes(self.shard)
         master = 0 if self.master is self.shard else nbytes(self.master)
-        grad_itemsize = torch.finfo(self.grad_dtype).bits // 8
-        on_disk = self.grad_extent is not None
         return {
             "params": params,
             "master": master,
-            # Steady state: the gradient shard exists from the first backward on.
-            "grads": self.shard_numel * grad_itemsize if self.trainable and not on_disk else 0,
+            "grads": self.grads.resident_bytes(self),
             "padding_elements": self.padded_numel - self.numel,
         }
