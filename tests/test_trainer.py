@@ -86,6 +86,7 @@ def test_without_clipping_nvme_steps_overlap_backward(tmp_path, monkeypatch):
     the plain Trainer with ``max_grad_norm=0``."""
     from zerotune.memory.aio import IOHandle
     from zerotune.optim import zero_adam
+    from zerotune.optim.overlap import OverlappedStep
 
     monkeypatch.setattr(IOHandle, "done", lambda self: False)
     carried = []
@@ -101,19 +102,19 @@ def test_without_clipping_nvme_steps_overlap_backward(tmp_path, monkeypatch):
     plain = plain_run(str(tmp_path / "plain"), max_grad_norm=0.0)
     (tmp_path / "nvme").mkdir()
     launched = []
-    original = zero_adam._OverlappedStep.launch
+    original = OverlappedStep.launch
 
     def counting(self, unit):
         launched.append(unit.index)
         return original(self, unit)
 
-    zero_adam._OverlappedStep.launch = counting
+    OverlappedStep.launch = counting
     try:
         trainer = zero_run(str(tmp_path / "out"), max_grad_norm=0.0, zero_stage=3,
                            offload_param="nvme", offload_optimizer="nvme",
                            nvme_path=str(tmp_path / "nvme"))  # fmt: skip
     finally:
-        zero_adam._OverlappedStep.launch = original
+        OverlappedStep.launch = original
     assert trainer.overlap_step
     assert carried == [True] * COMMON["max_steps"], carried
     # Every step updated units during backward (all but the tied embedding, final last).

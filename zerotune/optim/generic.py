@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from .. import dist as zdist
 from .generic_nvme import NvmeGenericState
+from .overlap import OverlappedStep
 from .sharded import ShardedOptimizer, StepInfo
 
 __all__ = ["ELEMENTWISE", "ZeroOptimizer"]
@@ -126,7 +126,9 @@ class ZeroOptimizer(ShardedOptimizer):
         self.optimizer_class = optimizer_class
         self.layout = layout
         self._counts: dict[object, int] = {}  # segment key -> its parameter's step count
-        self._overlap: _OverlappedChunks | None = None  # see overlapped()
+        self._overlap: OverlappedStep | None = None  # see overlapped()
+        self._launch_order: list[int] = []  # unit indices, as the last overlapped step went
+        self._carry = None  # never carried into the next forward (see NvmeGenericState)
         self._overrides_mapped = False  # see _map_bitsandbytes_overrides
         self._overrides: dict[int, dict] = {}  # id(model parameter) -> its settings
         self._norm_sq: torch.Tensor | None = None  # overlapped(track_norm=True)
@@ -192,6 +194,7 @@ class ZeroOptimizer(ShardedOptimizer):
         self.state = self.inner.state if self.inner is not None else self.state
         # See [Note: a generic optimizer's state on NVMe] in generic_nvme.py.
         self._nvme = NvmeGenericState(self, full_hyper, kwargs) if on_nvme else None
+        self.store = self._nvme  # the pipeline an overlapped step streams through
         if on_nvme and self.inner is not None:
             self.inner.state.clear()  # made at construction: the probe replays it per unit
         engine.attach_optimizer(self)
@@ -204,6 +207,7 @@ class ZeroOptimizer(ShardedOptimizer):
         overlap, self._overlap = self._overlap, None
         launched: dict[int, None] = {}  # units updated during backward already
         if overlap is not None:
+            overlap.close()
             overlap.finish()
             launched = overlap.launched
         try:
@@ -262,7 +266,7 @@ class ZeroOptimizer(ShardedOptimizer):
             )
         self._start_overlap(track_norm)
         self._nvme.begin_step()
-        self._overlap = _OverlappedChunks(self)
+        self._overlap = OverlappedStep(self)
         engine.begin_overlapped_step(self._overlap)
         try:
             yield
@@ -329,46 +333,33 @@ class ZeroOptimizer(ShardedOptimizer):
             key.data = _empty_like(key)
 
     def _step_streaming(self, live) -> None:
-        """Optimizer state on NVMe: chunk after chunk (flat) or unit after unit (whole), the
-        next one's reads in flight (see [Note: a generic optimizer's state on NVMe] in
+        """Optimizer state on NVMe: chunk after chunk (flat) or unit after unit (whole)
+        through the store's pipeline (see [Note: a generic optimizer's state on NVMe] in
         generic_nvme.py)."""
         nv = self._nvme
         owners = self.layout == "whole" and self.engine.world > 1
         units = [u for u in self._units if not u.grad_is_zero] if owners else live
-        items = [(u, c0, c1) for u in units for c0, c1 in nv.chunks(u)]
-        writes: list = []
         if not nv.in_step:  # overlapped() began it before backward
             nv.begin_step()
-        try:
-            ahead = nv.start(*items[0]) if items else None
-            for i in range(len(items)):
-                loaded = ahead
-                ahead = nv.start(*items[i + 1]) if i + 1 < len(items) else None
-                loaded.wait()
-                writes = self._update_loaded(loaded, writes, owners)
-        finally:
-            for h in writes:
-                h.wait()
+        items = [(u, c0, c1) for u in units for c0, c1 in nv.chunks(u)]
+        if items:
+            nv.run(items, self._update_chunk)
 
-    def _update_loaded(self, loaded, writes: list, owners: bool = False) -> list:
-        """Update one loaded chunk: the inner step over its tensors, the new values back to
-        the shard; returns its writes (after waiting for ``writes``, the chunk before's)."""
-        nv, unit, c0, c1 = self._nvme, loaded.unit, loaded.c0, loaded.c1
-        targets = self._point(unit, loaded.master, loaded.grad, c0, owners)
-        nv.install(loaded, targets)
+    def _update_chunk(self, unit, c0: int, c1: int, master, state: dict, grad) -> None:
+        """Update shard elements ``[c0, c1)`` of ``unit`` from NVMe: the inner step over the
+        chunk's tensors (``master``, ``grad`` and the ``state`` regions, in a staging
+        slot), the new compute-dtype values to the engine; the pipeline writes back."""
+        nv = self._nvme
+        owners = self.layout == "whole" and self.engine.world > 1
+        targets = self._point(unit, master, grad, c0, owners)
+        nv.install(state, targets)
         self._inner_step()
-        nv.collect(loaded, targets)
+        nv.collect(state, targets)
         if owners:
-            self._scatter_owned(unit, loaded.master)
+            self._scatter_owned(unit, master)
         for key, *_ in targets:
             key.data = _empty_like(key)
-        self._refresh_lowp(unit, loaded.master, c0)
-        for h in writes:  # one chunk's writes in flight at a time
-            h.wait()
-        out = nv.finish(loaded)
-        if c1 == unit.shard_numel:
-            unit.drop_held_grad()  # kept in memory for this update (overlapped step)
-        return out
+        self._refresh_lowp(unit, master, c0)
 
     def _point(self, unit, master, grad, c0: int, owners: bool = False) -> list[tuple]:
         """Point the inner tensors of ``unit``'s shard elements ``[c0, c0 + len(master))`` at
@@ -676,57 +667,6 @@ class ZeroOptimizer(ShardedOptimizer):
             "ZeroOptimizer.load_state_dict(): resume with zerotune.load_checkpoint(engine, "
             "folder, optimizer=opt) from a folder zerotune.save_checkpoint wrote"
         )
-
-
-class _OverlappedChunks:
-    """The units ``ZeroOptimizer.overlapped()`` updates during backward: their chunks, one
-    read in flight, updated between layers once read (``pump``)."""
-
-    def __init__(self, opt: ZeroOptimizer) -> None:
-        self.opt = opt
-        self.launched: dict[int, None] = {}  # unit indices, in launch order
-        self.queue: deque = deque()  # (unit, c0, c1) not started
-        self.loaded = None  # the chunk whose reads are in flight
-        self.writes: list = []  # the last updated chunk's writes
-
-    def launch(self, unit) -> None:
-        """``unit``'s gradient shard is final: queue its chunks and start what can start."""
-        opt = self.opt
-        if unit.index not in opt._unit_segments or unit.grad_is_zero:
-            return
-        if unit.index in self.launched:
-            return
-        self.launched[unit.index] = None
-        opt._count_step(unit)
-        self.queue.extend((unit, c0, c1) for c0, c1 in opt._nvme.chunks(unit))
-        self.pump()
-
-    def pump(self, block: bool = False) -> None:
-        """Update the chunks whose reads are done (all of them, with ``block``)."""
-        while True:
-            if self.loaded is None:
-                if not self.queue:
-                    return
-                self.loaded = self.opt._nvme.start(*self.queue.popleft())
-            if not block and not all(h.done() for h in self.loaded.handles):
-                return
-            loaded, self.loaded = self.loaded, None
-            loaded.wait()
-            self.writes = self.opt._update_loaded(loaded, self.writes)
-
-    def check_second_backward(self) -> None:
-        if self.launched:
-            raise RuntimeError(
-                "overlapped(): a second backward pass inside one overlapped() block: the first "
-                "already updated the units it finished, without this one's gradients; sum the "
-                "losses and call backward once, or wrap only the step's last backward"
-            )
-
-    def finish(self) -> None:
-        self.pump(block=True)
-        for h in self.writes:
-            h.wait()
-        self.writes = []
 
 
 def _per_element(v, seg) -> bool:

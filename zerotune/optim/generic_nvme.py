@@ -10,18 +10,21 @@ and key for ``flat`` (a tensor of the shard's length: a segment's state is a sli
 per owned parameter and key for ``whole`` (the probe's shape and dtype). Scalars (step
 counts) stay in memory. State made at construction (Adagrad's accumulator) is replayed
 from the probe, for ``flat`` as one value per element.
-A step streams chunk after chunk: for ``flat``, pieces of each unit's shard sized so that
-three (read ahead, updated, written back) fit ``staging_bytes`` (fp32 master, gradient and
-the per-element state of each element); for ``whole``, each unit whole (its parameters must
-be). A chunk's fp32 master (from the optim file, or the parameter file with fp32 compute),
-gradient and state are read into host buffers (the next chunk's reads are issued before this
-one is updated), the inner optimizer steps with only this chunk's tensors holding a gradient
-(the others are skipped, so indices into the groups stay as they are), and the new master and
-state are written back while the next chunk is updated. Every chunk of a segment starts
-from the scalars the segment had before the step (``begin_step``). So the inner ``step()``
-runs once per chunk: an optimizer that keeps state in its parameter groups (a step counter in
-the group) is refused here, which the probe finds out. The Adam regions the engine's optim
-file keeps for ZeroAdamW stay unused (the master's is used).
+A step streams through the NVMe store's pipeline (``NvmeStore.pipeline``, as ZeroAdamW's:
+staging slots, reads ahead, writes behind, in order; an overlapped step launches units as
+backward finishes them and reads ahead of their launch). A chunk is, for ``flat``, a piece
+of a unit's shard that fits a staging slot with its fp32 master, gradient and per-element
+state (starting at a page boundary in every region); for ``whole``, the unit (its
+parameters must be whole), in a buffer of its own when larger than a slot, three at most.
+The slot holds the chunk's master (from the optim file, or updated in place in the
+parameter file's pages with fp32 compute) and its state regions; the inner optimizer steps
+with only this chunk's tensors holding a gradient (the others are skipped, so indices into
+the groups stay as they are), and the pipeline writes master and state back. Every chunk
+of a segment starts from the scalars the segment had before the step (``begin_step``). So
+the inner ``step()`` runs once per chunk: an optimizer that keeps state in its parameter
+groups (a step counter in the group) is refused here, which the probe finds out. Updates
+are not carried into the next forward (``carries``): they finish in ``step()``. The Adam
+regions the engine's optim file keeps for ZeroAdamW stay unused (the master's is used).
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ import torch
 
 from ..memory.aio import SwapFile, aligned_empty
 from ..memory.swap import round_up
+from .state_store import NvmeStore
 
 __all__ = ["NvmeGenericState", "probe_layout"]
 
 _PROBE = 8  # elements of the flat probe
 _F32 = 4
-_CHUNK_ALIGN = 4096  # chunks start at multiples of this many elements: aligned offsets
+_PAGE = 4096  # O_DIRECT offsets and lengths are multiples of this many bytes
 
 
 @dataclass
@@ -102,32 +106,18 @@ def _same(a, b) -> bool:
     return a == b
 
 
-class _Loaded:
-    """One unit's buffers during the step: its master, gradient and state, and the reads
-    still in flight."""
+class NvmeGenericState(NvmeStore):
+    """The inner optimizer's tensors in ``gstate.swap``, scalars in memory, streamed through
+    the NVMe store's pipeline; see [Note: a generic optimizer's state on NVMe]."""
 
-    def __init__(self, unit, c0: int = 0, c1: int | None = None) -> None:
-        self.unit = unit
-        self.c0, self.c1 = c0, unit.shard_numel if c1 is None else c1
-        self.master: torch.Tensor | None = None
-        self.grad: torch.Tensor | None = None
-        self.state: dict[tuple, torch.Tensor] = {}  # region key -> host tensor
-        self.handles: list = []
-
-    def wait(self) -> None:
-        for h in self.handles:
-            h.wait()
-        self.handles = []
-
-
-class NvmeGenericState:
-    """The inner optimizer's tensors in ``gstate.swap``, scalars in memory; see [Note: a
-    generic optimizer's state on NVMe]."""
+    carries = False  # updates finish in step(): the inner step runs with step()'s settings
+    previews = False
 
     def __init__(self, opt, hyper: list[dict], kwargs: dict) -> None:
         engine = opt.engine
+        in_place = engine.config.map_param_file
+        super().__init__(engine.swap, engine.staging, engine.optim_layout, in_place)
         self.opt, self.engine = opt, engine
-        self.layout = engine.optim_layout
         cls = opt.optimizer_class
         self.probes: dict[tuple[int, tuple[int, ...]], Probe] = {}  # (group, shape)
         self.regions: dict[tuple, _Region] = {}
@@ -162,18 +152,24 @@ class NvmeGenericState:
         self.present: set[int] = set()  # id(inner key) whose state exists
         # During a step (see begin_step): what held before it, and what the chunks made.
         self._before: tuple[set[int], dict[int, dict]] | None = None
-        # Flat layout: chunks such that three (read ahead, updated, written back) fit in
-        # staging_bytes: fp32 master and gradient and the per-element state of each element.
+        # Flat layout: chunks that fit a staging slot with their fp32 master and gradient
+        # and the per-element state of each element.
         per_element = 2 * _F32 + max(
             (sum(d.itemsize for d, _ in p.tensors.values()) for p in self.probes.values()),
             default=0,
         )
-        chunk = engine.config.staging_bytes // (3 * per_element)
-        self.chunk = max(_CHUNK_ALIGN, chunk // _CHUNK_ALIGN * _CHUNK_ALIGN)
+        # Chunks start at multiples of ``align`` elements: page-aligned in every region.
+        smallest = min(
+            (d.itemsize for p in self.probes.values() for d, _ in p.tensors.values()),
+            default=_F32,
+        )
+        align = _PAGE // min(smallest, _F32)
+        chunk = self.staging.slot // per_element // align * align
+        self.chunk = max(align, chunk)  # beyond a slot: a buffer of its own (_acquire)
         self.file = None
         self.nbytes = at
         if at:
-            swap = engine.swap
+            swap = self.swap
             free = shutil.disk_usage(swap.dir).free
             if at > free:
                 from ..config import ConfigError
@@ -198,13 +194,13 @@ class NvmeGenericState:
         """Which probe describes a flat segment (``shape`` None) or a whole parameter."""
         return (group, (_PROBE,) if shape is None else tuple(shape))
 
-    def _master_location(self, unit) -> tuple[object, int, bool]:
-        """(file, offset, buffered) of the unit's fp32 master shard."""
+    def _master_location(self, unit) -> tuple[object, int]:
+        """(file, offset) of the unit's fp32 master shard."""
         if unit.placement.master_in_param_file:
             p = unit.params.extent
-            return p.file, p.offset, True
-        optim = self.engine.swap.extent("optim", unit.index)
-        return optim.file, optim.offset, False
+            return p.file, p.offset
+        optim = self.swap.extent("optim", unit.index)
+        return optim.file, optim.offset
 
     def chunks(self, unit) -> list[tuple[int, int]]:
         """The pieces of ``unit``'s shard a step streams: chunks of ``chunk`` elements (flat
@@ -214,46 +210,60 @@ class NvmeGenericState:
             return [(0, n)]
         return [(c0, min(c0 + self.chunk, n)) for c0 in range(0, n, self.chunk)]
 
-    def start(
-        self,
-        unit,
-        c0: int = 0,
-        c1: int | None = None,
-        with_grad: bool = True,
-        with_state: bool = True,
-    ) -> _Loaded:
-        """Issue the reads of elements ``[c0, c1)`` of ``unit``'s master, gradient and
-        per-element state (or its whole parameters' state)."""
-        loaded = _Loaded(unit, c0, c1)
-        c1 = loaded.c1
-        n = c1 - c0
-        file, offset, buffered = self._master_location(unit)
-        for h in unit.param_file_writes:
-            h.wait()
-        loaded.master = aligned_empty(n, torch.float32)
-        loaded.handles.append(file.read(loaded.master, offset + c0 * _F32))
-        for key, r in self._regions_of(unit) if with_state else ():
-            if key[0] == "u":  # a shard-long region: this chunk of it
-                buf = aligned_empty(n, r.dtype)
-                loaded.handles.append(self.file.read(buf, r.offset + c0 * r.dtype.itemsize))
-                loaded.state[key] = buf
-            else:
-                buf = aligned_empty(r.numel, r.dtype)
-                loaded.handles.append(self.file.read(buf, r.offset))
-                loaded.state[key] = buf.view(r.shape)
-        if with_grad and not unit.grad_is_zero:
-            loaded.grad = self._grad(unit, c0, c1, loaded)
-        return loaded
+    @property
+    def slots(self) -> int:
+        # A whole unit may exceed a staging slot: three at most (read ahead, updated,
+        # written back), as ZeroAdamW's smallest pipeline.
+        return self.layout.slots if self.opt.layout == "flat" else 3
 
-    def _grad(self, unit, c0: int, c1: int, loaded: _Loaded) -> torch.Tensor:
-        """The chunk's gradient: a view of the shard in memory, or read from its file."""
-        grad = unit.grads.view(unit, c0, c1)
-        if grad is not None:
-            return grad
-        unit.wait_writes()  # spilled gradients must be on disk first
-        buf = aligned_empty(c1 - c0, torch.float32)
-        loaded.handles.append(unit.grads.read(unit, c0, c1, buf))
-        return buf
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        """A staging slot, or for a whole unit larger than one a buffer of its own."""
+        if nbytes > self.staging.slot:
+            return aligned_empty(round_up(nbytes), torch.uint8)
+        return self.staging.acquire(nbytes)
+
+    def _release(self, buf: torch.Tensor) -> None:
+        if buf.numel() == self.staging.slot:
+            self.staging.release(buf)
+
+    def _state_sizes(self, unit, c0: int, c1: int):
+        """(region key, region, bytes moved) of the chunk's state, in slot order."""
+        for key, r in self._regions_of(unit):
+            n = (c1 - c0) if key[0] == "u" else r.numel  # a shard-long region: the chunk's
+            yield key, r, n * r.dtype.itemsize
+
+    def _state_bytes(self, unit, c0: int, c1: int) -> int:
+        sizes = sum(round_up(nb) for _, _, nb in self._state_sizes(unit, c0, c1))
+        return round_up((c1 - c0) * _F32) + sizes
+
+    def _pieces(self, unit, c0: int, c1: int, buf: torch.Tensor, in_place: bool = False) -> list:
+        """(part of ``buf``, file, offset) of the chunk's master (first; none when updated in
+        place) and of each state region. The master takes the first bytes of ``buf``; a
+        master in the parameter file (buffered I/O) moves exactly its bytes."""
+        n = c1 - c0
+        out = []
+        at = round_up(n * _F32)
+        if not in_place:
+            file, offset = self._master_location(unit)
+            size = n * _F32 if unit.placement.master_in_param_file else at
+            out.append((buf[:size], file, offset + c0 * _F32))
+        for key, r, nb in self._state_sizes(unit, c0, c1):
+            offset = r.offset + (c0 * r.dtype.itemsize if key[0] == "u" else 0)
+            out.append((buf[at : at + round_up(nb)], self.file, offset))
+            at += round_up(nb)
+        return out
+
+    def _views(self, entry):
+        """The chunk's fp32 master and its state (region key -> tensor) in its slot."""
+        unit, c0, c1 = entry.item
+        buf, n = entry.buf, c1 - c0
+        master = buf[: n * _F32].view(torch.float32)
+        state, at = {}, round_up(n * _F32)
+        for key, r, nb in self._state_sizes(unit, c0, c1):
+            part = buf[at : at + nb].view(r.dtype)
+            state[key] = part if key[0] == "u" else part.view(r.shape)
+            at += round_up(nb)
+        return master, state
 
     def _regions_of(self, unit):
         if self.opt.layout == "flat":
@@ -269,24 +279,6 @@ class NvmeGenericState:
     def _flat_keys(self, unit) -> list[str]:
         return [k for (kind, i, k) in self.regions if kind == "u" and i == unit.index]
 
-    def finish(self, loaded: _Loaded, master_changed: bool = True) -> list:
-        """Write the unit's master (when changed) and state back; returns the handles."""
-        unit, c0 = loaded.unit, loaded.c0
-        handles = []
-        if master_changed:
-            file, offset, buffered = self._master_location(unit)
-            if buffered:
-                unit.keep_private()  # a gather mapping that file must not see the change
-            h = file.write(loaded.master, offset + c0 * _F32)
-            handles.append(h)
-            if buffered:
-                unit.param_file_writes.append(h)  # a gather waits for it
-        for key, buf in loaded.state.items():
-            r = self.regions[key]
-            at = r.offset + (c0 * r.dtype.itemsize if key[0] == "u" else 0)
-            handles.append(self.file.write(buf.reshape(-1), at))
-        return handles
-
     # ------------------------------------------------------------------------ state
     def begin_step(self) -> None:
         """A step starts: every chunk of a segment starts from the state (presence and
@@ -300,16 +292,16 @@ class NvmeGenericState:
     def in_step(self) -> bool:
         return self._before is not None
 
-    def install(self, loaded: _Loaded, targets) -> None:
+    def install(self, loaded: dict, targets) -> None:
         """Put the state of ``targets`` ((inner key, probe key, region prefix, slice or None))
-        into the inner optimizer: views of the loaded buffers, scalars, or what the class
-        makes at construction for a key without state yet."""
+        into the inner optimizer: views of ``loaded`` (a chunk's region key -> tensor),
+        scalars, or what the class makes at construction for a key without state yet."""
         inner = self.opt.inner
         present, scalars = self._before or (self.present, self.scalars)
         for key, probe_key, prefix, span in targets:
             if id(key) in present:
                 st = dict(scalars.get(id(key), {}))
-                for rk, buf in loaded.state.items():
+                for rk, buf in loaded.items():
                     if rk[:-1] == prefix:
                         st[rk[-1]] = buf[span] if span is not None else buf
                 inner.state[key] = st
@@ -331,7 +323,7 @@ class NvmeGenericState:
                 st[k] = v.clone() if torch.is_tensor(v) else v
         return st
 
-    def collect(self, loaded: _Loaded, targets) -> None:
+    def collect(self, loaded: dict, targets) -> None:
         """Take the state of ``targets`` back out of the inner optimizer into the buffers
         (the optimizer may have replaced a tensor rather than updated it) and memory."""
         inner = self.opt.inner
@@ -342,8 +334,8 @@ class NvmeGenericState:
             scalars = {}
             for k, v in st.items():
                 rk = (*prefix, k)
-                if rk in loaded.state:
-                    dst = loaded.state[rk][span] if span is not None else loaded.state[rk]
+                if rk in loaded:
+                    dst = loaded[rk][span] if span is not None else loaded[rk]
                     if dst.data_ptr() != v.data_ptr():
                         dst.copy_(v)
                 elif torch.is_tensor(v) and v.numel() > 1:
@@ -413,13 +405,17 @@ class NvmeGenericState:
         self.scalars.pop(id(key), None)
 
     def read_master(self, unit) -> torch.Tensor:
-        loaded = self.start(unit, with_grad=False, with_state=False)
-        loaded.wait()
-        return loaded.master
+        file, offset = self._master_location(unit)
+        for h in unit.param_file_writes:
+            h.wait()
+        master = aligned_empty(unit.shard_numel, torch.float32)
+        file.read(master, offset).wait()
+        return master
 
     def write_master(self, unit, master: torch.Tensor) -> None:
-        loaded = _Loaded(unit)
-        loaded.master = aligned_empty(unit.shard_numel, torch.float32)
-        loaded.master.copy_(master.reshape(-1))
-        for h in self.finish(loaded):
-            h.wait()
+        file, offset = self._master_location(unit)
+        buf = aligned_empty(unit.shard_numel, torch.float32)
+        buf.copy_(master.reshape(-1))
+        if unit.placement.master_in_param_file:
+            unit.keep_private()  # a gather mapping that file must not see the change
+        file.write(buf, offset).wait()

@@ -510,6 +510,11 @@ class NvmeStore:
         if layout.bits == 8:
             require_bitsandbytes()
 
+    @property
+    def slots(self) -> int:
+        """Chunks in staging at once (see [Note: reading ahead of backward])."""
+        return self.layout.slots
+
     def _q8(self, unit) -> bool:
         return self.layout.quantized(unit.numel)
 
@@ -548,17 +553,28 @@ class NvmeStore:
         return out
 
     # ----------------------------------------------------------------------- the step
+    def _state_bytes(self, unit, c0: int, c1: int) -> int:
+        """Bytes of a slot the chunk's master and optimizer state take (its gradient, when
+        read from its file, comes after them)."""
+        n = c1 - c0
+        if self._q8(unit):
+            return record_buffer_bytes(n, not unit.placement.master_in_param_file)
+        return 3 * round_up(n * _F32)
+
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        return self.staging.acquire(nbytes)
+
+    def _release(self, buf: torch.Tensor) -> None:
+        self.staging.release(buf)
+
     def _start(self, item) -> _Entry:
-        """Acquire a slot and issue the reads of the chunk's master and moments (its
+        """Acquire a slot and issue the reads of the chunk's master and state (its
         gradient comes with ``_attach_grad``, once the unit's gradient is final)."""
         unit, c0, c1 = item
         n = c1 - c0
-        if self._q8(unit):
-            state_bytes = record_buffer_bytes(n, not unit.placement.master_in_param_file)
-        else:
-            state_bytes = 3 * round_up(n * _F32)
+        state_bytes = self._state_bytes(unit, c0, c1)
         grad_room = n * _F32 if unit.grads.on_disk else 0
-        buf = self.staging.acquire(state_bytes + grad_room)
+        buf = self._acquire(state_bytes + grad_room)
         in_place = self.updates_in_place(unit)
         pieces = self._pieces(unit, c0, c1, buf, in_place)
         handles = [file.read(part, off) for part, file, off in pieces]
@@ -586,6 +602,18 @@ class NvmeStore:
                 "of updating it in place",
                 why,
             )
+
+    def _views(self, entry: _Entry):
+        """The chunk's fp32 master and optimizer state (``update``'s arguments) in its slot:
+        two fp32 moments, or a :class:`Q8Moments`."""
+        unit, c0, c1 = entry.item
+        n, buf = c1 - c0, entry.buf
+        if self._q8(unit):
+            return _record_views(buf, n, not unit.placement.master_in_param_file)
+        f32 = buf.view(torch.float32)
+        stride = entry.state_bytes // 3 // _F32
+        master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
+        return master, (m, v)
 
     def _update_in_place(self, update, unit, c0: int, c1: int, moments, grad) -> None:
         """``update`` with the chunk's master in the parameter file's pages (see [Note: the
@@ -656,7 +684,7 @@ class NvmeStore:
         in order. Should the pipeline fail (an I/O error, an exception in ``update``),
         it waits for its transfers and gives every slot back on the way out."""
         feed = Feed.of(feed)
-        slots = self.layout.slots
+        slots = self.slots
         writes: deque = deque()  # (handles, buf) of updated chunks
         started: deque = deque()  # entries whose reads are issued, in order
         todo = feed.todo  # launched chunks not started yet (``Feed.promote`` reorders)
@@ -758,19 +786,12 @@ class NvmeStore:
                     if not h.done():
                         yield h
                     h.wait()
-                n = c1 - c0
                 in_param_file = unit.placement.master_in_param_file
-                if self._q8(unit):
-                    master, q8 = _record_views(buf, n, not in_param_file)
-                    update(unit, c0, c1, master, q8, entry.grad)
+                master, state = self._views(entry)
+                if entry.in_place:
+                    self._update_in_place(update, unit, c0, c1, state, entry.grad)
                 else:
-                    f32 = buf.view(torch.float32)
-                    stride = entry.state_bytes // 3 // _F32
-                    master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
-                    if entry.in_place:
-                        self._update_in_place(update, unit, c0, c1, (m, v), entry.grad)
-                    else:
-                        update(unit, c0, c1, master, (m, v), entry.grad)
+                    update(unit, c0, c1, master, state, entry.grad)
                 entry.grad = None
                 if c1 == unit.shard_numel:
                     unit.drop_held_grad()  # its last chunk is updated
@@ -806,7 +827,7 @@ class NvmeStore:
                     h.wait()
                 except OSError:
                     pass
-            self.staging.release(buf)
+            self._release(buf)
 
     @staticmethod
     def _pending(handles):
@@ -818,7 +839,7 @@ class NvmeStore:
         handles, buf = entry
         for h in handles:
             h.wait()
-        self.staging.release(buf)
+        self._release(buf)
 
     def read_moment_ranges(self, unit, ranges: list[tuple[int, int]]):
         """exp_avg and exp_avg_sq (fp32 moments) of the shard element ranges ``[a, b)``,

@@ -1,0 +1,162 @@
+"""The units an optimizer updates during one overlapped backward, streamed through its
+state store's pipeline (see [Note: overlapped step] and [Note: carrying the step into the
+next forward] in zero_adam.py, [Note: reading ahead of backward] in state_store.py).
+
+The optimizer provides ``store`` (``chunks``, ``pipeline``), ``_unit_segments``,
+``_count_step``, ``_update_chunk(unit, c0, c1, master, state, grad)``, ``_launch_order``
+(the units of its last overlapped step, in order) and ``_carry`` (the step carried into
+the forward, if any): ZeroAdamW and ZeroOptimizer with its state on NVMe.
+"""
+
+from __future__ import annotations
+
+from .state_store import IDLE, Feed
+
+__all__ = ["OverlappedStep"]
+
+
+class OverlappedStep:
+    """The units updated during one overlapped backward ([Note: overlapped step]), and
+    after ``step()`` in the next forward ([Note: carrying the step into the next forward])."""
+
+    def __init__(self, opt, carry: bool = False) -> None:
+        self.opt = opt
+        self.carry = carry
+        self.launched: dict[int, None] = {}  # unit indices, in launch order
+        self.unfinished: dict[int, object] = {}  # launched units not updated yet
+        self.progress: dict[int, int] = {}  # unit index -> shard elements updated (in order)
+        # Chunks of launched units, in launch order; expected: those of the last
+        # overlapped step's units in its order, which an NVMe store reads ahead of their
+        # launch (see [Note: reading ahead of backward] in state_store.py).
+        units = opt.engine.units  # a unit's index is its place in this list
+        expected = [
+            (units[i], c0, c1) for i in opt._launch_order for c0, c1 in opt.store.chunks(units[i])
+        ]
+        self.feed = Feed(closed=False, expected=expected)
+        self._job = None  # the store's pipeline over the feed (one for the whole backward)
+        self._waiting = None  # the I/O handle it waits for, or IDLE
+        self._failed: BaseException | None = None  # what ended the pipeline early
+        self._phase = "during backward"  # when it runs, for the error message
+        self._refused = False  # a second backward was refused (check_second_backward)
+        if expected:
+            self._job = opt.store.pipeline(self.feed, self._update)
+            self.pump()  # reads ahead start before backward does
+
+    def _update(self, unit, c0, c1, *state) -> None:
+        self.opt._update_chunk(unit, c0, c1, *state)
+        self.progress[unit.index] = c1
+        if c1 == unit.shard_numel:
+            self.unfinished.pop(unit.index, None)
+            unit.update_pending = False
+
+    def launch(self, unit) -> None:
+        """``unit``'s gradient shard is final: queue its update and start what can start."""
+        opt = self.opt
+        segs = opt._unit_segments.get(unit.index)
+        if segs is None or unit.grad_is_zero or unit.index in self.launched:
+            return
+        self.launched[unit.index] = None
+        self.unfinished[unit.index] = unit
+        unit.update_pending = True
+        opt._count_step(unit)
+        self.feed.items.extend((unit, c0, c1) for c0, c1 in opt.store.chunks(unit))
+        if self._job is None:
+            self._job = opt.store.pipeline(self.feed, self._update)
+        self.pump()
+
+    def pump(self, block: bool = False) -> None:
+        """Advance the queued updates until one must wait for I/O (or, with ``block``, to
+        the end) or nothing is queued."""
+        while self._job is not None:
+            waiting = self._waiting
+            if waiting is IDLE:
+                if not self.feed.items and not self.feed.closed:
+                    return
+            elif waiting is not None and not block and not waiting.done():
+                return
+            self._resume()
+
+    def _resume(self) -> None:
+        """Run the pipeline to its next wait (waiting first for the handle it gave)."""
+        self._check_failed()
+        try:
+            self._waiting = next(self._job)  # resuming waits for the last handle
+        except StopIteration:
+            self._job = self._waiting = None
+        except BaseException as exc:
+            self._job = self._waiting = None
+            self._failed = exc
+            if self.opt._carry is self:  # past step(): say what it means for training
+                self._check_failed()
+            raise
+
+    def settle(self, unit=None) -> None:
+        """Run the pipeline until ``unit`` (moved to the front first) is updated, or with
+        None to the end. The feed is closed by then (``close``)."""
+        if unit is not None and unit.index not in self.unfinished:
+            return
+        self._check_failed()
+        if unit is not None:
+            self.feed.promote(unit)
+        while self._job is not None and (unit is None or unit.index in self.unfinished):
+            self._resume()
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    def abandon(self) -> None:
+        """Forget the updates a failure left undone (their units' state is about to be
+        replaced); the pipeline gave its staging slots back when it failed."""
+        for unit in self.unfinished.values():
+            unit.update_pending = False
+            unit.drop_held_grad()
+        self.unfinished.clear()
+        self.feed.items.clear()
+        self.feed.todo.clear()
+        self._failed = None
+
+    def _check_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(
+                f"overlapped step: the optimizer's update pipeline failed {self._phase} "
+                f"({self._failed!r}); some units of that step were not updated: resume "
+                "from the last checkpoint"
+            ) from self._failed
+
+    def check_second_backward(self) -> None:
+        """A backward pass starts inside this overlapped step: refused once an earlier one
+        launched updates (they used its gradients alone; the new ones would be lost)."""
+        if not self.launched:
+            return
+        exc = RuntimeError(
+            "overlapped(): a second backward pass inside one overlapped() block: the first "
+            "already updated the units it finished, without this one's gradients; sum the "
+            "losses and call backward once, or wrap only the step's last backward"
+        )
+        self._refused = True  # step() refuses too: the step is incomplete
+        raise exc
+
+    def close(self) -> None:
+        """Backward is over: no more units come. Refuses a step a second backward broke."""
+        self.feed.closed = True
+        if self._refused:
+            self.carry = False
+            self.pump(block=True)
+            raise RuntimeError(
+                "overlapped step: a second backward pass was refused; some units of this "
+                "step were updated with the first pass's gradients alone and the others not "
+                "at all: resume from the last checkpoint"
+            )
+        self._check_failed()
+        self.opt._launch_order = list(self.launched)
+        self._phase = "in step()"
+
+    def finish(self) -> None:
+        """Run every queued update to its end."""
+        self.feed.closed = True
+        self.pump(block=True)
+        self._check_failed()
+        if self.feed.items or self.feed.todo or self.unfinished:
+            # an update lost would be silent: refuse instead
+            raise RuntimeError("overlapped step: the pipeline ended with updates still queued")
