@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from zerotune import ConfigError, ZeroConfig, load_config
@@ -43,6 +45,37 @@ def test_impossible_values_are_explained():
         ZeroConfig(stage=2, offload_param="cpu")
     with pytest.raises(ConfigError, match="did you mean 'nvme'"):
         ZeroConfig(offload_param="nvmee")
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("stage", True, "stage must be a whole number, got True"),
+        ("stage", 3.0, "stage must be a whole number, got 3.0"),
+        ("optim_state_bits", False, "optim_state_bits must be a whole number"),
+        ("aio_threads", "4", "aio_threads must be a whole number"),
+        ("map_param_file", 1, "map_param_file must be true or false, got 1"),
+        ("find_unused_parameters", "yes", "find_unused_parameters must be true or false"),
+        ("loss_scale_init", True, "loss_scale_init must be a number, got True"),
+        ("dtype", 16, "dtype must be a string, got 16"),
+        ("unit_modules", "GPT2Block", "unit_modules must be a list of names or null"),
+        ("unit_modules", [1], "unit_modules must be a list of names"),
+        ("prefetch_bytes", True, "prefetch_bytes: expected a size in bytes, got True"),
+    ],
+)
+def test_booleans_and_numbers_are_not_each_other(key, value, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        ZeroConfig.from_dict({key: value})
+
+
+def test_the_same_checks_hold_in_files(tmp_path):
+    path = tmp_path / "z.yaml"
+    path.write_text("stage: true\n")  # YAML's true, not the stage 1
+    with pytest.raises(ConfigError, match="z.yaml: stage must be a whole number, got True"):
+        load_config(path)
+    path.write_text("loss_scale_init: 1024\nmap_param_file: false\n")
+    config = load_config(path)
+    assert config.loss_scale_init == 1024 and config.map_param_file is False
 
 
 def test_yaml_and_json_files(tmp_path):

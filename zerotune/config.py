@@ -174,6 +174,7 @@ class ZeroConfig:
     find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.stage not in (1, 2, 3):
             raise ConfigError(f"stage must be 1, 2 or 3, got {self.stage!r}")
         for name in ("dtype", "grad_dtype"):
@@ -183,16 +184,7 @@ class ZeroConfig:
                     f"{name} must be one of fp32, bf16, fp16, got {value!r}"
                     + _suggest(str(value), list(_DTYPES))
                 )
-        for name in (
-            "prefetch_bytes",
-            "max_live_bytes",
-            "persistence_threshold",
-            "grad_host_bytes",
-            "staging_bytes",
-            "aio_block_bytes",
-            "host_cache_bytes",
-            "tile_linear_bytes",
-        ):
+        for name in sorted(_BYTE_FIELDS):
             setattr(self, name, parse_bytes(getattr(self, name), name=name))
         for name in ("offload_param", "offload_optimizer", "offload_activations"):
             value = getattr(self, name)
@@ -219,13 +211,24 @@ class ZeroConfig:
                 "nvme_path is set but none of offload_param, offload_optimizer, "
                 "offload_activations is 'nvme'"
             )
-        for name in ("auto_external_params", "map_param_file", "find_unused_parameters"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.loss_scale_init <= 0 or self.loss_scale_min <= 0:
             raise ConfigError("loss scales must be positive")
         if self.loss_scale_window < 1:
             raise ConfigError("loss_scale_window must be at least 1")
+
+    def _check_types(self) -> None:
+        """Each field holds its declared kind: a boolean is no number here (``stage: true``
+        is refused, not read as 1), a number no boolean, a name a string. Sizes in bytes
+        are read by ``parse_bytes`` (numbers or strings such as ``"64MiB"``)."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), _KINDS.get(str(f.type))
+            if kind is None or f.name in _BYTE_FIELDS:
+                continue
+            types, want = kind
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                raise ConfigError(f"{f.name} must be {want}, got {value!r}")
+        if self.unit_modules is not None and not all(isinstance(m, str) for m in self.unit_modules):
+            raise ConfigError(f"unit_modules must be a list of names, got {self.unit_modules!r}")
 
     @property
     def offload_tiers(self) -> tuple[str, str, str]:
@@ -256,6 +259,28 @@ class ZeroConfig:
 
     def replace(self, **changes: Any) -> ZeroConfig:
         return ZeroConfig.from_dict({**self.to_dict(), **changes})
+
+
+# The declared kind of each field (``fields().type`` is the annotation's text here): the
+# types a value may have, and how to say it.
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "a whole number"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "str | None": ((str, type(None)), "a string or null"),
+    "list[str] | None": ((list, type(None)), "a list of names or null"),
+}
+_BYTE_FIELDS = {
+    "prefetch_bytes",
+    "max_live_bytes",
+    "persistence_threshold",
+    "grad_host_bytes",
+    "staging_bytes",
+    "aio_block_bytes",
+    "host_cache_bytes",
+    "tile_linear_bytes",
+}
 
 
 def _strict_init(init):
