@@ -117,7 +117,12 @@ class SafetensorsCheckpoint:
 
 
 def read_safetensors_header(path: Path) -> dict[str, _Entry]:
-    """The tensors of one safetensors file: dtype, shape, byte offset and length of each."""
+    """The tensors of one safetensors file: dtype, shape, byte offset and length of each.
+    The header is checked by the safetensors library first, as it checks it when loading
+    (offsets sorted, contiguous and covering the data, each byte length numel x itemsize,
+    known dtypes): a file it refuses is refused here, never read at shifted offsets."""
+    from safetensors import SafetensorError, safe_open
+
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -130,6 +135,15 @@ def read_safetensors_header(path: Path) -> dict[str, _Entry]:
             header = json.loads(f.read(n))
         except ValueError:
             raise ModelLoadError(f"{path}: corrupt safetensors header (not JSON)") from None
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        if _runs_past_end(header, size - 8 - n):
+            msg = f"{path}: its tensors run past the end of the file (truncated)"
+            raise ModelLoadError(msg) from None
+        why = " ".join(str(exc).split())
+        raise ModelLoadError(f"{path}: not a valid safetensors file ({why})") from None
     out = {}
     for key, meta in header.items():
         if key == "__metadata__":
@@ -137,13 +151,18 @@ def read_safetensors_header(path: Path) -> dict[str, _Entry]:
         begin, end = meta["data_offsets"]
         if meta["dtype"] not in SAFETENSORS_DTYPES:
             raise ModelLoadError(f"{path}: tensor {key!r} has unsupported dtype {meta['dtype']}")
-        if 8 + n + end > size:
-            raise ModelLoadError(
-                f"{path}: tensor {key!r} runs past the end of the file (truncated)"
-            )
         dtype = SAFETENSORS_DTYPES[meta["dtype"]]
         out[key] = _Entry(path, dtype, tuple(meta["shape"]), 8 + n + begin, end - begin)
     return out
+
+
+def _runs_past_end(header, data_bytes: int) -> bool:
+    """Whether a header (as parsed, not yet validated) puts data beyond ``data_bytes``."""
+    try:
+        ends = [m["data_offsets"][1] for k, m in header.items() if k != "__metadata__"]
+        return max(ends, default=0) > data_bytes
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return False
 
 
 def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
