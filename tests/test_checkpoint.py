@@ -284,6 +284,45 @@ def test_tampered_manifest_is_named(root):
         load_checkpoint(fresh_odd(), root)
 
 
+def _rewrite_manifest(folder, change) -> None:
+    """Change the manifest and write a COMPLETE marker that matches it (as a save would)."""
+    import hashlib
+
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+    marker = json.loads((folder / "COMPLETE").read_text())
+    marker["manifest_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (folder / "COMPLETE").write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda m: m.pop("files"), r"at the top level: 'files' is a required property"),
+        (lambda m: m.update(world_size="2"), r"at \['world_size'\]: '2' is not of type"),
+        (lambda m: m["params"][0].pop("ranges"), r"at \['params'\]\[0\]: 'ranges' is a required"),
+        (lambda m: m["params"][1].update(offset=-4), r"at \['params'\]\[1\]\['offset'\]"),
+        (lambda m: m["units"].append(7), r"at \['units'\]\[\d+\]: 7 is not of type 'object'"),
+    ],
+)
+def test_a_manifest_missing_its_fields_is_refused_in_one_line(root, change, says, tmp_path):
+    """Valid JSON with a matching marker, but not what a save writes: refused on read, by
+    resume and by export, in one line, instead of a KeyError deep inside."""
+    from zerotune.checkpoint.export import export_hf
+
+    _rewrite_manifest(root / "step-00000002", change)
+    for call in (
+        lambda: load_checkpoint(fresh_odd(), root / "step-00000002"),
+        lambda: export_hf(root / "step-00000002", tmp_path / "out"),
+    ):
+        with pytest.raises(CheckpointError, match="malformed manifest " + says) as err:
+            call()
+        assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("text", ["", "garbage", "[1]"])
 def test_an_unreadable_marker_is_named_not_skipped(root, text):
     """A COMPLETE marker is written whole by a rename, so one that is there but unreadable is

@@ -64,6 +64,73 @@ BUFFERS = "buffers.safetensors"
 _RANK_FILE = re.compile(r"rank-(\d+)-of-(\d+)\.safetensors")
 
 
+# What a manifest must hold for resume, export and resharding to read it (checked on read,
+# after its checksum: a manifest of this version that lacks a field or holds the wrong kind
+# of value is refused in one line instead of failing deep inside a load).
+_COUNT = {"type": "integer", "minimum": 0}
+_OBJECT_OR_NULL = {"type": ["object", "null"]}
+MANIFEST_SCHEMA = {
+    "type": "object",
+    "required": ["format", "version", "step", "world_size", "config", "units", "params", "files"],
+    "properties": {
+        "format": {"const": FORMAT},
+        "version": {"type": "integer", "minimum": 1},
+        "step": _COUNT,
+        "world_size": {"type": "integer", "minimum": 1},
+        "stage": {"enum": [1, 2, 3]},
+        "config": {"type": "object"},
+        "units": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "name", "numel", "padded_numel", "shard_numel"],
+                "properties": {
+                    "index": _COUNT,
+                    "name": {"type": "string"},
+                    "numel": _COUNT,
+                    "padded_numel": _COUNT,
+                    "shard_numel": _COUNT,
+                },
+            },
+        },
+        "params": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "shape", "unit", "offset", "numel", "step", "ranges"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "aliases": {"type": "array", "items": {"type": "string"}},
+                    "shape": {"type": "array", "items": _COUNT},
+                    "unit": _COUNT,
+                    "offset": _COUNT,
+                    "numel": _COUNT,
+                    "trainable": {"type": "boolean"},
+                    "step": {"type": "integer", "minimum": -1},  # -1: saved without its optimizer
+                    "ranges": {
+                        "type": "array",
+                        "items": {"type": "array", "items": _COUNT, "minItems": 4, "maxItems": 4},
+                    },
+                },
+            },
+        },
+        "files": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "required": ["sha256", "bytes"],
+                "properties": {"sha256": {"type": "string"}, "bytes": _COUNT},
+            },
+        },
+        "buffers": {"type": ["array", "null"], "items": {"type": "string"}},
+        "tiled": {"type": ["array", "null"]},
+        "optimizer": _OBJECT_OR_NULL,
+        "scheduler": _OBJECT_OR_NULL,
+        "scaler": _OBJECT_OR_NULL,
+    },
+}
+
+
 class CheckpointError(ValueError):
     """A checkpoint cannot be saved or used; the message names the file and says why."""
 
@@ -249,14 +316,28 @@ def read_manifest(folder: Path) -> dict:
         manifest = json.loads(path.read_text())
     except ValueError:
         raise CheckpointError(f"{path}: not JSON") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a zerotune checkpoint manifest")
-    if manifest.get("version", 0) > VERSION:
+    version = manifest.get("version", 0)
+    if isinstance(version, int) and version > VERSION:
         raise CheckpointError(
-            f"{path}: format version {manifest.get('version')} is newer than this zerotune "
-            f"reads ({VERSION}); upgrade zerotune"
+            f"{path}: format version {version} is newer than this zerotune reads ({VERSION}); "
+            "upgrade zerotune"
         )
+    _check_schema(path, manifest)
     return manifest
+
+
+def _check_schema(path: Path, manifest: dict) -> None:
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(MANIFEST_SCHEMA).iter_errors(manifest)
+    )
+    if error is not None:
+        where = "".join(f"[{p!r}]" for p in error.absolute_path) or "the top level"
+        what = error.message if len(error.message) <= 120 else error.message[:117] + "..."
+        raise CheckpointError(f"{path}: malformed manifest at {where}: {what}")
 
 
 def check_files(folder: Path, manifest: dict) -> None:
