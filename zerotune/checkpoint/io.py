@@ -107,9 +107,19 @@ def _agree(engine, error: BaseException | None, what: str) -> None:
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=engine.device)
     zdist.all_reduce_sum(flag, engine.group)
     if error is not None:
-        raise error
+        raise _one_line(error, what)
     if flag.item():
         raise CheckpointError(f"{what} failed on another rank (its error says why)")
+
+
+def _one_line(error: BaseException, what: str) -> BaseException:
+    """An operating system error of a save (a full disk, a lost permission) as one
+    CheckpointError naming what failed; other errors as they are."""
+    if isinstance(error, OSError):
+        where = f" ({error.filename})" if error.filename else ""
+        why = error.strerror or str(error)
+        return CheckpointError(f"{what} failed: {why}{where}")
+    return error
 
 
 def _all_reduce_max(t: torch.Tensor, group) -> None:
@@ -288,7 +298,7 @@ def save_checkpoint(
     if failed and engine.rank == 0:
         shutil.rmtree(staged, ignore_errors=True)  # every rank is done writing into it
     if error is not None:
-        raise error
+        raise _one_line(error, f"writing {folder}")
     if failed:
         raise CheckpointError(f"writing {folder} failed on rank(s) {failed} (their errors say why)")
 
@@ -319,8 +329,9 @@ def save_checkpoint(
                 _rotate(root, keep_last, folder)
         except Exception as exc:  # noqa: BLE001 - re-raised by _agree on every rank
             error = exc
-            if not moving:  # a save that failed leaves no hidden folder behind
-                shutil.rmtree(staged, ignore_errors=True)
+            if moving:
+                _settle_failed_move(folder)
+            shutil.rmtree(staged, ignore_errors=True)  # a failed save leaves no folder behind
     _agree(engine, error, f"finishing {folder}")
     log.info("zerotune: saved checkpoint %s (step %d, world size %d)", folder, step, engine.world)
     return folder
@@ -363,6 +374,17 @@ def _move_into_place(staged: Path, folder: Path) -> None:
         staged.rename(folder)
         shutil.rmtree(trash, ignore_errors=True)
     fsync_dir(folder.parent)
+
+
+def _settle_failed_move(folder: Path) -> None:
+    """``_move_into_place`` failed: an older checkpoint of the name that was renamed away
+    gets its name back (the new one, still staged, is then removed)."""
+    trash = folder.with_name(_TRASH + folder.name)
+    if not folder.exists() and trash.is_dir():
+        try:
+            trash.rename(folder)
+        except OSError:
+            pass
 
 
 def _remove_checkpoint(folder: Path) -> None:

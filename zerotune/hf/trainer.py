@@ -34,14 +34,21 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
   scheduler, loss scaler, RNG states; safetensors and JSON, no pickle), written by
   ``_save_optimizer_and_scheduler``. ``save_model`` skips the model inside checkpoints (the
   zerotune checkpoint holds it; ``zerotune export checkpoint-N out`` consolidates it) unless
-  ``save_only_model`` is set. Resuming loads everything in ``_load_optimizer_and_scheduler``,
-  once the optimizer and scheduler exist, at any world size.
+  ``save_only_model`` is set. ``TRAINER_COMPLETE``, written last (after the fsynced
+  ``trainer_state.json``, before older checkpoints are rotated out), holds the checksums of
+  ``trainer_state.json`` and of ``zero/COMPLETE``: a folder without it, or whose files no
+  longer match it, is skipped by ``--resume`` / ``resume_from_checkpoint=True`` (the one
+  before is taken) and refused when named. A save that fails leaves no folder. Resuming
+  loads everything in ``_load_optimizer_and_scheduler``, once the optimizer and scheduler
+  exist, at any world size.
 - ``save_model`` writes a consolidated HF folder (config.json + safetensors) with
   ``save_hf``: every rank takes part, rank 0 writes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import random
@@ -56,6 +63,7 @@ from transformers import PretrainedConfig, Trainer, TrainerCallback
 
 from .. import dist as zdist
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_hf
+from ..checkpoint.files import atomic_write_bytes, sha256_file
 from ..checkpoint.manifest import MARKER, trainer_checkpoints
 from ..estimate import check_estimate
 from ..init import from_pretrained, load_weights, zero_init
@@ -74,7 +82,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 log.addFilter(zdist.RankFilter())
 
+TRAINER_STATE = "trainer_state.json"
 ZERO_DIR = "zero"  # the zerotune checkpoint inside a Trainer checkpoint folder
+# Written last into a Trainer checkpoint folder, once trainer_state.json is on disk: the
+# checksums of that file and of the zerotune checkpoint's marker (see check_resumable).
+TRAINER_MARKER = "TRAINER_COMPLETE"
 _WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$|^model\.safetensors\.index\.json$")
 
 
@@ -466,6 +478,36 @@ class ZeroTrainer(Trainer):
         zdist.barrier(self.engine.group)
         log.info("zerotune: saved the model to %s", output)
 
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, then a marker covering everything a resume reads
+        (``TRAINER_MARKER``: the zerotune checkpoint and ``trainer_state.json``, fsynced).
+        Older checkpoints are rotated out only after the new one is complete. A save that
+        fails (a full disk) leaves no folder behind and raises one CheckpointError."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = Path(self._get_output_dir(trial=trial))
+        folder = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # rotated below, once this checkpoint is complete
+        try:
+            super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                _mark_complete(folder, self.state.global_step)
+        except (OSError, CheckpointError) as exc:
+            if self.args.should_save and folder.is_dir():
+                shutil.rmtree(folder, ignore_errors=True)  # nothing half-written stays
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise CheckpointError(f"saving the checkpoint {folder} failed: {why}") from None
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.should_save and limit:
+            rotate_checkpoints(
+                output_dir=str(run_dir),
+                save_total_limit=limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         tokenizer = self.processing_class
         save_checkpoint(
@@ -579,26 +621,69 @@ class _CheckEstimateOnce(TrainerCallback):
 
 # ------------------------------------------------------------------------------ helpers
 def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The newest ``checkpoint-N`` under ``output_dir`` whose trainer state and zerotune
-    checkpoint were both written to the end (a save killed half-way is skipped)."""
+    """The newest ``checkpoint-N`` under ``output_dir`` whose save finished. One cut short
+    (no marker) is skipped with a warning; one whose files no longer match its marker was
+    complete once and has been changed since: an error, not a silent step back (as for
+    zerotune checkpoints, see checkpoint/manifest.py)."""
     for p in reversed(trainer_checkpoints(output_dir)):
-        if (p / "trainer_state.json").is_file() and (p / ZERO_DIR / MARKER).is_file():
+        why = _incomplete(p)
+        if why is None:
             return str(p)
-        log.warning("zerotune: %s is incomplete (its save was interrupted); skipping it", p)
+        if (p / TRAINER_MARKER).is_file():
+            raise CheckpointError(
+                f"{p} was changed after its save ({why}); resume from an earlier checkpoint "
+                "by naming it"
+            )
+        log.warning("zerotune: skipping %s: %s", p, why)
+    return None
+
+
+def _mark_complete(folder: Path, step: int) -> None:
+    """Write ``TRAINER_MARKER`` into a Trainer checkpoint whose files are all written."""
+    state = folder / TRAINER_STATE
+    with open(state, "rb") as f:
+        data = f.read()
+        os.fsync(f.fileno())  # the marker must never outlive the state it covers
+    json.loads(data)
+    zero = folder / ZERO_DIR / MARKER
+    record = {
+        "step": step,
+        "trainer_state_sha256": hashlib.sha256(data).hexdigest(),
+        "zero_marker_sha256": sha256_file(zero) if zero.is_file() else None,
+    }
+    atomic_write_bytes(folder / TRAINER_MARKER, json.dumps(record).encode())
+
+
+def _incomplete(folder: Path) -> str | None:
+    """Why ``folder`` is not a complete ZeroTrainer checkpoint, or None."""
+    marker = folder / TRAINER_MARKER
+    if not marker.is_file():
+        return f"no {TRAINER_MARKER} marker: its save was interrupted"
+    try:
+        record = json.loads(marker.read_text())
+        if not isinstance(record, dict):
+            raise ValueError
+    except (OSError, ValueError):
+        return f"its {TRAINER_MARKER} marker is unreadable (damaged after the save)"
+    state = folder / TRAINER_STATE
+    if not state.is_file() or sha256_file(state) != record.get("trainer_state_sha256"):
+        return f"{TRAINER_STATE} does not match its marker (lost or changed after the save)"
+    zero = folder / ZERO_DIR / MARKER
+    expected = record.get("zero_marker_sha256")
+    if expected is not None and (not zero.is_file() or sha256_file(zero) != expected):
+        return f"{ZERO_DIR}/{MARKER} does not match its marker (changed after the save)"
     return None
 
 
 def check_resumable(folder: Path) -> None:
-    """Raise CheckpointError unless ``folder`` is a ZeroTrainer checkpoint that was completed."""
+    """Raise CheckpointError unless ``folder`` is a ZeroTrainer checkpoint that was completed
+    (its marker covers ``trainer_state.json`` and the zerotune checkpoint)."""
     if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such checkpoint folder")
+        raise CheckpointError(f"Can't find a valid checkpoint at {folder}")
     if (folder / ZERO_DIR).is_dir():
-        if not (folder / ZERO_DIR / MARKER).is_file():
-            raise CheckpointError(
-                f"{folder} is incomplete (no {ZERO_DIR}/{MARKER}: its save was interrupted)"
-            )
-        if not (folder / "trainer_state.json").is_file():
-            raise CheckpointError(f"{folder} has no trainer_state.json (its save was interrupted)")
+        why = _incomplete(folder)
+        if why is not None:
+            raise CheckpointError(f"{folder} cannot be resumed: {why}")
         return
     if any(_WEIGHT_FILES.match(p.name) for p in folder.iterdir()):
         raise CheckpointError(
