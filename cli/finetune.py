@@ -876,6 +876,17 @@ def _launch(nproc: int, options: dict) -> None:
     from torch.distributed.run import main as torchrun
 
     job = _prepare(options)  # bad input stops here, before any process starts
+    from zerotune.checkpoint.lock import FolderLock
+
+    holder = FolderLock.holder(job.args.output_dir)
+    if holder is not None:
+        if job.temp_nvme is not None:
+            shutil.rmtree(job.temp_nvme, ignore_errors=True)
+        who = f"pid {holder}" if holder > 0 else "another process"
+        raise BadInput(
+            f"{job.args.output_dir} is in use by another zerotune run ({who}); wait for it to "
+            "end or stop it, or choose another --output-dir"
+        )
     try:
         _tokenize(job)
     except BaseException:
@@ -963,14 +974,44 @@ def _exit_on_sigterm(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
+def _die_with_launcher() -> None:
+    """A rank started by ``_launch`` ends when its launcher does, however the launcher ends
+    (kill -9 included): a thread watches the parent; once it is gone the rank gets SIGTERM
+    (leaving through its finally blocks), and exits outright 30 s later if still alive."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="zerotune-launcher-watch", daemon=True).start()
+
+
 def _run(options: dict) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if _ERRORS_ENV in os.environ:  # a rank of _launch
+        _die_with_launcher()
     job = _prepare(options)  # first: it fails fast on bad input, before the slow imports
+    from zerotune.checkpoint import CheckpointError
+    from zerotune.checkpoint.lock import FolderLock
     from zerotune.config import ConfigError
     from zerotune.hf import ZeroTrainer, build_engine
     from zerotune.init.pretrained import ModelLoadError
 
+    lock = None
+    if os.environ.get("RANK", "0") == "0":  # the rank that writes the output folder
+        lock = FolderLock(job.args.output_dir)
+        try:
+            with _fail_on(CheckpointError):
+                lock.acquire()
+        except BaseException:
+            if job.temp_nvme is not None and _TEMP_NVME_ENV not in os.environ:
+                shutil.rmtree(job.temp_nvme, ignore_errors=True)
+            raise
     try:
         args = job.args
         with _fail_on(ConfigError, ModelLoadError):
@@ -1005,7 +1046,6 @@ def _run(options: dict) -> None:
             out.mkdir(parents=True, exist_ok=True)
             _write_job_record(out, _job_record(options, args))
         resume = args.resume_from_checkpoint or (True if options["resume"] else None)
-        from zerotune.checkpoint import CheckpointError
 
         with _fail_on(CheckpointError):  # a checkpoint that turns out damaged on loading
             result = trainer.train(resume_from_checkpoint=resume)
@@ -1018,6 +1058,8 @@ def _run(options: dict) -> None:
             _finish(job, trainer, result, eval_metrics, memory, _since_start())
         trainer.close()
     finally:
+        if lock is not None:
+            lock.release()
         if job.temp_nvme is not None and _TEMP_NVME_ENV not in os.environ:
             shutil.rmtree(job.temp_nvme, ignore_errors=True)
         from zerotune.dist import shutdown
