@@ -876,17 +876,12 @@ def _launch(nproc: int, options: dict) -> None:
     from torch.distributed.run import main as torchrun
 
     job = _prepare(options)  # bad input stops here, before any process starts
-    from zerotune.checkpoint.lock import FolderLock
-
-    holder = FolderLock.holder(job.args.output_dir)
-    if holder is not None:
+    try:
+        _refuse_if_held(job.args.output_dir)
+    except BadInput:
         if job.temp_nvme is not None:
             shutil.rmtree(job.temp_nvme, ignore_errors=True)
-        who = f"pid {holder}" if holder > 0 else "another process"
-        raise BadInput(
-            f"{job.args.output_dir} is in use by another zerotune run ({who}); wait for it to "
-            "end or stop it, or choose another --output-dir"
-        )
+        raise
     try:
         _tokenize(job)
     except BaseException:
@@ -974,6 +969,19 @@ def _exit_on_sigterm(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
+def _refuse_if_held(output_dir: str) -> None:
+    """Bad input: another run holds ``output_dir`` (see checkpoint/lock.py)."""
+    from zerotune.checkpoint.lock import FolderLock
+
+    holder = FolderLock.holder(output_dir)
+    if holder is not None:
+        who = f"pid {holder}" if holder > 0 else "another process"
+        raise BadInput(
+            f"{output_dir} is in use by another zerotune run ({who}); wait for it to end or "
+            "stop it, or choose another --output-dir"
+        )
+
+
 def _die_with_launcher() -> None:
     """A rank started by ``_launch`` ends when its launcher does, however the launcher ends
     (kill -9 included): a thread watches the parent; once it is gone the rank gets SIGTERM
@@ -1003,20 +1011,18 @@ def _run(options: dict) -> None:
     from zerotune.init.pretrained import ModelLoadError
 
     lock = None
-    if os.environ.get("RANK", "0") == "0":  # the rank that writes the output folder
-        lock = FolderLock(job.args.output_dir)
-        try:
-            with _fail_on(CheckpointError):
-                lock.acquire()
-        except BaseException:
-            if job.temp_nvme is not None and _TEMP_NVME_ENV not in os.environ:
-                shutil.rmtree(job.temp_nvme, ignore_errors=True)
-            raise
     try:
         args = job.args
+        writer = os.environ.get("RANK", "0") == "0"  # the rank that writes the output folder
+        if writer:
+            _refuse_if_held(args.output_dir)  # early and cheap; held below, once input is good
         with _fail_on(ConfigError, ModelLoadError):
             engine = build_engine(job.model_source, args)  # NVMe space is checked here
         _tokenize(job)  # the data's own checks (too few blocks, bad text) come here
+        if writer:
+            lock = FolderLock(args.output_dir)
+            with _fail_on(CheckpointError):
+                lock.acquire()
         if options["overwrite"]:  # the input is good: the earlier run's files go now
             from zerotune import dist as zdist
 

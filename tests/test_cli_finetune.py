@@ -494,3 +494,35 @@ def test_default_job_takes_the_epochs_asked_for():
     assert epochs.max_steps == -1 and epochs.num_train_epochs == 1
     assert parsed("--max_steps=7").max_steps == 7
     assert parsed("--num_train_epochs=2", "--max_steps", "5").max_steps == 5
+
+
+def test_a_folder_another_run_holds_is_refused_naming_it(env, tmp_path):
+    """A run (or a resume) into a folder another live run holds: one line naming its pid,
+    exit 2, nothing written; in one process and before a launcher starts its ranks."""
+    out = tmp_path / "out"
+    hold = (
+        "import sys, time\n"
+        "from zerotune.checkpoint.lock import FolderLock\n"
+        "FolderLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(out)], stdout=subprocess.PIPE, env=env
+    )
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        done = finetune_each(
+            env,
+            {
+                "one": ["--output-dir", out, "--max_steps", "1"],
+                "two": ["--output-dir", out, "--max_steps", "1", "--nproc-per-node", "2"],
+            },
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    for name, proc in done.items():
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, (name, proc.stderr[-2000:])
+        assert len(lines) == 1, (name, lines)
+        assert f"is in use by another zerotune run (pid {holder.pid})" in lines[0], name
+    assert [p.name for p in out.iterdir()] == [".zerotune.lock"]

@@ -188,9 +188,12 @@ def test_resume_from_mid_run_checkpoint(tmp_path):
     assert resumed.state.global_step == COMMON["max_steps"]
     torch.testing.assert_close(logged(resumed)[-2:], expected[-2:], rtol=RTOL, atol=0)
 
-    # A newer checkpoint whose zerotune files were never completed is skipped.
-    broken = tmp_path / "full" / "checkpoint-6" / "zero" / "COMPLETE"
-    broken.unlink()
+    # A newer checkpoint whose save was cut short (its zerotune files, and so the Trainer's
+    # marker written after them, never completed) is skipped.
+    from zerotune.hf.trainer import TRAINER_MARKER
+
+    (tmp_path / "full" / "checkpoint-6" / "zero" / "COMPLETE").unlink()
+    (tmp_path / "full" / "checkpoint-6" / TRAINER_MARKER).unlink()
     again = zero_run(str(tmp_path / "full"), train=False, **saving)
     again.train(resume_from_checkpoint=True)
     torch.testing.assert_close(logged(again)[-2:], expected[-2:], rtol=RTOL, atol=0)
