@@ -245,6 +245,10 @@ def finetune(**options) -> None:
         return
     try:
         _run(options)
+        if under_launcher:  # a rank of a finished run: see [Note: leaving a gloo rank]
+            from zerotune.dist import leave
+
+            leave(0)
     except KeyboardInterrupt:
         # Ctrl-C: the checkpoints written so far are complete (a partial one is not marked
         # so). Ranks under a launcher leave quietly: the launcher says it once.

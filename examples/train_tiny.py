@@ -74,5 +74,7 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    finally:
+    except BaseException:
         zdist.shutdown()  # a gloo group alive at exit can abort the process
+        raise
+    zdist.leave(0)  # no interpreter finalization: see [Note: leaving a gloo rank]

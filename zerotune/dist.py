@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ __all__ = [
     "get_world_size",
     "init_from_env",
     "shutdown",
+    "leave",
     "all_gather_into",
     "reduce_scatter_avg",
     "all_reduce_sum",
@@ -61,6 +64,29 @@ def shutdown() -> None:
     if is_initialized():
         gc.collect()  # engines let go of (reference cycles) hold on to the group's resources
         dist.destroy_process_group()
+
+
+def leave(code: int = 0) -> NoReturn:
+    """End this rank now, with ``code``, without interpreter finalization.
+
+    [Note: leaving a gloo rank]
+    A process that ends with gloo work objects still alive (a process group never
+    destroyed, or destroyed while Python objects still hold work or tensors of it) can
+    abort in interpreter finalization: gloo's worker threads release tensors that need
+    the GIL while the interpreter is being torn down, and the process dies with
+    "terminate called without an active exception" (exit -6) after finishing its work.
+    ``shutdown`` first (collect cycles, destroy the group while everything is alive),
+    then flush what Python buffers (stdio, logging) and ``os._exit``: finalization, the
+    moment of the abort, never runs. Everything the rank wrote must be closed by then
+    (atexit handlers do not run); the finetune command's ranks end this way."""
+    shutdown()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op=False):
