@@ -96,3 +96,49 @@ def test_random_corruption_is_read_as_the_library_reads_it_or_refused(tmp_path):
         counts["read"] += 1
     # Both outcomes happen: data flips read as flipped data, header damage is refused.
     assert counts["refused"] > 100 and counts["read"] > 20, counts
+
+
+def test_fuzzed_manifest_and_marker_load_the_saved_state_or_are_refused(tmp_path):
+    """Flips and truncations of a checkpoint's manifest.json and COMPLETE: loading gives the
+    saved weights bit for bit, or one CheckpointError line (the marker's checksum, the
+    schema); never other weights, never another exception."""
+    import shutil
+
+    from harness import batches, build, loss_of
+
+    import zerotune
+    from zerotune.checkpoint import load_checkpoint, save_checkpoint
+
+    engine = zerotune.shard(build("odd"), {"stage": 3})
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    engine.backward(loss_of(engine, batches("odd", 1)[0]))
+    opt.step()
+    base = tmp_path / "base"
+    folder = save_checkpoint(engine, base, step=1, optimizer=opt)
+    saved = engine.full_state_dict()
+    rng = random.Random(99)
+    counts = {"refused": 0, "loaded": 0}
+    for case in range(120):
+        root = tmp_path / f"c{case}"
+        shutil.copytree(base, root)
+        name = "manifest.json" if case % 2 == 0 else "COMPLETE"
+        path = root / folder.name / name
+        data = bytearray(path.read_bytes())
+        if case % 3 == 2:
+            data = data[: rng.randrange(len(data))]
+        else:
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data))
+        fresh = zerotune.shard(build("odd"), {"stage": 3})
+        fresh_opt = zerotune.ZeroAdamW(fresh, lr=1e-3)
+        try:
+            load_checkpoint(fresh, root / folder.name, optimizer=fresh_opt)
+        except CheckpointError as exc:
+            assert "\n" not in str(exc), (case, str(exc))
+            counts["refused"] += 1
+            continue
+        got = fresh.full_state_dict()
+        assert all(torch.equal(got[k], v) for k, v in saved.items()), case
+        counts["loaded"] += 1
+        shutil.rmtree(root)
+    assert counts["refused"] > 100, counts

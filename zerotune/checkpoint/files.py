@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 
-from ..init.pretrained import SAFETENSORS_DTYPES, ModelLoadError, read_safetensors_header
+from ..init.pretrained import (
+    SAFETENSORS_DTYPES,
+    ModelLoadError,
+    check_safetensors_header,
+    parse_safetensors_header,
+    read_safetensors_header,
+)
 from .manifest import CheckpointError
 
 __all__ = [
@@ -249,15 +255,14 @@ class TensorFileWriter:
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     """The ``__metadata__`` strings of a safetensors file (its tensors are read elsewhere),
-    from a header the safetensors library has checked."""
-    from safetensors import SafetensorError, safe_open
-
+    from a header checked as ``read_safetensors_header`` checks it."""
+    path = Path(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return f.metadata() or {}
-    except (SafetensorError, OSError) as exc:
-        why = " ".join(str(exc).split())
-        raise CheckpointError(f"{path}: not a valid safetensors file ({why})") from None
+        header, _, data_bytes = parse_safetensors_header(path, CheckpointError)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
+    check_safetensors_header(header, data_bytes, path, CheckpointError)
+    return header.get("__metadata__") or {}
 
 
 class TensorFileReader:
