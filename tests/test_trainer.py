@@ -401,3 +401,35 @@ def test_first_step_is_checked_against_the_estimate(tmp_path, caplog, monkeypatc
     assert f"Number of trainable parameters = {n:,}" in caplog.text
     transformers.utils.logging.disable_propagation()
     trainer.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_default_callbacks_and_parameter_counts_are_the_plain_trainers(tmp_path, stage):
+    """Nothing of zerotune's own shows in the Trainer's callbacks (the first step's estimate
+    check is an optimizer hook); the trainable count is the plain Trainer's at every stage,
+    frozen parameters left out, before and after training."""
+    from trainer_cases import COMMON, dataset
+    from transformers import Trainer, TrainingArguments
+
+    def frozen_model():
+        m = model()
+        m.transformer.wpe.weight.requires_grad_(False)
+        return m
+
+    plain = Trainer(
+        model=frozen_model(),
+        args=TrainingArguments(output_dir=str(tmp_path / "plain"), **COMMON),
+        train_dataset=dataset(),
+    )
+    zero = zero_run(
+        str(tmp_path / "zero"), model_source=frozen_model(), train=False, zero_stage=stage
+    )
+    kinds = [type(cb) for cb in zero.callback_handler.callbacks]
+    assert kinds == [type(cb) for cb in plain.callback_handler.callbacks]
+    want = plain.get_num_trainable_parameters()
+    assert 0 < want < sum(p.numel() for p in plain.model.parameters())
+    assert zero.get_num_trainable_parameters() == want
+    zero.train()
+    assert zero.get_num_trainable_parameters() == want
+    assert zero.memory_measured is not None  # the estimate was checked after the first step
+    zero.close()

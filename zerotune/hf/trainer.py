@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from transformers import PretrainedConfig, Trainer, TrainerCallback
+from transformers import PretrainedConfig, Trainer
 
 from .. import dist as zdist
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_hf
@@ -265,6 +265,7 @@ class ZeroTrainer(Trainer):
         self._resume_rng: dict | None = None
         self.estimate_warnings: list[str] | None = None  # set after the first step
         self.memory_measured: dict[str, int] | None = None  # what they compared
+        self._estimate_hook = None  # see _check_estimate_after_the_first_step
         self._batch_shape: tuple[int, ...] | None = None
         # Counted from the engine: at stage 3 the model's own count sees empty parameters.
         self.num_parameters = sum(s.numel for u in self.engine.units for s in u.slots)
@@ -293,7 +294,6 @@ class ZeroTrainer(Trainer):
                 f"sharded over {self.engine.world}; launch with torchrun and let the arguments "
                 "set up torch.distributed before building the engine"
             )
-        self.add_callback(_CheckEstimateOnce(self))
 
     # --------------------------------------------------------------- the Trainer's hooks
     def create_accelerator_and_postprocess(self) -> None:
@@ -345,6 +345,7 @@ class ZeroTrainer(Trainer):
                     eps=args.adam_epsilon,
                     weight_decay=args.weight_decay,
                 )
+                self._check_estimate_after_the_first_step()
                 return self.optimizer
             if self.optimizer_cls_and_kwargs is not None:
                 cls, kwargs = self.optimizer_cls_and_kwargs
@@ -353,7 +354,31 @@ class ZeroTrainer(Trainer):
             self.optimizer = _TrainerOptimizer(self.engine, cls, groups, **dict(kwargs))
             if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
                 _embeddings_in_32_bits(self.engine, self.optimizer)
+        self._check_estimate_after_the_first_step()
         return self.optimizer
+
+    def _check_estimate_after_the_first_step(self) -> None:
+        """``check_memory_estimate`` once, right after the run's first optimizer step: a
+        step hook of the optimizer that removes itself (no callback in the Trainer's list)."""
+        if self._estimate_hook is not None or self.memory_measured is not None:
+            return
+
+        def once(optimizer, args, kwargs) -> None:
+            if self._estimate_hook is not None:
+                self._estimate_hook.remove()
+                self._estimate_hook = None
+                self.check_memory_estimate()
+
+        self._estimate_hook = self.optimizer.register_step_post_hook(once)
+
+    def get_num_trainable_parameters(self) -> int:
+        """Counted through the engine: a released stage-3 parameter holds an empty tensor."""
+        return self._parameter_count(trainable_only=True)
+
+    def _parameter_count(self, trainable_only: bool = False) -> int:
+        return sum(
+            s.numel for u in self.engine.units for s in u.slots if s.trainable or not trainable_only
+        )
 
     def _clip_grad_norm(self, model):
         return self.optimizer.clip_grad_norm_(self.args.max_grad_norm)
@@ -539,12 +564,7 @@ class ZeroTrainer(Trainer):
 
         def count(model, trainable_only=False):
             if model is self.model or model is self.engine:
-                return sum(
-                    s.numel
-                    for u in self.engine.units
-                    for s in u.slots
-                    if s.trainable or not trainable_only
-                )
+                return self._parameter_count(trainable_only)
             return real_count(model, trainable_only)
 
         hf_trainer.get_model_param_count = count
@@ -604,19 +624,6 @@ class ZeroTrainer(Trainer):
     def close(self) -> None:
         """Finish pending I/O and remove this rank's NVMe swap files."""
         self.engine.close()
-
-
-class _CheckEstimateOnce(TrainerCallback):
-    """Runs ``ZeroTrainer.check_memory_estimate`` after the first optimizer step of a run."""
-
-    def __init__(self, trainer: ZeroTrainer) -> None:
-        self.trainer = trainer
-        self.done = False
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if not self.done:
-            self.done = True
-            self.trainer.check_memory_estimate()
 
 
 # ------------------------------------------------------------------------------ helpers
