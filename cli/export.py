@@ -19,7 +19,9 @@ def _fail(message: str, code: int) -> None:
 @click.command()
 @click.argument("checkpoint_dir", type=click.Path(path_type=Path))
 @click.argument("output_dir", type=click.Path(path_type=Path))
-@click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16 or fp32.")
+@click.option(
+    "--dtype", default=None, help="bf16, fp16 or fp32 (default: the dtype it was trained in)."
+)
 @click.option(
     "--max-shard-size",
     default="5GB",
@@ -42,20 +44,23 @@ def export(
 ) -> None:
     """Write the model of CHECKPOINT_DIR as a Hugging Face folder in OUTPUT_DIR.
 
-    CHECKPOINT_DIR is a checkpoint folder, or the folder holding checkpoints (the one its
-    'latest' file names is exported). Memory stays bounded by one piece of one tensor, whatever the
+    CHECKPOINT_DIR is a checkpoint folder, the folder holding checkpoints (the one its
+    'latest' file names is exported), or a run's output folder (its newest complete
+    checkpoint-N). Memory stays bounded by one piece of one tensor, whatever the
     model size; the output appears only once it is complete.
 
     \b
     Examples:
-      zerotune export runs/ckpt out/model                 # newest checkpoint, bf16
+      zerotune export runs/ckpt out/model                 # newest checkpoint, its dtype
+      zerotune export out out/model                       # a finetune run's newest checkpoint
       zerotune export runs/ckpt/step-00001000 out/model --dtype fp32 --max-shard-size 2GB
     """
     from zerotune.checkpoint import CheckpointError, ExportError, export_hf
     from zerotune.checkpoint.export import check_output, export_dtype
 
     try:
-        export_dtype(dtype)
+        if dtype is not None:
+            export_dtype(dtype)
         if not checkpoint_dir.exists():
             raise CheckpointError(f"{checkpoint_dir}: no such checkpoint folder")
         check_output(output_dir, overwrite)
@@ -96,6 +101,14 @@ def export(
     files = sorted(p.name for p in out.iterdir())
     weights = [f for f in files if f.endswith(".safetensors")]
     size = sum((out / f).stat().st_size for f in weights)
+    if dtype is None and weights:  # the training dtype: say which
+        import torch
+
+        from zerotune.init.pretrained import read_safetensors_header
+
+        kinds = {e.dtype for e in read_safetensors_header(out / weights[0]).values()}
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        dtype = "/".join(sorted(names.get(k, str(k)) for k in kinds))
     click.echo(
         f"exported to {out}: {len(weights)} weight file(s), {size / 2**20:.1f} MiB, "
         f"{dtype}; {len(files)} files in all"

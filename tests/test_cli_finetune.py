@@ -15,6 +15,7 @@ import pytest
 import torch
 
 COMMAND = [sys.executable, "-c", "from zerotune.cli import main; main()", "finetune"]
+EXPORT = [sys.executable, "-c", "from zerotune.cli import main; main()", "export"]
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +162,27 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
     config.write_text("stage: 3\ndtype: bf16\n")
     finetune(env, "--output-dir", out, "--resume", "--config", config, "--max_steps", "4")
     assert summary(out)["zero"]["dtype"] == "bf16" and summary(out)["global_step"] == 4
+    # zerotune export of the run folder: its newest complete checkpoint, in the training
+    # dtype (bf16); one whose zerotune files were cut short is skipped.
+    (out / "checkpoint-4" / "zero" / "COMPLETE").unlink(missing_ok=True)
+    exported = subprocess.run(
+        [*EXPORT, out, tmp_path / "model", "--quiet"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert "bf16" in exported.stdout and "checkpoint-4" in exported.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    direct = subprocess.run(
+        [*EXPORT, out / "checkpoint-3", tmp_path / "model3", "--quiet"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    assert (tmp_path / "model3" / "model.safetensors").read_bytes() == (
+        tmp_path / "model" / "model.safetensors"
+    ).read_bytes()
     (out / "zerotune_job.json").write_text("[]")  # damaged: one line, not a traceback
     proc = finetune(env, "--output-dir", out, "--resume", check=False)
     assert proc.returncode == 2 and "not a JSON object" in proc.stderr, proc.stderr[-2000:]

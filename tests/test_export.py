@@ -189,3 +189,17 @@ def test_cli_bad_input_is_one_line_and_exit_2(trained, tmp_path, case, message):
     else:
         assert not out.exists()
     assert not any(p.name.startswith(".hf") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("dtype, stored", [("fp32", "F32"), ("bf16", "BF16")])
+def test_default_export_dtype_is_the_training_dtype(tmp_path, dtype, stored):
+    from safetensors import safe_open
+
+    engine = zerotune.shard(build("gpt2"), {"stage": 3, "dtype": dtype})
+    zerotune.save_checkpoint(engine, tmp_path / "ckpt", step=0)
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {stored}
+    assert export_hf(tmp_path / "ckpt", tmp_path / "hf32", dtype="fp32").is_dir()
+    with safe_open(str(tmp_path / "hf32" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}

@@ -231,7 +231,7 @@ def export_hf(
     checkpoint: str | Path,
     output_dir: str | Path,
     *,
-    dtype: str | torch.dtype = "bf16",
+    dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     verify: bool = True,
@@ -239,17 +239,20 @@ def export_hf(
 ) -> Path:
     """Write the checkpoint's model as a Hugging Face folder (see [Note: streaming export]).
 
-    checkpoint: a checkpoint folder or the folder holding checkpoints (what ``latest`` names).
-    dtype: bf16, fp16 or fp32 (from the fp32 master weights).
+    checkpoint: a checkpoint folder, the folder holding checkpoints (what ``latest`` names),
+        or a Trainer's output folder (its newest complete ``checkpoint-N``).
+    dtype: bf16, fp16 or fp32 (from the fp32 master weights); None: the training dtype.
     max_shard_size: split into several files above this size (bytes, or "5GB", "500MiB").
     overwrite: replace an existing non-empty ``output_dir``.
     verify: check the checkpoint's sha256 checksums first (reads it once more).
     """
-    torch_dtype = export_dtype(dtype)
+    if dtype is not None:
+        export_dtype(dtype)  # a bad name is refused before anything is read
     limit = _shard_limit(max_shard_size)
     output = Path(output_dir)
     check_output(output, overwrite)
     folder, manifest = open_checkpoint(checkpoint, verify=verify)
+    torch_dtype = export_dtype(manifest.get("dtype", "fp32") if dtype is None else dtype)
     if overwrite and output.exists() and folder.resolve().is_relative_to(output.resolve()):
         raise ExportError(f"{output}: holds the checkpoint being exported; choose another output")
     if "config.json" not in manifest["files"]:

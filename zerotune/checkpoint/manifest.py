@@ -265,7 +265,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint folder to load from ``path``: a checkpoint folder; or a folder of
     checkpoints, where ``latest`` names the one to load (when it names no complete checkpoint,
     the newest complete one is loaded with a warning; an interrupted newer save is skipped with
-    a warning); or that folder's ``latest`` file. Raises CheckpointError when there is none."""
+    a warning); or that folder's ``latest`` file; or a Trainer's output folder, whose newest
+    ``checkpoint-N`` with a complete zerotune checkpoint is taken. Raises CheckpointError when
+    there is none."""
     path = Path(path)
     if path.name == LATEST and path.is_file():
         path = path.parent
@@ -282,11 +284,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     chosen = _choose(path, warn=True)
     if chosen is None:
+        # A ZeroTrainer / zerotune finetune output folder: the zerotune checkpoint of its
+        # newest Trainer checkpoint whose zerotune files are complete.
+        for trainer_checkpoint in reversed(trainer_checkpoints(path)):
+            inner = _choose(trainer_checkpoint, warn=False)
+            if inner is not None:
+                log.info("zerotune: %s is a run folder: using %s", path, trainer_checkpoint)
+                return inner
+            log.warning("zerotune: skipping %s (its save was interrupted)", trainer_checkpoint)
         found = find_checkpoints(path)
         what = f" ({len(found)} incomplete: interrupted saves)" if found else ""
-        trainer = trainer_checkpoints(path)
-        if trainer:  # a ZeroTrainer / zerotune finetune output folder
-            what += f"; it holds Trainer checkpoints: give one of them, e.g. {trainer[-1]}"
+        if trainer_checkpoints(path):
+            what += "; none of its Trainer checkpoints is complete"
         elif any(path.glob("*.safetensors")):
             what += "; it holds model weights already (a Hugging Face folder, not a checkpoint)"
         raise CheckpointError(f"{path}: no complete checkpoint in this folder{what}")
