@@ -348,10 +348,12 @@ def test_no_checkpoint_at_all(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"empty: no complete checkpoint"):
         load_checkpoint(fresh_odd(), tmp_path / "empty")
-    # A Trainer's output folder: the message names its newest checkpoint (by number).
+    # A Trainer's output folder none of whose checkpoints is complete: the message names its
+    # newest checkpoint (by number).
     for step in (9, 10):
         (tmp_path / "run" / f"checkpoint-{step}").mkdir(parents=True)
-    with pytest.raises(CheckpointError, match=r"give one of them, e.g. .*run/checkpoint-10$"):
+    says = r"none of its Trainer checkpoints \(newest: checkpoint-10\) is complete$"
+    with pytest.raises(CheckpointError, match=says):
         load_checkpoint(fresh_odd(), tmp_path / "run")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "model.safetensors").write_bytes(b"")

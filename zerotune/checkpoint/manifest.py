@@ -294,8 +294,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
             log.warning("zerotune: skipping %s (its save was interrupted)", trainer_checkpoint)
         found = find_checkpoints(path)
         what = f" ({len(found)} incomplete: interrupted saves)" if found else ""
-        if trainer_checkpoints(path):
-            what += "; none of its Trainer checkpoints is complete"
+        trainer = trainer_checkpoints(path)
+        if trainer:
+            what += f"; none of its Trainer checkpoints (newest: {trainer[-1].name}) is complete"
         elif any(path.glob("*.safetensors")):
             what += "; it holds model weights already (a Hugging Face folder, not a checkpoint)"
         raise CheckpointError(f"{path}: no complete checkpoint in this folder{what}")
