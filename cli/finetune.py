@@ -243,22 +243,46 @@ def finetune(**options) -> None:
     if nproc is not None and nproc > 1 and not under_launcher:
         _launch(nproc, options)
         return
+    if under_launcher:
+        _run_rank(options)
     try:
         _run(options)
-        if under_launcher:  # a rank of a finished run: see [Note: leaving a gloo rank]
-            from zerotune.dist import leave
-
-            leave(0)
     except KeyboardInterrupt:
         # Ctrl-C: the checkpoints written so far are complete (a partial one is not marked
-        # so). Ranks under a launcher leave quietly: the launcher says it once.
-        if not under_launcher:
-            click.echo(
-                f"zerotune finetune: stopped by SIGINT; the complete checkpoints in "
-                f"{options['output_dir']} resume with --resume",
-                err=True,
-            )
+        # so).
+        click.echo(
+            f"zerotune finetune: stopped by SIGINT; the complete checkpoints in "
+            f"{options['output_dir']} resume with --resume",
+            err=True,
+        )
         sys.exit(128 + signal.SIGINT)
+
+
+def _run_rank(options: dict) -> None:
+    """``_run`` as a rank under a launcher, ending through ``zerotune.dist.leave`` whatever
+    happens (see [Note: leaving a gloo rank]): bad input shows its line (the launcher
+    prints it once), an interrupt leaves quietly (the launcher says it), anything else
+    prints its traceback; the exit codes are those click would give."""
+    import traceback
+
+    from zerotune.dist import leave
+
+    try:
+        _run(options)
+    except click.ClickException as exc:
+        exc.show()
+        leave(exc.exit_code)
+    except KeyboardInterrupt:
+        leave(128 + signal.SIGINT)
+    except SystemExit as exc:  # SIGTERM (_exit_on_sigterm), or a sys.exit below
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        leave(code)
+    except BaseException:
+        traceback.print_exc()
+        leave(1)
+    leave(0)
 
 
 # ------------------------------------------------------------------------------ checks
