@@ -904,13 +904,12 @@ def _launch(nproc: int, options: dict) -> None:
     from torch.distributed.run import main as torchrun
 
     job = _prepare(options)  # bad input stops here, before any process starts
+    from zerotune.checkpoint import CheckpointError
+    from zerotune.checkpoint.lock import FolderLock
+
     try:
-        _refuse_if_held(job.args.output_dir)
-    except BadInput:
-        if job.temp_nvme is not None:
-            shutil.rmtree(job.temp_nvme, ignore_errors=True)
-        raise
-    try:
+        with _fail_on(CheckpointError):
+            FolderLock.check_free(job.args.output_dir)  # another run's ranks hold it
         _tokenize(job)
     except BaseException:
         if job.temp_nvme is not None:
@@ -997,19 +996,6 @@ def _exit_on_sigterm(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
-def _refuse_if_held(output_dir: str) -> None:
-    """Bad input: another run holds ``output_dir`` (see checkpoint/lock.py)."""
-    from zerotune.checkpoint.lock import FolderLock
-
-    holder = FolderLock.holder(output_dir)
-    if holder is not None:
-        who = f"pid {holder}" if holder > 0 else "another process"
-        raise BadInput(
-            f"{output_dir} is in use by another zerotune run ({who}); wait for it to end or "
-            "stop it, or choose another --output-dir"
-        )
-
-
 def _die_with_launcher() -> None:
     """A rank started by ``_launch`` ends when its launcher does, however the launcher ends
     (kill -9 included): a thread watches the parent; once it is gone the rank gets SIGTERM
@@ -1042,8 +1028,9 @@ def _run(options: dict) -> None:
     try:
         args = job.args
         writer = os.environ.get("RANK", "0") == "0"  # the rank that writes the output folder
-        if writer:
-            _refuse_if_held(args.output_dir)  # early and cheap; held below, once input is good
+        if writer:  # early and cheap; held below, once the input is known good
+            with _fail_on(CheckpointError):
+                FolderLock.check_free(args.output_dir)
         with _fail_on(ConfigError, ModelLoadError):
             engine = build_engine(job.model_source, args)  # NVMe space is checked here
         _tokenize(job)  # the data's own checks (too few blocks, bad text) come here

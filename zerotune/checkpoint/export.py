@@ -246,13 +246,14 @@ def export_hf(
     overwrite: replace an existing non-empty ``output_dir``.
     verify: check the checkpoint's sha256 checksums first (reads it once more).
     """
-    if dtype is not None:
-        export_dtype(dtype)  # a bad name is refused before anything is read
+    # A bad name is refused before anything is read; None: the checkpoint's, once read.
+    torch_dtype = None if dtype is None else export_dtype(dtype)
     limit = _shard_limit(max_shard_size)
     output = Path(output_dir)
     check_output(output, overwrite)
     folder, manifest = open_checkpoint(checkpoint, verify=verify)
-    torch_dtype = export_dtype(manifest.get("dtype", "fp32") if dtype is None else dtype)
+    if torch_dtype is None:
+        torch_dtype = export_dtype(manifest.get("dtype", "fp32"))
     if overwrite and output.exists() and folder.resolve().is_relative_to(output.resolve()):
         raise ExportError(f"{output}: holds the checkpoint being exported; choose another output")
     if "config.json" not in manifest["files"]:

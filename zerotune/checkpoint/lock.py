@@ -43,6 +43,13 @@ class FolderLock:
             os.close(fd)  # closing drops a lock taken just now
         return None
 
+    @staticmethod
+    def check_free(folder: str | os.PathLike) -> None:
+        """Raise CheckpointError naming the holder when another process holds ``folder``."""
+        pid = FolderLock.holder(folder)
+        if pid is not None:
+            raise _in_use(folder, pid)
+
     def acquire(self) -> None:
         """Hold the folder (made if missing) or raise CheckpointError naming its holder."""
         if not self.folder.exists():
@@ -55,11 +62,7 @@ class FolderLock:
             except BlockingIOError:
                 pid = _pid_in(fd)
                 os.close(fd)
-                who = f"pid {pid}" if pid else "another process"
-                raise CheckpointError(
-                    f"{self.folder} is in use by another zerotune run ({who}); wait for it to "
-                    "end or stop it, or choose another --output-dir"
-                ) from None
+                raise _in_use(self.folder, pid) from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -91,6 +94,14 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _in_use(folder, pid: int | None) -> CheckpointError:
+    who = f"pid {pid}" if pid and pid > 0 else "another process"
+    return CheckpointError(
+        f"{folder} is in use by another zerotune run ({who}); wait for it to end or stop it, "
+        "or choose another --output-dir"
+    )
 
 
 def _pid_in(fd: int) -> int | None:

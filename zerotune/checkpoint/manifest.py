@@ -286,7 +286,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if chosen is None:
         # A ZeroTrainer / zerotune finetune output folder: the zerotune checkpoint of its
         # newest Trainer checkpoint whose zerotune files are complete.
-        for trainer_checkpoint in reversed(trainer_checkpoints(path)):
+        trainer = trainer_checkpoints(path)
+        for trainer_checkpoint in reversed(trainer):
             inner = _choose(trainer_checkpoint, warn=False)
             if inner is not None:
                 log.info("zerotune: %s is a run folder: using %s", path, trainer_checkpoint)
@@ -294,7 +295,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
             log.warning("zerotune: skipping %s (its save was interrupted)", trainer_checkpoint)
         found = find_checkpoints(path)
         what = f" ({len(found)} incomplete: interrupted saves)" if found else ""
-        trainer = trainer_checkpoints(path)
         if trainer:
             what += f"; none of its Trainer checkpoints (newest: {trainer[-1].name}) is complete"
         elif any(path.glob("*.safetensors")):

@@ -345,15 +345,14 @@ class ZeroTrainer(Trainer):
                     eps=args.adam_epsilon,
                     weight_decay=args.weight_decay,
                 )
-                self._check_estimate_after_the_first_step()
-                return self.optimizer
-            if self.optimizer_cls_and_kwargs is not None:
-                cls, kwargs = self.optimizer_cls_and_kwargs
             else:
-                cls, kwargs = self.get_optimizer_cls_and_kwargs(args)
-            self.optimizer = _TrainerOptimizer(self.engine, cls, groups, **dict(kwargs))
-            if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
-                _embeddings_in_32_bits(self.engine, self.optimizer)
+                if self.optimizer_cls_and_kwargs is not None:
+                    cls, kwargs = self.optimizer_cls_and_kwargs
+                else:
+                    cls, kwargs = self.get_optimizer_cls_and_kwargs(args)
+                self.optimizer = _TrainerOptimizer(self.engine, cls, groups, **dict(kwargs))
+                if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+                    _embeddings_in_32_bits(self.engine, self.optimizer)
         self._check_estimate_after_the_first_step()
         return self.optimizer
 

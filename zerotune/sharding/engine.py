@@ -198,7 +198,7 @@ class ZeroEngine(nn.Module):
                     if not u.persistent
                     and u.numel > 0
                     and u.params.lends_storage(u)
-                    and not getattr(u.params, "mapped", False)
+                    and not u.params.mapped
                 ],
                 self.prefetcher.budget,
             )
