@@ -29,6 +29,11 @@ from conftest import odd_net
 cpu_adam.backend()  # load the C++ op once, here
 torch.optim.SGD([torch.nn.Parameter(torch.empty(0))])  # torch.optim's lazy imports, here
 
+def say(*words):
+    # One write per line: a pipe write this small is atomic, so a kill never leaves half a
+    # line for the server's next report to run into.
+    os.write(1, (" ".join(map(str, words)) + "\n").encode())
+
 def train(root, total, name):
     torch.set_num_threads(1)
     engine = zerotune.shard(odd_net(seed=0), {"stage": 3})
@@ -36,18 +41,18 @@ def train(root, total, name):
     start = 0
     if zerotune.latest_checkpoint(root) is not None:
         start = zerotune.load_checkpoint(engine, root).step
-    print("resumed", start, flush=True)
+    say("resumed", start)
     for step in range(start, total):
         ids = torch.randint(0, 37, (4, 8), generator=torch.Generator().manual_seed(step))
         loss = engine(input_ids=ids, labels=ids)["loss"]
         loss.backward()
         opt.step()
-        print("loss", step, float(loss.detach()).hex(), flush=True)
+        say("loss", step, float(loss.detach()).hex())
         name_ = None if name == "-" else name
         zerotune.save_checkpoint(engine, root, step=step + 1, keep_last=2, name=name_)
-        print("saved", step + 1, flush=True)
+        say("saved", step + 1)
 
-print("ready", flush=True)
+say("ready")
 for line in sys.stdin:
     root, total, name = line.split()
     pid = os.fork()
@@ -56,12 +61,12 @@ for line in sys.stdin:
         try:
             train(root, int(total), name)
         except BaseException as exc:
-            print("error", repr(exc), flush=True)
+            say("error", repr(exc))
             code = 1
         os._exit(code)
-    print("child", pid, flush=True)
+    say("child", pid)
     _, status = os.waitpid(pid, 0)
-    print("reaped", pid, status, flush=True)
+    say("reaped", pid, status)
 """
 
 
