@@ -1,5 +1,5 @@
 """Parameters used outside their unit are registered automatically; reads outside forward
-raise a clear error instead of handing out an empty tensor."""
+give the value at world size 1 and a clear error at larger sizes, never an empty tensor."""
 
 from __future__ import annotations
 
@@ -56,19 +56,50 @@ def test_registrations_are_the_expected_ones(caplog):
     assert len([r for r in caplog.records if "registered as an external" in r.message]) == 3
 
 
-def test_reading_a_sharded_parameter_outside_forward():
-    from harness import build
+def _read_outside_forward(rank, world, config):
+    """Train one step, then read a weight through its module outside forward."""
+    from harness import batches, build, loss_of
 
     import zerotune
 
     model = build("gpt2")
-    engine = zerotune.shard(model, {"stage": 3})
-    with pytest.raises(zerotune.ShardedParameterError, match="engine.gathered"):
-        model.transformer.h[0].attn.c_attn.weight.sum()
+    engine = zerotune.shard(model, config)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-2)
+    loss_of(engine, batches("gpt2", 1)[0]).backward()
+    opt.step()
+    attn = model.transformer.h[0].attn.c_attn
+    try:
+        read = attn.weight
+    except zerotune.ShardedParameterError as exc:
+        read = str(exc)
     with engine.gathered():
-        w = model.transformer.h[0].attn.c_attn.weight.clone()
-    assert torch.equal(w, engine.full_state_dict()["transformer.h.0.attn.c_attn.weight"])
-    assert w.shape == (32, 96)
+        inside = attn.weight.detach().clone()
+    whole = engine.full_state_dict()["transformer.h.0.attn.c_attn.weight"]
+    return {"read": read, "inside": inside, "whole": whole, "empty": attn._parameters["weight"]}
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_reading_a_parameter_outside_forward_at_world_size_1(tmp_path, offload):
+    """Nothing to gather from another rank: the read gives the trained value, from the tier
+    holding it, as a copy that refuses writes; the parameter itself stays released."""
+    config = {"stage": 3, "offload_param": offload}
+    if offload == "nvme":
+        config["nvme_path"] = str(tmp_path)
+    out = _read_outside_forward(0, 1, config)
+    assert out["read"].shape == (32, 96) and not isinstance(out["read"], torch.nn.Parameter)
+    assert torch.equal(out["read"], out["whole"]) and torch.equal(out["inside"], out["whole"])
+    assert out["empty"].numel() == 0  # released again after the read
+    with pytest.raises(RuntimeError, match="[Ii]nplace update to inference tensor"):
+        out["read"].add_(1.0)
+
+
+def test_reading_a_sharded_parameter_outside_forward_at_world_size_2():
+    """An attribute read that all-gathered would hang when only one rank reads: it raises,
+    naming what to do instead, and that works."""
+    for out in run_world(2, _read_outside_forward, {"stage": 3}):
+        assert "engine.gathered()" in out["read"] and "over 2 ranks" in out["read"], out["read"]
+        inside, whole = torch.as_tensor(out["inside"]), torch.as_tensor(out["whole"])
+        assert torch.equal(inside, whole) and whole.shape == (32, 96)
 
 
 def test_manual_registration():

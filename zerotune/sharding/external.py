@@ -13,9 +13,13 @@ returning one of its parameters for another to use. Two mechanisms catch them:
 * Output inspection. A unit whose forward returns (a view of) its own gathered parameters is
   registered as a dependency of the enclosing unit, which keeps it gathered.
 
-Outside any forward or backward, reading a parameter that is not gathered raises
-``ShardedParameterError`` with what to do instead (``engine.gathered()``), rather than
-handing out an empty tensor. ``remove()`` restores the original classes.
+Outside any forward or backward, reading a parameter that is not gathered never hands out
+the empty tensor it holds. At world size 1 nothing has to come from another rank: the read
+gathers the owner unit from whichever tier holds it, and returns a copy of the value (an
+inference tensor: writing to it in place raises, as writes could not reach the shards). At
+world size > 1 it raises ``ShardedParameterError`` with what to do instead
+(``engine.gathered()``, entered by every rank): an attribute read that all-gathers would hang
+when one rank reads and the others do not. ``remove()`` restores the original classes.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def _watching_class(cls: type) -> type:
             if isinstance(value, nn.Parameter):
                 watcher = self.__dict__.get("_zerotune_watcher")
                 if watcher is not None:
-                    watcher.on_access(self, name, value)
+                    return watcher.on_access(self, name, value)
             return value
 
         sub = type(
@@ -91,22 +95,30 @@ class ExternalParams:
         self._swapped.clear()
 
     # ----------------------------------------------------------------------------- events
-    def on_access(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+    def on_access(
+        self, module: nn.Module, name: str, param: nn.Parameter
+    ) -> nn.Parameter | torch.Tensor:
+        """What reading ``module.<name>`` gives: the parameter itself, or outside forward at
+        world size 1, a read-only copy of its value when its unit is not gathered."""
         owner = self.owner.get(id(param))
         if owner is None or owner.persistent:
-            return
+            return param
         if self.active:
             user = self.active[-1]
             if owner is not user and owner not in user.deps:
                 self._register(owner, user, self.names[id(param)])
             owner.wait()
-            return
+            return param
         if owner.state is UnitState.GATHERED:
-            return
+            return param
+        if self.engine.world == 1:
+            with self.engine.gathered([owner]), torch.inference_mode():
+                return param.detach().clone()
         raise ShardedParameterError(
-            f"parameter {self.names[id(param)]!r} is sharded by zerotune (stage 3) and not "
-            "gathered outside forward/backward; read it inside `with engine.gathered():`, or "
-            "get every weight with engine.full_state_dict()"
+            f"parameter {self.names[id(param)]!r} is sharded by zerotune (stage 3) over "
+            f"{self.engine.world} ranks and not gathered outside forward/backward; read it "
+            "inside `with engine.gathered():` (every rank enters), or get every weight with "
+            "engine.full_state_dict()"
         )
 
     def on_output(self, unit: Unit, output_tensors: list[torch.Tensor]) -> None:
