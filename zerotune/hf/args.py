@@ -119,6 +119,12 @@ class ZeroTrainingArguments(TrainingArguments):
         metadata={"help": "dtype of the weights save_model writes (default: the training dtype).",
                   "choices": ["fp32", "bf16", "fp16"]},
     )  # fmt: skip
+    gather_weights_on_save: bool | None = field(
+        default=None,
+        metadata={"help": "Also write a consolidated safetensors model (config, tokenizer) into "
+                  "each checkpoint-N, so that from_pretrained loads it (default: when the "
+                  "weights take at most 1 GiB in the save dtype)."},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if isinstance(self.zero_config, ZeroConfig):

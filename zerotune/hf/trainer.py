@@ -54,6 +54,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import numpy as np
@@ -87,13 +88,16 @@ ZERO_DIR = "zero"  # the zerotune checkpoint inside a Trainer checkpoint folder
 # Written last into a Trainer checkpoint folder, once trainer_state.json is on disk: the
 # checksums of that file and of the zerotune checkpoint's marker (see check_resumable).
 TRAINER_MARKER = "TRAINER_COMPLETE"
+# Checkpoints of a model up to this size also hold its consolidated weights by default.
+GATHER_ON_SAVE_BYTES = 2**30
 _WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$|^model\.safetensors\.index\.json$")
 
 
 def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
-    """The engine for ``model``: a ``ZeroEngine`` (used as is), a built ``nn.Module`` (sharded
-    in place), a transformers config (zero-init, seeded with ``args.seed``), or a local folder
-    or hub id (pretrained weights streamed into the shards)."""
+    """The engine for ``model``: a ``ZeroEngine`` or a model it shards (used as is), a built
+    ``nn.Module`` (sharded in place), a transformers config (zero-init, seeded with
+    ``args.seed``), or a local folder or hub id (pretrained weights streamed into the
+    shards)."""
     device = args.device  # also sets up torch.distributed under torchrun
     config = args.zero
     if isinstance(model, ZeroEngine):
@@ -105,6 +109,11 @@ def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
                 describe_config(config),
             )
         return model
+    engine = getattr(model, "_zerotune_engine", None) if isinstance(model, nn.Module) else None
+    if engine is not None:
+        # Sharded already (the model of another ZeroTrainer): trained on from its weights,
+        # as the plain Trainer does with a model object given twice.
+        return build_engine(engine, args)
     if isinstance(model, nn.Module):
         for module in model.modules():  # the shards go to `device`; buffers follow
             for name, buf in module._buffers.items():
@@ -184,6 +193,7 @@ def _rebuild_over_shards(engine, optimizer, scheduler) -> ZeroOptimizer:
                 f"model's parameters, so it cannot be rebuilt over the shards; {how}"
             )
         groups.append(dict(g))
+    engine.detach_optimizer()  # the optimizer of the model's trainer before, if any
     try:
         rebuilt = _TrainerOptimizer(engine, cls, groups)
     except TypeError as exc:
@@ -198,6 +208,39 @@ def _rebuild_over_shards(engine, optimizer, scheduler) -> ZeroOptimizer:
         scheduler.optimizer = rebuilt  # it reads the groups of the optimizer it steps
         _mark_steps(rebuilt)
     return rebuilt
+
+
+class _ModelParams(list):
+    """Parameters of one optimizer group; ``in`` compares by identity (a released stage-3
+    parameter is empty, and ``==`` between tensors compares values)."""
+
+    def __contains__(self, item) -> bool:
+        return any(p is item for p in self)
+
+
+class _ModelGroup(MutableMapping):
+    """One optimizer group seen with the model's parameters in ``params``; every other key
+    reads and writes the optimizer's group."""
+
+    def __init__(self, group: dict, params: _ModelParams):
+        self._group, self._params = group, params
+
+    def __getitem__(self, key):
+        return self._params if key == "params" else self._group[key]
+
+    def __setitem__(self, key, value) -> None:
+        if key == "params":
+            raise TypeError("the parameters of a ZeroTrainer optimizer group are fixed")
+        self._group[key] = value
+
+    def __delitem__(self, key) -> None:
+        del self._group[key]
+
+    def __iter__(self):
+        return iter(self._group)
+
+    def __len__(self) -> int:
+        return len(self._group)
 
 
 def _mark_steps(optimizer) -> None:
@@ -246,54 +289,70 @@ class ZeroTrainer(Trainer):
                 "ZeroTrainer needs ZeroTrainingArguments (a TrainingArguments subclass with the "
                 "zerotune fields), not " + type(args).__name__
             )
-        if kwargs.get("model_init") is not None:
-            raise ValueError(
-                "ZeroTrainer does not take model_init (the sharded model is built once); pass "
-                "the model, its config or its folder"
-            )
         optimizer, scheduler = kwargs.get("optimizers", (None, None))
         if optimizer is not None and kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError("pass either optimizers or optimizer_cls_and_kwargs, not both")
-        if model is None:
-            raise ValueError("ZeroTrainer needs a model: a config, a folder, a module or an engine")
+        if model is None and kwargs.get("model_init") is None:
+            raise ValueError(
+                "ZeroTrainer needs a model (a config, a folder, a module or an engine) or a "
+                "model_init"
+            )
         # Peaks are measured from here: check_estimate compares what the engine and the
         # training add with `zerotune estimate` after the first step.
         _reset_peak_rss()
         self._rss_base = _current_rss()
         self._accel_base = _accelerator_allocated(args.device)
-        self.engine = build_engine(model, args)
+        self.engine: ZeroEngine | None = None  # with model_init: built by call_model_init
         self._resume_rng: dict | None = None
         self.estimate_warnings: list[str] | None = None  # set after the first step
         self.memory_measured: dict[str, int] | None = None  # what they compared
         self._estimate_hook = None  # see _check_estimate_after_the_first_step
         self._batch_shape: tuple[int, ...] | None = None
-        # Counted from the engine: at stage 3 the model's own count sees empty parameters.
-        self.num_parameters = sum(s.numel for u in self.engine.units for s in u.slots)
-        # As transformers counts for total_flos: without the embeddings' parameters.
-        embeddings = {
-            id(p)
-            for m in self.engine.module.modules()
-            if isinstance(m, torch.nn.Embedding)
-            for p in m.parameters(recurse=False)
-        }
-        self.num_parameters_without_embeddings = sum(
-            s.numel for u in self.engine.units for s in u.slots if id(s.param) not in embeddings
-        )
-        if optimizer is not None and getattr(optimizer, "engine", None) is self.engine:
+        self.args = args  # call_model_init builds the engine with them
+        if model is not None:
+            self._use_engine(build_engine(model, args))
+            model = self.engine.module
+        if optimizer is not None and optimizer is self.engine.optimizer:
             _driven_by_trainer(optimizer)  # built over this engine's shards already
-        elif optimizer is not None:
+        elif optimizer is not None and self.engine is not None:
             # Built over the model's parameters: the same class over the shards.
             kwargs["optimizers"] = (
                 _rebuild_over_shards(self.engine, optimizer, scheduler),
                 scheduler,
             )
-        super().__init__(model=self.engine.module, args=args, **kwargs)
+        super().__init__(model=model, args=args, **kwargs)
         if args.world_size != self.engine.world:
             raise ValueError(
                 f"the Trainer sees {args.world_size} data-parallel rank(s) but the engine is "
                 f"sharded over {self.engine.world}; launch with torchrun and let the arguments "
                 "set up torch.distributed before building the engine"
             )
+
+    def _use_engine(self, engine: ZeroEngine) -> None:
+        self.engine = engine
+        # Counted from the engine: at stage 3 the model's own count sees empty parameters.
+        self.num_parameters = sum(s.numel for u in engine.units for s in u.slots)
+        # As transformers counts for total_flos: without the embeddings' parameters.
+        embeddings = {
+            id(p)
+            for m in engine.module.modules()
+            if isinstance(m, torch.nn.Embedding)
+            for p in m.parameters(recurse=False)
+        }
+        self.num_parameters_without_embeddings = sum(
+            s.numel for u in engine.units for s in u.slots if id(s.param) not in embeddings
+        )
+
+    def call_model_init(self, trial=None):
+        """``model_init``'s model, sharded: what it returns (a module, a transformers config
+        for zero-init, a folder) goes through ``build_engine``. The Trainer calls it at
+        construction and again at each ``train()``; the engine of the model before is
+        closed (its swap files removed)."""
+        model = super().call_model_init(trial)
+        if self.engine is not None and self.engine.module is not model:
+            self.engine.close()
+        self._use_engine(build_engine(model, self.args))
+        return self.engine.module
 
     # --------------------------------------------------------------- the Trainer's hooks
     def create_accelerator_and_postprocess(self) -> None:
@@ -308,10 +367,10 @@ class ZeroTrainer(Trainer):
             return plain_unwrap(model, *args, **kwargs)
 
         self.accelerator.unwrap_model = unwrap_model  # this trainer's accelerator only
-        scaler = self.engine.scaler
         plain_backward = self.accelerator.backward
 
         def backward(loss, **kwargs):
+            scaler = self.engine.scaler
             if scaler is not None:
                 loss = loss * scaler.scale
             if self._overlap_backward:
@@ -329,6 +388,9 @@ class ZeroTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
+            # The optimizer of another trainer given the same model (or of this one before
+            # model_init) gives the shards up; its state goes with it.
+            self.engine.detach_optimizer()
             args = self.args
             decay = set(self.get_decay_parameter_names(self.model))
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -355,6 +417,25 @@ class ZeroTrainer(Trainer):
                     _embeddings_in_32_bits(self.engine, self.optimizer)
         self._check_estimate_after_the_first_step()
         return self.optimizer
+
+    def get_optimizer_group(self, param: str | nn.Parameter | None = None):
+        """As the Trainer's, in the model's parameters: the optimizer's ``param_groups``
+        hold this rank's shard segments, so a parameter is found in the group the optimizer
+        was given it in. The group returned reads and writes the optimizer's group (its
+        ``params`` are the model's parameters, matched by identity)."""
+        if self.optimizer is None:
+            return super().get_optimizer_group(param)
+        opt = self.optimizer
+        groups = [_ModelParams(ps) for ps in opt.model_param_groups]
+        if isinstance(param, str):
+            param = dict(self.model.named_parameters()).get(param)
+        if param is not None:
+            original, tiles = self.engine.tiled_from.get(id(param), (None, None))
+            wanted = tiles[0] if original is param else param
+            for group, params in zip(opt.param_groups, groups):
+                if wanted in params:
+                    return _ModelGroup(group, params)
+        return groups
 
     def _check_estimate_after_the_first_step(self) -> None:
         """``check_memory_estimate`` once, right after the run's first optimizer step: a
@@ -458,14 +539,14 @@ class ZeroTrainer(Trainer):
         """Write the model as a consolidated HF folder (config.json, safetensors, tokenizer)
         that ``from_pretrained`` loads; every rank must call it."""
         output = Path(output_dir if output_dir is not None else self.args.output_dir)
-        if _internal_call and not self.args.save_only_model:
+        dtype = self.args.save_dtype or self.engine.config.dtype
+        if _internal_call and not self.args.save_only_model and not self._gather_on_save(dtype):
             # Inside a checkpoint: the zerotune checkpoint holds the weights. The folder must
             # exist now all the same: the Trainer looks for it right after this call to
             # record the best checkpoint (load_best_model_at_end).
             if self.engine.rank == 0:
                 output.mkdir(parents=True, exist_ok=True)
             return
-        dtype = self.args.save_dtype or self.engine.config.dtype
         tokenizer = self.processing_class
         if not hasattr(tokenizer, "save_pretrained"):
             tokenizer = None
@@ -501,6 +582,15 @@ class ZeroTrainer(Trainer):
             (output / "training_args.json").write_text(self.args.to_json_string())
         zdist.barrier(self.engine.group)
         log.info("zerotune: saved the model to %s", output)
+
+    def _gather_on_save(self, dtype: str) -> bool:
+        """Whether a checkpoint also gets the consolidated model (``gather_weights_on_save``;
+        by default when it takes at most ``GATHER_ON_SAVE_BYTES``)."""
+        choice = self.args.gather_weights_on_save
+        if choice is not None:
+            return choice
+        itemsize = 4 if dtype == "fp32" else 2
+        return self.num_parameters * itemsize <= GATHER_ON_SAVE_BYTES
 
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's checkpoint, then a marker covering everything a resume reads

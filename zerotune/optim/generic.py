@@ -199,11 +199,18 @@ class ZeroOptimizer(ShardedOptimizer):
             self.inner.state.clear()  # made at construction: the probe replays it per unit
         engine.attach_optimizer(self)
 
+    def detach(self) -> None:
+        """The state goes with this optimizer; on NVMe its swap file is removed."""
+        super().detach()
+        if self._nvme is not None:
+            self._nvme.close()
+
     # ------------------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self, closure=None) -> StepInfo:
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
+        self._check_attached()
         overlap, self._overlap = self._overlap, None
         launched: dict[int, None] = {}  # units updated during backward already
         if overlap is not None:

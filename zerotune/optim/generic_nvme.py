@@ -189,6 +189,16 @@ class NvmeGenericState(NvmeStore):
             swap.files["gstate"] = self.file  # closed and removed with the swap space
             swap.total_bytes += self.file.size
 
+    def close(self) -> None:
+        """Close and remove this state's swap file (the optimizer was replaced)."""
+        if self.file is None:
+            return
+        self.file.close()
+        self.swap.files.pop("gstate", None)
+        self.swap.total_bytes -= self.file.size
+        self.file.path.unlink(missing_ok=True)
+        self.file = None
+
     # ------------------------------------------------------------------------- I/O
     def probe_key(self, group: int, shape) -> tuple[int, tuple[int, ...]]:
         """Which probe describes a flat segment (``shape`` None) or a whole parameter."""

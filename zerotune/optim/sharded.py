@@ -70,6 +70,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     pending_grad_norm: torch.Tensor | None = None
     _overlap = None  # the overlapped step, from overlapped() to step()
     _norm_sq: torch.Tensor | None = None  # this rank's sum of grad**2 (track_norm)
+    model_param_groups: list[list[torch.nn.Parameter]]
 
     def _build_segments(self, engine, params: Iterable | None) -> list[dict]:
         """Set ``engine`` and ``_unit_segments`` (this rank's part of each trainable
@@ -78,6 +79,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("this engine already has an optimizer")
         self.engine = engine
         groups = self._model_groups(engine, params)
+        # The model's parameters of each group (``param_groups`` hold shard segments).
+        self.model_param_groups = [list(g["params"]) for g in groups]
         group_of: dict[int, int] = {}
         for gi, g in enumerate(groups):
             for p in g["params"]:
@@ -163,6 +166,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def settle(self, unit=None, overwrite: bool = False) -> None:
         """Finish work carried into this forward (none by default)."""
 
+    _detached = False  # another optimizer took the engine's shards over
+
+    def detach(self) -> None:
+        """Give up the state this optimizer keeps, so that a new optimizer over the same
+        engine starts fresh (``engine.detach_optimizer`` calls it, after the last carried
+        updates). The master weights stay: they belong to the engine's tiers."""
+        self._detached = True
+
+    def _check_attached(self) -> None:
+        if self._detached:
+            raise RuntimeError(
+                f"this {type(self).__name__} no longer updates the engine: another optimizer "
+                "took its shards over (a second ZeroTrainer given the same model, or "
+                "engine.detach_optimizer())"
+            )
+
     def promote(self, unit) -> None:
         """Move ``unit``'s carried work to the front (none by default)."""
 
@@ -223,6 +242,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _start_overlap(self, track_norm: bool) -> None:
         """What every ``overlapped()`` checks and sets before backward: updates made before
         every gradient exists cannot be undone or rescaled."""
+        self._check_attached()
         engine = self.engine
         if engine.scaler is not None:
             raise RuntimeError(

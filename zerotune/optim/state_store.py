@@ -359,6 +359,9 @@ class ResidentStore:
         if self.q8:
             require_bitsandbytes()
 
+    def reset_moments(self, units) -> None:
+        """Nothing to do: the moments live in this store, which goes with its optimizer."""
+
     def chunks(self, unit):
         n = unit.shard_numel
         if unit.index not in self.q8:
@@ -523,6 +526,13 @@ class NvmeStore:
 
     def _file(self):
         return self.swap.files["optim"]
+
+    def reset_moments(self, units) -> None:
+        """Zero moments in the engine's optim file for ``units``, as at construction: the
+        file outlives this optimizer, and the next one over the engine starts from it."""
+        for unit in units:
+            zeros = torch.zeros(unit.shard_numel, dtype=torch.float32)
+            self.write_unit(unit, {k: zeros for k in MOMENTS})
 
     def updates_in_place(self, unit) -> bool:
         """Whether the step updates ``unit``'s master in the parameter file's pages (see

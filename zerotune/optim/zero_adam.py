@@ -246,6 +246,7 @@ class ZeroAdamW(ShardedOptimizer):
     def step(self, closure=None) -> StepInfo:
         if closure is not None:
             raise ValueError("ZeroAdamW.step does not take a closure")
+        self._check_attached()
         overlap, self._overlap = self._overlap, None
         self.settle()  # the step before's, should nothing have needed it since
         launched: dict[int, None] = {}  # units updated during backward already
@@ -359,6 +360,11 @@ class ZeroAdamW(ShardedOptimizer):
         for a, b, kwargs in segments:
             lowp = out[a:b] if out is not None else None
             update(master[a:b], grad[a:b], m[a:b], v[a:b], out_lowp=lowp, **kwargs)
+
+    def detach(self) -> None:
+        """The moments in the engine's optim file start at zero for the next optimizer."""
+        super().detach()
+        self.store.reset_moments([u for u in self.engine.units if self.owns(u)])
 
     def settle(self, unit=None, overwrite: bool = False) -> None:
         """Finish the updates the last step carried into this forward (see [Note: carrying

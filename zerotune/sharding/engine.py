@@ -553,6 +553,20 @@ class ZeroEngine(nn.Module):
             raise ValueError("this engine already has an optimizer")
         self.optimizer = optimizer
 
+    def detach_optimizer(self) -> None:
+        """Hand the shards over to the next optimizer (a second Trainer given the same
+        model): the current one finishes the updates it carried into this forward and gives
+        up its state (see ``ShardedOptimizer.detach``); the weights stay as trained."""
+        old = self.optimizer
+        if old is None:
+            return
+        if self._overlap is not None:
+            raise RuntimeError("an overlapped step is open: call step() before replacing it")
+        self.settle_optimizer()
+        self._carrying = False
+        old.detach()
+        self.optimizer = None
+
     @property
     def syncing(self) -> bool:
         """Whether this backward reduces gradients (False inside ``no_sync()``)."""

@@ -1,0 +1,180 @@
+"""ZeroTrainer where tests of the plain Trainer use it in ways beyond one run: the same model
+given to a second trainer, model_init, optimizer groups over the model's parameters, and
+parameters read after training. Each against the plain Trainer doing the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_cases import COMMON, dataset, logged, model
+
+from zerotune.hf import ZeroTrainer, ZeroTrainingArguments
+
+RTOL = 1e-5
+SHORT = {**COMMON, "max_steps": 3, "warmup_steps": 0}
+
+
+def _plain_twice(tmp_path, optim: str):
+    """Two plain Trainers over one model object: the second goes on from the first's weights
+    with an optimizer of its own."""
+    from transformers import Trainer, TrainingArguments
+
+    m = model()
+    out = []
+    for i, lr in enumerate((2e-3, 1e-3)):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"plain{i}"), **{**SHORT, "learning_rate": lr}, optim=optim
+        )
+        trainer = Trainer(model=m, args=args, train_dataset=dataset())
+        trainer.train()
+        out.append(logged(trainer))
+    weight = m.transformer.h[0].mlp.c_fc.weight.detach().clone()
+    return out, weight
+
+
+@pytest.mark.parametrize(
+    "optim, zero",
+    [
+        ("adamw_torch", dict(zero_stage=3)),
+        ("adamw_torch", dict(zero_stage=3, offload_param="nvme", offload_optimizer="nvme")),
+        ("adagrad", dict(zero_stage=3, offload_optimizer="nvme")),
+    ],
+    ids=["stage3", "stage3-nvme", "adagrad-nvme"],
+)
+def test_the_same_model_given_to_a_second_trainer(tmp_path, optim, zero):
+    """The second trainer trains the first one's model on, as the plain Trainer does: a new
+    optimizer whose state starts at zero (the NVMe moments of the first are reset, a generic
+    optimizer's swap file is replaced), and the first one's optimizer refuses to step."""
+    reference, ref_weight = _plain_twice(tmp_path, optim)
+    if "nvme" in zero.values():
+        (tmp_path / "swap").mkdir()
+        zero = {**zero, "nvme_path": str(tmp_path / "swap")}
+    first = None
+    m = model()
+    for i, lr in enumerate((2e-3, 1e-3)):
+        args = ZeroTrainingArguments(
+            output_dir=str(tmp_path / f"zero{i}"),
+            **{**SHORT, "learning_rate": lr},
+            optim=optim,
+            **zero,
+        )
+        trainer = ZeroTrainer(model=m, args=args, train_dataset=dataset())
+        trainer.train()
+        torch.testing.assert_close(logged(trainer), reference[i], rtol=RTOL, atol=0)
+        first = first or trainer
+        m = trainer.model  # the sharded model, as tests of the plain Trainer pass it on
+    assert trainer.engine is first.engine
+    # At world size 1 a parameter read outside forward gives its value (stage 3 included).
+    torch.testing.assert_close(m.transformer.h[0].mlp.c_fc.weight, ref_weight, rtol=RTOL, atol=RTOL)
+    with pytest.raises(RuntimeError, match="took its shards over"):
+        first.optimizer.step()
+    swap = tmp_path / "swap"
+    if swap.exists():  # one set of swap files: the first optimizer's state file is gone
+        assert len([p for p in swap.rglob("gstate.swap")]) == (optim == "adagrad")
+    trainer.close()
+
+
+def test_model_init_builds_a_fresh_sharded_model_for_each_train(tmp_path):
+    """As the plain Trainer: model_init is called with the seed set, at construction and at
+    each train(); each train() starts from fresh weights, and the engine before is closed."""
+    from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+
+    config = model().config
+
+    def model_init():
+        return GPT2LMHeadModel(config)  # random init from the global RNG: the seed matters
+
+    plain = Trainer(
+        model_init=model_init,
+        args=TrainingArguments(output_dir=str(tmp_path / "plain"), **SHORT),
+        train_dataset=dataset(),
+    )
+    plain.train()
+    (tmp_path / "swap").mkdir()
+    args = ZeroTrainingArguments(
+        output_dir=str(tmp_path / "zero"),
+        **SHORT,
+        zero_stage=3,
+        offload_param="nvme",
+        nvme_path=str(tmp_path / "swap"),
+    )
+    zero = ZeroTrainer(model_init=model_init, args=args, train_dataset=dataset())
+    engines = [zero.engine]
+    for _ in range(2):
+        zero.train()
+        torch.testing.assert_close(logged(zero)[-3:], logged(plain), rtol=RTOL, atol=0)
+        engines.append(zero.engine)
+    assert len({id(e) for e in engines}) == 3  # construction, then one per train()
+    assert zero.model is zero.engine.module
+    # Only the live engine keeps swap files.
+    assert len(list((tmp_path / "swap").rglob("param.swap"))) == 1
+    zero.close()
+
+
+def test_optimizer_groups_are_found_by_model_parameter(tmp_path):
+    """get_optimizer_group answers in the model's parameters (the optimizer's param_groups
+    hold shard segments); the group it returns writes through to the optimizer."""
+    from transformers import Trainer, TrainingArguments
+
+    plain = Trainer(
+        model=model(),
+        args=TrainingArguments(output_dir=str(tmp_path / "plain"), **SHORT),
+        train_dataset=dataset(),
+    )
+    args = ZeroTrainingArguments(output_dir=str(tmp_path / "zero"), **SHORT, zero_stage=3)
+    zero = ZeroTrainer(model=model(), args=args, train_dataset=dataset())
+    for trainer in (plain, zero):
+        with pytest.raises(ValueError, match="optimizer is None"):
+            trainer.get_optimizer_group()
+        trainer.create_optimizer()
+    sizes = [sorted(len(g) for g in t.get_optimizer_group()) for t in (plain, zero)]
+    assert sizes[0] == sizes[1] and len(sizes[0]) == 2
+    # The plain Trainer's lookup compares tensors by value: it answers for the first
+    # parameter only (others raise a size mismatch); ZeroTrainer answers for every one.
+    first = next(plain.model.parameters())
+    assert first in plain.get_optimizer_group(first)["params"]
+    decay = {n for n, _ in plain.model.named_parameters()} & set(
+        plain.get_decay_parameter_names(plain.model)
+    )
+    for name, param in zero.model.named_parameters():
+        group = zero.get_optimizer_group(param)
+        assert param in group["params"] and param in zero.get_optimizer_group(name)["params"]
+        assert group["weight_decay"] == (COMMON["weight_decay"] if name in decay else 0.0), name
+    group = zero.get_optimizer_group(zero.model.transformer.wte._parameters["weight"])
+    group["lr"] = 0.5
+    index = [g["weight_decay"] for g in zero.optimizer.param_groups].index(group["weight_decay"])
+    assert zero.optimizer.param_groups[index]["lr"] == 0.5
+    zero.close()
+
+
+@pytest.mark.parametrize("gather", [None, False])
+def test_checkpoints_hold_the_model_from_pretrained_loads(tmp_path, gather):
+    """By default (a small model) each checkpoint-N also holds the consolidated weights:
+    from_pretrained on it gives what `zerotune export` makes of the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from zerotune.checkpoint.export import export_hf
+
+    args = ZeroTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        **{**SHORT, "save_strategy": "steps", "save_steps": 3},
+        zero_stage=3,
+        gather_weights_on_save=gather,
+    )
+    trainer = ZeroTrainer(model=model(), args=args, train_dataset=dataset())
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-3"
+    assert (checkpoint / "TRAINER_COMPLETE").exists()
+    if gather is False:
+        assert not (checkpoint / "model.safetensors").exists()
+        return
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
+    export_hf(checkpoint / "zero", tmp_path / "exported")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
+    live = trainer.engine.full_state_dict()
+    assert set(loaded) == set(exported)
+    for name, value in exported.items():
+        assert torch.equal(loaded[name], value), name
+        if name in live:
+            assert torch.equal(value, live[name]), name
+    trainer.close()
