@@ -1,7 +1,9 @@
-"""Hugging Face integration: ZeroTrainer, ZeroTrainingArguments, data preparation, presets.
+"""Hugging Face integration: ZeroTrainer, ZeroTrainingArguments, ``zero()`` for any Trainer
+subclass (TRL's), data preparation, presets.
 
-``ZeroTrainer``, ``ZeroTrainingArguments`` and ``build_engine`` load on first use: they import
-``transformers.Trainer``, which takes seconds, and the data and config helpers do not need it.
+``ZeroTrainer``, ``ZeroTrainingArguments``, ``zero`` and ``build_engine`` load on first use:
+they import ``transformers.Trainer``, which takes seconds, and the data and config helpers do
+not need it.
 """
 
 from .configs import list_zero_presets, read_zero_config_file
@@ -11,6 +13,7 @@ _LAZY = {
     "ZeroTrainer": "trainer",
     "build_engine": "trainer",
     "ZeroTrainingArguments": "args",
+    "zero": "trainer",
 }
 
 
@@ -30,4 +33,5 @@ __all__ = [
     "list_zero_presets",
     "model_config",
     "read_zero_config_file",
+    "zero",
 ]

@@ -268,6 +268,22 @@ def _embeddings_in_32_bits(engine, optimizer: ZeroOptimizer) -> None:
                 optimizer.override_config(weight, {"optim_bits": 32})
 
 
+# [Note: any Trainer subclass]
+# ZeroTrainer changes the Trainer only through methods the Trainer calls on itself
+# (engine-building ``__init__``, ``_wrap_model``, ``create_optimizer``, the accelerator's
+# ``backward``, checkpoint saving and loading), each ending in ``super()``. A subclass such
+# as TRL's ``SFTTrainer`` prepares data and the model in its own ``__init__`` and computes
+# its loss in ``compute_loss``, then hands over to ``Trainer``. ``zero(cls)`` builds the
+# class ``(ZeroTrainer, cls)``: its method order is ZeroTrainer, then ``cls``, then
+# ``Trainer``, so the model is sharded before ``cls.__init__`` sees it (it gets the sharded
+# HF model, as with the plain Trainer), and every override of ``cls`` still runs, between
+# ZeroTrainer's and the Trainer's. Its arguments must be both: ``zero(SFTConfig)`` is the
+# dataclass ``(ZeroTrainingArguments, SFTConfig)``, with the fields of both, so that ``cls``
+# finds its own fields and ZeroTrainer its own. A model the subclass keeps beside the
+# trained one (DPO's reference model) is its business: it runs unsharded unless the
+# subclass is told otherwise (see ``ZeroTrainer.shard_beside``).
+
+
 class ZeroTrainer(Trainer):
     """``transformers.Trainer`` with ZeRO-1/2/3 sharding and ZeRO-Infinity offload.
 
@@ -303,6 +319,7 @@ class ZeroTrainer(Trainer):
         self._rss_base = _current_rss()
         self._accel_base = _accelerator_allocated(args.device)
         self.engine: ZeroEngine | None = None  # with model_init: built by call_model_init
+        self.ref_engine: ZeroEngine | None = None  # a reference model's (ref_model)
         self._resume_rng: dict | None = None
         self.estimate_warnings: list[str] | None = None  # set after the first step
         self.memory_measured: dict[str, int] | None = None  # what they compared
@@ -327,6 +344,22 @@ class ZeroTrainer(Trainer):
                 f"sharded over {self.engine.world}; launch with torchrun and let the arguments "
                 "set up torch.distributed before building the engine"
             )
+
+    @property
+    def ref_model(self) -> nn.Module | None:
+        """The reference model of trainers that keep one (TRL's ``DPOTrainer``): sharded like
+        the trained model, and frozen, as it is assigned (see [Note: any Trainer
+        subclass]); None for trainers without one."""
+        return self.__dict__.get("_ref_model")
+
+    @ref_model.setter
+    def ref_model(self, model: nn.Module | None) -> None:
+        if isinstance(model, nn.Module) and getattr(model, "_zerotune_engine", None) is None:
+            model.requires_grad_(False)  # only read: no gradient buffers
+            self.ref_engine = build_engine(model, self.args)
+            model = self.ref_engine.module
+            model._is_accelerate_prepared = True  # placed by the engine: accelerate keeps off
+        self.__dict__["_ref_model"] = model
 
     def _use_engine(self, engine: ZeroEngine) -> None:
         self.engine = engine
@@ -713,6 +746,8 @@ class ZeroTrainer(Trainer):
     def close(self) -> None:
         """Finish pending I/O and remove this rank's NVMe swap files."""
         self.engine.close()
+        if self.ref_engine is not None:
+            self.ref_engine.close()
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -875,3 +910,33 @@ def describe_config(config) -> str:
     if config.tile_linear_bytes:
         parts.append(f"linears tiled above {config.tile_linear_bytes:,} bytes")
     return ", ".join(parts)
+
+
+# ------------------------------------------------------------- any Trainer subclass
+_ZERO_CLASSES: dict[type, type] = {}
+
+
+def zero(cls: type) -> type:
+    """ZeroTrainer's behaviour for a ``Trainer`` subclass, or ZeroTrainingArguments' fields
+    for a ``TrainingArguments`` subclass (e.g. TRL's ``SFTTrainer`` and ``SFTConfig``); see
+    [Note: any Trainer subclass]. The class made is the same on every call."""
+    from dataclasses import dataclass
+
+    from transformers import TrainingArguments
+
+    made = _ZERO_CLASSES.get(cls)
+    if made is not None or issubclass(cls, (ZeroTrainer, ZeroTrainingArguments)):
+        return made or cls
+    if issubclass(cls, Trainer):
+        bases = (ZeroTrainer, cls)
+    elif issubclass(cls, TrainingArguments):
+        bases = (ZeroTrainingArguments, cls)
+    else:
+        raise TypeError(
+            f"zero() takes a transformers Trainer or TrainingArguments subclass, not {cls!r}"
+        )
+    made = type(f"Zero{cls.__name__}", bases, {"__module__": __name__})
+    if issubclass(cls, TrainingArguments):
+        made = dataclass(made)
+    _ZERO_CLASSES[cls] = made
+    return made

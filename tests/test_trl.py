@@ -1,0 +1,200 @@
+"""TRL's trainers through zerotune.hf.zero(): SFT on chat data and DPO with its reference
+model, at stage 3 without offload and with both tiers on NVMe, log the plain trainers' losses;
+a Trainer subclass of the user's own keeps its overrides and callbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_gpt2
+from datasets import Dataset
+from trainer_cases import COMMON, dataset, logged, model
+from transformers import TrainerCallback
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+from zerotune.hf import ZeroTrainer, ZeroTrainingArguments, zero
+from zerotune.hf.data import byte_tokenizer
+
+RTOL = 1e-5
+ARGS = dict(
+    per_device_train_batch_size=4,
+    max_steps=3,
+    learning_rate=1e-3,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    seed=0,
+    use_cpu=True,
+    bf16=False,  # TRL's configs default to bf16; the plain run here is fp32
+    max_length=64,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+# A chat template marking the assistant's turns, for TRL's assistant-only loss.
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+    "{{ m['content'] }}<|endoftext|>{% endgeneration %}{% else %}<|{{ m['role'] }}|>"
+    "{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+ZERO = {
+    "stage3": dict(zero_stage=3),
+    "stage3-nvme": dict(zero_stage=3, offload_param="nvme", offload_optimizer="nvme"),
+}
+
+
+def byte_gpt2():
+    # The byte tokenizer's 259 ids; 256 = <|endoftext|>, 257 = <|pad|>.
+    return tiny_gpt2(
+        seed=0, vocab_size=259, n_positions=64, bos_token_id=256, eos_token_id=256, pad_token_id=257
+    )
+
+
+def chat_tokenizer():
+    tok = byte_tokenizer()
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def chats() -> Dataset:
+    return Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"count from {i}"},
+                    {"role": "assistant", "content": " ".join(str(i + k) for k in range(4))},
+                ]
+            }
+            for i in range(16)
+        ]
+    )
+
+
+def preferences() -> Dataset:
+    return Dataset.from_list(
+        [
+            {
+                "prompt": f"count from {i}:",
+                "chosen": " ".join(str(i + k) for k in range(1, 4)),
+                "rejected": " ".join(str(i - k) for k in range(1, 4)),
+            }
+            for i in range(16)
+        ]
+    )
+
+
+def _zero_args(cls, tmp_path, zero_name: str, **extra):
+    options = dict(ZERO[zero_name])
+    if "nvme" in options.values():
+        (tmp_path / "swap").mkdir(exist_ok=True)
+        options["nvme_path"] = str(tmp_path / "swap")
+    return zero(cls)(output_dir=str(tmp_path / "zero"), **ARGS, **options, **extra)
+
+
+@pytest.mark.parametrize("zero_name", list(ZERO))
+def test_sft_on_chat_data_logs_the_plain_sft_losses(tmp_path, zero_name):
+    """Assistant-only loss and TRL's default gradient checkpointing included."""
+    sft = dict(assistant_only_loss=True, gradient_checkpointing=True)
+    plain = SFTTrainer(
+        model=byte_gpt2(),
+        args=SFTConfig(output_dir=str(tmp_path / "plain"), **ARGS, **sft),
+        train_dataset=chats(),
+        processing_class=chat_tokenizer(),
+    )
+    plain.train()
+    trainer = zero(SFTTrainer)(
+        model=byte_gpt2(),
+        args=_zero_args(SFTConfig, tmp_path, zero_name, **sft),
+        train_dataset=chats(),
+        processing_class=chat_tokenizer(),
+    )
+    assert isinstance(trainer, ZeroTrainer) and isinstance(trainer, SFTTrainer)
+    trainer.train()
+    assert len(logged(trainer)) == ARGS["max_steps"]
+    torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
+    torch.testing.assert_close(
+        logged(trainer, "mean_token_accuracy"), logged(plain, "mean_token_accuracy")
+    )
+    trainer.close()
+
+
+@pytest.mark.parametrize("zero_name", list(ZERO))
+def test_dpo_shards_its_reference_model_and_logs_the_plain_dpo_losses(tmp_path, zero_name):
+    plain = DPOTrainer(
+        model=byte_gpt2(),
+        ref_model=byte_gpt2(),
+        args=DPOConfig(output_dir=str(tmp_path / "plain"), **ARGS),
+        train_dataset=preferences(),
+        processing_class=byte_tokenizer(),
+    )
+    plain.train()
+    trainer = zero(DPOTrainer)(
+        model=byte_gpt2(),
+        ref_model=byte_gpt2(),
+        args=_zero_args(DPOConfig, tmp_path, zero_name),
+        train_dataset=preferences(),
+        processing_class=byte_tokenizer(),
+    )
+    # The reference model is sharded like the trained one, frozen, with no optimizer.
+    ref = trainer.ref_engine
+    assert ref is not None and trainer.ref_model is ref.module and ref is not trainer.engine
+    assert ref.optimizer is None
+    assert not any(p.requires_grad for p in trainer.ref_model.parameters())
+    released = [s.param.numel() for u in ref.units if not u.persistent for s in u.slots]
+    assert len(released) > 4 and not any(released)
+    trainer.train()
+    for key in ("loss", "rewards/margins", "logps/chosen"):
+        torch.testing.assert_close(logged(trainer, key), logged(plain, key), rtol=RTOL, atol=1e-6)
+    trainer.close()
+
+
+def test_zero_makes_each_class_once_and_refuses_others():
+    assert zero(SFTTrainer) is zero(SFTTrainer) and zero(ZeroTrainer) is ZeroTrainer
+    assert issubclass(zero(SFTConfig), ZeroTrainingArguments)
+    assert issubclass(zero(SFTConfig), SFTConfig)
+    with pytest.raises(TypeError, match="Trainer or TrainingArguments subclass"):
+        zero(dict)
+
+
+class _Doubled(ZeroTrainer):
+    """The user's own subclass: a loss of its own, and a callback."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        out = model(**inputs)
+        loss = 2.0 * out["loss"]
+        return (loss, out) if return_outputs else loss
+
+
+class _CountSteps(TrainerCallback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
+def test_a_users_own_trainer_subclass_keeps_its_loss_and_callbacks(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    class PlainDoubled(Trainer):
+        compute_loss = _Doubled.compute_loss
+
+    short = {**COMMON, "max_steps": 3, "warmup_steps": 0}
+    counts = [_CountSteps(), _CountSteps()]
+    plain = PlainDoubled(
+        model=model(),
+        args=TrainingArguments(output_dir=str(tmp_path / "plain"), **short),
+        train_dataset=dataset(),
+        callbacks=[counts[0]],
+    )
+    plain.train()
+    trainer = _Doubled(
+        model=model(),
+        args=ZeroTrainingArguments(output_dir=str(tmp_path / "zero"), **short, zero_stage=3),
+        train_dataset=dataset(),
+        callbacks=[counts[1]],
+    )
+    trainer.train()
+    torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
+    assert counts[0].steps == counts[1].steps == 3
+    trainer.close()
