@@ -279,9 +279,10 @@ def _embeddings_in_32_bits(engine, optimizer: ZeroOptimizer) -> None:
 # HF model, as with the plain Trainer), and every override of ``cls`` still runs, between
 # ZeroTrainer's and the Trainer's. Its arguments must be both: ``zero(SFTConfig)`` is the
 # dataclass ``(ZeroTrainingArguments, SFTConfig)``, with the fields of both, so that ``cls``
-# finds its own fields and ZeroTrainer its own. A model the subclass keeps beside the
-# trained one (DPO's reference model) is its business: it runs unsharded unless the
-# subclass is told otherwise (see ``ZeroTrainer.shard_beside``).
+# finds its own fields and ZeroTrainer its own. The model a subclass keeps beside the
+# trained one, TRL's reference model, is assigned to ``self.ref_model``: ZeroTrainer's
+# property shards it there with the same configuration, frozen and without optimizer, so
+# that it never sits whole in memory beside the shards of the model it is compared with.
 
 
 class ZeroTrainer(Trainer):
