@@ -324,3 +324,17 @@ def test_generic_optimizers_match_the_plain_optimizer_on_the_device(name, config
     res = train_zero(0, 1, model, config, accum=2, use_no_sync=True, device="cuda", optimizer=name)
     res["weights"] = {k: v.numpy() for k, v in res["weights"].items()}
     check_generic(res, ref, name, f"cuda {name} {config}")
+
+
+def test_zero_trainer_on_the_device_logs_the_plain_trainers_losses(tmp_path):
+    """ZeroTrainer at stage 3 with the optimizer on the CPU against the plain Trainer, both
+    on the GPU (use_cpu off), same arguments and seed."""
+    from trainer_cases import logged, plain_run, zero_run
+
+    plain = plain_run(str(tmp_path / "plain"), use_cpu=False)
+    zero = zero_run(str(tmp_path / "zero"), use_cpu=False, zero_stage=3, offload_optimizer="cpu")
+    assert zero.engine.device.type == "cuda"
+    assert all(u.master.device.type == "cpu" for u in zero.engine.units if u.master is not None)
+    assert len(logged(zero)) == len(logged(plain)) > 0
+    torch.testing.assert_close(logged(zero), logged(plain), rtol=1e-4, atol=0)
+    zero.close()
