@@ -109,6 +109,15 @@ def test_model_init_builds_a_fresh_sharded_model_for_each_train(tmp_path):
     # Only the live engine keeps swap files.
     assert len(list((tmp_path / "swap").rglob("param.swap"))) == 1
     zero.close()
+    # A model_init returning a config builds through zero-init (never whole), seeded with
+    # args.seed: each train() starts from the same weights.
+    zero = ZeroTrainer(model_init=lambda: config, args=args, train_dataset=dataset())
+    runs = []
+    for _ in range(2):
+        zero.train()
+        runs.append(logged(zero)[-3:])
+    assert runs[0] == runs[1] and len(runs[0]) == 3
+    zero.close()
 
 
 def test_optimizer_groups_are_found_by_model_parameter(tmp_path):
