@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.util
 import json
 import logging
@@ -79,13 +80,34 @@ class BadInput(click.ClickException):
 
 
 class _Command(click.Command):
-    """Usage errors (a bad choice, a missing --output-dir) as one line and exit code 2."""
+    """Usage errors (a bad choice, a missing --output-dir) as one line and exit code 2. Each
+    of this command's flags also takes the TrainingArguments spelling (``--output_dir`` for
+    ``--output-dir``), and is given once."""
 
     def parse_args(self, ctx, args):
+        args = self._own_spelling(ctx, list(args))
         try:
             return super().parse_args(ctx, args)
         except click.UsageError as exc:
             raise BadInput(exc.format_message()) from None
+
+    def _own_spelling(self, ctx, args: list[str]) -> list[str]:
+        own = {o for p in self.get_params(ctx) for o in p.opts if o.startswith("--")}
+        seen: dict[str, str] = {}
+        out = []
+        for arg in args:
+            flag, eq, value = arg.partition("=")
+            dashed = flag.replace("_", "-") if flag.startswith("--") else flag
+            if dashed in own:
+                if dashed in seen and dashed not in ("--help",):
+                    raise BadInput(
+                        f"{dashed} is given more than once ({seen[dashed]}, then {flag}); "
+                        "give it once"
+                    )
+                seen[dashed] = flag
+                arg = dashed + eq + value
+            out.append(arg)
+        return out
 
 
 def _default_dataset() -> str:
@@ -208,6 +230,14 @@ class Job:
     is_flag=True,
     help="Replace what an earlier run left in --output-dir (refused without it).",
 )
+@click.option(
+    "--help-trainer",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=lambda ctx, _, value: _print_trainer_help(ctx) if value else None,
+    help="List every TrainingArguments / ZeroTrainingArguments flag, and exit.",
+)
 @click.argument("hf_args", nargs=-1, type=click.UNPROCESSED)
 def finetune(**options) -> None:
     """Fully fine-tune a causal LM with ZeRO-3 / ZeRO-Infinity.
@@ -218,7 +248,8 @@ def finetune(**options) -> None:
 
     Every TrainingArguments flag works too (--max_steps 100, --learning_rate 2e-5, --bf16,
     --gradient_accumulation_steps 4, --eval_strategy steps, --save_steps 500, ...), and so do
-    the ZeroTrainingArguments ones (--prefetch_bytes 64MiB, --offload_param cpu, ...).
+    the ZeroTrainingArguments ones (--prefetch_bytes 64MiB, --offload_param cpu, ...):
+    --help-trainer lists them. Each flag takes either spelling (--output_dir, --output-dir).
 
     \b
     Examples:
@@ -250,12 +281,31 @@ def finetune(**options) -> None:
     except KeyboardInterrupt:
         # Ctrl-C: the checkpoints written so far are complete (a partial one is not marked
         # so).
-        click.echo(
-            f"zerotune finetune: stopped by SIGINT; the complete checkpoints in "
-            f"{options['output_dir']} resume with --resume",
-            err=True,
-        )
+        click.echo(_stopped_line("SIGINT", options["output_dir"]), err=True)
         sys.exit(128 + signal.SIGINT)
+
+
+def _describe_folder(path: Path) -> str:
+    """``path (filesystem, free space)``: the filesystem of the longest mount point above it."""
+    import psutil
+
+    real = Path(path).resolve()
+    mounts = [m for m in psutil.disk_partitions(all=True) if _inside(real, Path(m.mountpoint))]
+    fstype = max(mounts, key=lambda m: len(m.mountpoint)).fstype if mounts else "unknown"
+    free = shutil.disk_usage(real).free
+    return f"{path} ({fstype}, {free / 2**30:,.1f} GiB free)"
+
+
+def _stopped_line(signal_name: str, output_dir) -> str:
+    """What an interrupted run says: how to go on, if any checkpoint is complete."""
+    from zerotune.hf.trainer import TRAINER_MARKER
+
+    if not list(Path(output_dir).glob(f"checkpoint-*/{TRAINER_MARKER}")):
+        return f"zerotune finetune: stopped by {signal_name} before the first checkpoint"
+    return (
+        f"zerotune finetune: stopped by {signal_name}; the complete checkpoints in "
+        f"{output_dir} resume with --resume"
+    )
 
 
 def _run_rank(options: dict) -> None:
@@ -370,6 +420,23 @@ def _flag_value(argv: list[str] | tuple[str, ...], name: str) -> str | None:
     return None
 
 
+def _print_trainer_help(ctx) -> None:
+    from transformers import HfArgumentParser
+
+    from zerotune.hf.args import ZeroTrainingArguments
+
+    parser = HfArgumentParser(ZeroTrainingArguments, prog="zerotune finetune", add_help=False)
+    click.echo(parser.format_help())
+    ctx.exit(0)
+
+
+def _known_flags(parser) -> list[str]:
+    """Every flag name this command takes: its own and the TrainingArguments ones."""
+    names = {o.lstrip("-").replace("-", "_") for a in parser._actions for o in a.option_strings}
+    names.update(o.lstrip("-").replace("-", "_") for p in finetune.params for o in p.opts)
+    return sorted(n for n in names if n not in ("h", "help"))
+
+
 def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
     from transformers import HfArgumentParser
 
@@ -379,7 +446,7 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
         def error(self, message):  # argparse would print usage and exit
             raise BadInput(message)
 
-    parser = Parser(ZeroTrainingArguments)
+    parser = Parser(ZeroTrainingArguments, allow_abbrev=False)  # --learning_rat is no flag
     defaults = dict(CLI_ARGS)
     if options["model"] is None:
         defaults.update(DEFAULT_JOB_ARGS)
@@ -395,14 +462,17 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
             value = nvme_path
         if value is not None:
             argv += [f"--{key}", str(value)]
-    if _flag_value(options["hf_args"], "output_dir") is not None:
-        raise BadInput("give the output folder once, as --output-dir (not also --output_dir)")
     argv += list(options["hf_args"])  # last: an explicit --zero_stage / --offload_param wins
     with _fail_on(ValueError):
         args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
-        names = [f.split("=")[0].lstrip("-").replace("-", "_") for f in rest]
+        names = [f.split("=")[0].lstrip("-").replace("-", "_") for f in rest if f[:2] == "--"]
         hints = [_RENAMED[n] for n in names if n in _RENAMED]
+        known = _known_flags(parser)
+        for name in names:
+            if name not in _RENAMED:
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+                hints += [f"did you mean --{close[0]}?"] if close else []
         hint = f"; {'; '.join(hints)}" if hints else ""
         raise BadInput(
             f"unknown option(s): {' '.join(rest)} (neither a zerotune finetune nor a "
@@ -609,7 +679,34 @@ def _as_recorded(value):
 def _job_record(options: dict, args) -> dict:
     record = {key: _as_recorded(options[key]) for key in _RECORDED}
     record["dtype"] = args.zero.dtype  # from --bf16 / --fp16 or the config file
+    # The TrainingArguments flags as given (batch size, accumulation, schedule, ...): a
+    # resume that does not give them again trains with these.
+    record["trainer_args"] = [
+        a
+        for g in _flag_groups(options["hf_args"])
+        if _flag_name(g[0]) not in _NOT_RESUMED
+        for a in g
+    ]
     return record
+
+
+# Flags a resume never takes over from the run it continues.
+_NOT_RESUMED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
+
+
+def _flag_groups(argv) -> list[list[str]]:
+    """``--flag value ...`` groups of a flag list (values do not start with ``--``)."""
+    groups: list[list[str]] = []
+    for arg in argv:
+        if arg.startswith("--"):
+            groups.append([arg])
+        elif groups:
+            groups[-1].append(arg)
+    return groups
+
+
+def _flag_name(flag: str) -> str:
+    return flag[2:].split("=")[0].replace("-", "_")
 
 
 def _write_job_record(out: Path, record: dict) -> None:
@@ -644,7 +741,8 @@ def _adopt_recorded_job(options: dict, given: set[str]) -> None:
     """--resume continues the run in --output-dir as it was started: the model, data and
     dtype options it is not given come from the run's record; ones that differ from it are
     refused (they would silently train another job from the checkpoint). The dtype given
-    is compared once the arguments are parsed (``_check_recorded_dtype``)."""
+    is compared once the arguments are parsed (``_check_recorded_dtype``). The
+    TrainingArguments flags it is not given again are the run's (a new value wins)."""
     record = _read_job_record(options)
     if record is None:
         return
@@ -659,6 +757,10 @@ def _adopt_recorded_job(options: dict, given: set[str]) -> None:
             differ.append(f"--{key.replace('_', '-')} {was} (now {options[key]})")
     if differ:
         _refuse_resume(options, differ)
+    given_flags = {_flag_name(g[0]) for g in _flag_groups(options["hf_args"])}
+    for group in _flag_groups(record.get("trainer_args", [])):
+        if _flag_name(group[0]) not in given_flags:
+            options["hf_args"] = (*options["hf_args"], *group)
     dtype = record.get("dtype", "fp32")
     named = any(a.split("=")[0] in _DTYPE_FLAGS for a in options["hf_args"])
     if dtype != "fp32" and not named and "zero_config" not in given:
@@ -941,11 +1043,7 @@ def _launch(nproc: int, options: dict) -> None:
     try:
         torchrun(argv)
     except SignalException as exc:  # Ctrl-C or a kill of this process: the ranks are stopped
-        click.echo(
-            f"zerotune finetune: stopped by {exc.sigval.name}; the complete checkpoints in "
-            f"{job.args.output_dir} resume with --resume",
-            err=True,
-        )
+        click.echo(_stopped_line(exc.sigval.name, job.args.output_dir), err=True)
         sys.exit(128 + int(exc.sigval))
     except ChildFailedError as exc:
         codes = [f.exitcode for f in exc.failures.values()]
@@ -1033,6 +1131,8 @@ def _run(options: dict) -> None:
                 FolderLock.check_free(args.output_dir)
         with _fail_on(ConfigError, ModelLoadError):
             engine = build_engine(job.model_source, args)  # NVMe space is checked here
+        if engine.swap is not None and engine.rank == 0 and job.temp_nvme is None:
+            click.echo(f"zerotune finetune: swap files in {_describe_folder(engine.swap.root)}")
         _tokenize(job)  # the data's own checks (too few blocks, bad text) come here
         if writer:
             lock = FolderLock(args.output_dir)

@@ -161,7 +161,8 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
     data.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(300)))
     out = tmp_path / "out"
     finetune(env, "--dataset", data, "--block-size", "32", "--bf16", "--output-dir", out,
-             "--max_steps", "2", "--save_steps", "1")  # fmt: skip
+             "--max_steps", "2", "--save_steps", "1", "--per_device_train_batch_size", "2",
+             "--gradient_accumulation_steps", "2")  # fmt: skip
     record = json.loads((out / "zerotune_job.json").read_text())
     assert record["dataset"] == str(data.resolve()) and record["dtype"] == "bf16"
     elsewhere = tmp_path / "elsewhere"
@@ -176,6 +177,11 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
     assert s["dataset"] == str(data.resolve()) and s["block_size"] == 32
     assert s["zero"]["dtype"] == "bf16"
     assert (s["global_step"], s["steps_this_run"]) == (3, 1)
+    # The Trainer's flags not given again are the run's: micro-batch 2, accumulation 2.
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["train_batch_size"] == 2
+    args = json.loads((out / "training_args.json").read_text())
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (2, 2)
     other = tmp_path / "other.txt"
     other.write_text(data.read_text())
     refused = {
@@ -282,10 +288,14 @@ def test_hub_id_from_the_local_cache_with_memory_options(env, tmp_path):
     env = {**env, "HF_HOME": str(tmp_path / "hf")}
     # With the memory extras: 8-bit Adam states and offloaded activation checkpoints are
     # TrainingArguments / ZeroTrainingArguments flags the command passes on.
-    proc = finetune(env, "--model", "zt-test/tiny-gpt2", "--output-dir", out, "--block-size",
+    # Spelled as TrainingArguments flags; an NVMe folder that does not exist yet is made.
+    swap = tmp_path / "not" / "yet"
+    proc = finetune(env, "--model", "zt-test/tiny-gpt2", "--output_dir", out, "--block_size",
                     "32", "--max_steps", "8", "--logging_steps", "4", "--save_strategy", "no",
-                    "--learning_rate", "1e-2", "--optim", "adamw_8bit",
+                    "--learning_rate", "1e-2", "--optim", "adamw_8bit", "--nvme_path", swap,
                     "--gradient_checkpointing", "--offload_activations", "nvme")  # fmt: skip
+    assert swap.is_dir() and f"swap files in {swap} (" in proc.stdout
+    assert "GiB free)" in proc.stdout
     s = summary(out)
     assert s["init"] == "pretrained" and s["global_step"] == 8
     assert s["tokenizer"].startswith("tokenizer of")
@@ -468,7 +478,9 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         "no tensorboard": (["--report_to", "tensorboard"], "its package is not installed"),
         "zero block size": (["--block-size", "0"], "--block-size must be at least 1"),
         "missing model folder": (["--model", tmp_path / "nope"], "no such file or folder"),
-        "two output folders": (["--output_dir", tmp_path / "b"], "give the output folder once"),
+        "two output folders": (["--output_dir", tmp_path / "b"], "--output-dir is given more"),
+        "abbreviated flag": (["--learning_rat", "0.1"], "did you mean --learning_rate?"),
+        "misspelt flag": (["--gradient_acumulation_steps", "2"], "--gradient_accumulation_steps?"),
     }
     # Each its own process for a few (what a process prints beside the CLI's own line, e.g.
     # import warnings, shows there); the rest in one process.
@@ -491,6 +503,34 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         assert cases[name][1] in lines[0], (name, lines[0])
     assert not (tmp_path / "out").exists()  # nothing written for any of them
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
+
+
+def test_an_interrupt_before_the_first_checkpoint_offers_no_resume(env, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [*COMMAND, "--output-dir", str(out), "--max_steps", "2000", "--save_steps", "1000",
+         "--disable_tqdm", "true"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "zerotune_job.json").exists():  # written just before training
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no training within 240 s"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-3000:]
+    line = "zerotune finetune: stopped by SIGINT before the first checkpoint"
+    assert stderr.strip().splitlines()[-1] == line, stderr[-3000:]
+    assert "--resume" not in stderr and not list(out.glob("checkpoint-*"))
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

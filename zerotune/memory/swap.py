@@ -134,8 +134,12 @@ class SwapSpace:
 
         prefer_mmap_for_large_buffers()  # see memory/host.py
         self.root = Path(nvme_path)
-        if not self.root.is_dir():
-            raise ConfigError(f"nvme_path {self.root} does not exist or is not a folder")
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"nvme_path {self.root} is not a folder")
+        try:  # made if missing, parents too: only what cannot work is refused
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot make nvme_path {self.root}: {exc.strerror}") from None
         if not os.access(self.root, os.W_OK):
             raise ConfigError(f"nvme_path {self.root} is not writable by this user")
         rank = zdist.get_rank(group)
