@@ -690,8 +690,8 @@ def _job_record(options: dict, args) -> dict:
     return record
 
 
-# Flags a resume never takes over from the run it continues.
-_NOT_RESUMED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
+# Flags a resume never takes over from the run it continues (the dtype is the record's own).
+_NOT_RESUMED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir", "bf16", "fp16")
 
 
 def _flag_groups(argv) -> list[list[str]]:
@@ -1131,8 +1131,8 @@ def _run(options: dict) -> None:
                 FolderLock.check_free(args.output_dir)
         with _fail_on(ConfigError, ModelLoadError):
             engine = build_engine(job.model_source, args)  # NVMe space is checked here
-        if engine.swap is not None and engine.rank == 0 and job.temp_nvme is None:
-            click.echo(f"zerotune finetune: swap files in {_describe_folder(engine.swap.root)}")
+        if args.zero.nvme_path and engine.rank == 0 and job.temp_nvme is None:
+            click.echo(f"zerotune finetune: swap files in {_describe_folder(args.zero.nvme_path)}")
         _tokenize(job)  # the data's own checks (too few blocks, bad text) come here
         if writer:
             lock = FolderLock(args.output_dir)
