@@ -285,6 +285,36 @@ def finetune(**options) -> None:
         sys.exit(128 + signal.SIGINT)
 
 
+def _threads_per_process(nproc: int) -> int:
+    """Threads for each of ``nproc`` processes: the CPUs this process may use, shared out
+    (OMP_NUM_THREADS, when set, decides). Said once; set here for one process."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        threads, why = int(given), "OMP_NUM_THREADS"
+    else:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = max(1, (cpus or 1) // nproc)
+        why = f"{cpus} CPUs shared by {nproc} process(es); OMP_NUM_THREADS sets another number"
+    if nproc == 1:
+        import torch
+
+        torch.set_num_threads(threads)
+    click.echo(f"zerotune finetune: {threads} thread(s) per process ({why})", err=True)
+    return threads
+
+
+def _build_ops_once() -> None:
+    """Compile the C++ ops now if this machine has not yet, saying so (else the first
+    step would seem stuck for the minute it takes)."""
+    from zerotune.ops.build import OPS, build_all, op_status
+
+    if any(op_status(name).state == "not built" for name in OPS):
+        click.echo(
+            "zerotune finetune: building the C++ ops (first run only, about a minute)", err=True
+        )
+        build_all()
+
+
 def _describe_folder(path: Path) -> str:
     """``path (filesystem, free space)``: the filesystem of the longest mount point above it."""
     import psutil
@@ -1017,7 +1047,9 @@ def _launch(nproc: int, options: dict) -> None:
         if job.temp_nvme is not None:
             shutil.rmtree(job.temp_nvme, ignore_errors=True)
         raise
-    saved_env = {k: os.environ.get(k) for k in (_TEMP_NVME_ENV, _ERRORS_ENV)}
+    _build_ops_once()  # here, once, rather than in every rank at the same moment
+    saved_env = {k: os.environ.get(k) for k in (_TEMP_NVME_ENV, _ERRORS_ENV, "OMP_NUM_THREADS")}
+    os.environ["OMP_NUM_THREADS"] = str(_threads_per_process(nproc))  # torchrun keeps it
     if job.temp_nvme is not None:
         os.environ[_TEMP_NVME_ENV] = job.temp_nvme
     errors = tempfile.mkdtemp(prefix="zerotune-errors-")
@@ -1116,6 +1148,9 @@ def _run(options: dict) -> None:
     if _ERRORS_ENV in os.environ:  # a rank of _launch
         _die_with_launcher()
     job = _prepare(options)  # first: it fails fast on bad input, before the slow imports
+    if _ERRORS_ENV not in os.environ:  # one process (a rank's launcher did these)
+        _threads_per_process(1)
+        _build_ops_once()
     from zerotune.checkpoint import CheckpointError
     from zerotune.checkpoint.lock import FolderLock
     from zerotune.config import ConfigError

@@ -119,6 +119,7 @@ def test_default_job(default_run, env):
     assert losses[-1] < losses[0] - 1.0, losses
     assert s["elapsed_s"] < 120
     assert "zerotune finetune: done" in proc.stdout and "tokens/s" in proc.stdout
+    assert "1 thread(s) per process (OMP_NUM_THREADS)" in proc.stderr
     # Tokens as trained: each epoch's last batch holds what is left of the blocks.
     blocks, batch = s["train_blocks"], 8
     per_epoch = -(-blocks // batch)
@@ -129,11 +130,43 @@ def test_default_job(default_run, env):
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-20", "checkpoint-40"]
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))  # the temp swap folder is gone
     model = AutoModelForCausalLM.from_pretrained(out)
+    # The last checkpoint holds the same weights, loadable as they are (a small model).
+    last = AutoModelForCausalLM.from_pretrained(out / "checkpoint-40").state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(last[name], value), name
     tokenizer = AutoTokenizer.from_pretrained(out)
     ids = tokenizer("The engine cuts a model into units", return_tensors="pt").input_ids
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss
     assert float(loss) < losses[0]  # the saved weights are the trained ones
+
+
+def test_first_run_says_it_builds_the_ops(monkeypatch, capsys):
+    """A machine whose C++ ops are not built yet hears why the first step waits."""
+    from zerotune.cli import finetune as command
+
+    import zerotune.ops.build as build
+
+    built = []
+    monkeypatch.setattr(build, "op_status", lambda name: build.OpStatus(name, "not built"))
+    monkeypatch.setattr(build, "build_all", lambda: built.append(True))
+    command._build_ops_once()
+    assert built == [True]
+    assert "building the C++ ops (first run only, about a minute)" in capsys.readouterr().err
+    monkeypatch.setattr(build, "op_status", lambda name: build.OpStatus(name, "built"))
+    command._build_ops_once()
+    assert built == [True] and capsys.readouterr().err == ""
+
+
+def test_threads_are_the_cpus_shared_out(monkeypatch, capsys):
+    from zerotune.cli import finetune as command
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert command._threads_per_process(2) == 4
+    assert "4 thread(s) per process (8 CPUs shared by 2 process(es)" in capsys.readouterr().err
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert command._threads_per_process(2) == 3
 
 
 def test_resume_continues_with_the_same_losses(default_run, env, tmp_path):
