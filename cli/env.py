@@ -11,15 +11,20 @@ import click
 
 
 def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "datasets", "safetensors", "bitsandbytes", "click"):
+    # Versions from the installed metadata: importing bitsandbytes (say) prints its own
+    # lines about kernels this report does not need.
+    for name in ("transformers", "datasets", "safetensors", "click"):
+        out[name] = version(name)
+    for name, extra in (("bitsandbytes", "bnb"), ("matplotlib", "plot"), ("trl", "trl")):
         try:
-            module = __import__(name)
-            out[name] = getattr(module, "__version__", "?")
-        except Exception as exc:  # noqa: BLE001 - report whatever stops the import
-            out[name] = f"not importable ({type(exc).__name__})"
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = f"not installed (optional: pip install zerotune[{extra}])"
     import zerotune
 
     out["zerotune"] = zerotune.__version__

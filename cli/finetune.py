@@ -1310,7 +1310,11 @@ def _plot_losses(path: Path, losses, evals, title: str) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        click.echo("zerotune finetune: matplotlib is missing; no loss curve drawn", err=True)
+        click.echo(
+            "zerotune finetune: matplotlib is missing, so no loss curve is drawn "
+            "(pip install zerotune[plot])",
+            err=True,
+        )
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     if losses:

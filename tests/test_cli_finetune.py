@@ -158,6 +158,21 @@ def test_first_run_says_it_builds_the_ops(monkeypatch, capsys):
     assert built == [True] and capsys.readouterr().err == ""
 
 
+def test_optional_packages_missing_say_which_extra_brings_them(monkeypatch, tmp_path, capsys):
+    from zerotune.cli import finetune as command
+
+    from zerotune.config import ConfigError
+    from zerotune.optim.quant8 import require_bitsandbytes
+
+    for name in ("bitsandbytes", "bitsandbytes.functional", "matplotlib"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install zerotune\[bnb\]"):
+        require_bitsandbytes()
+    assert command._plot_losses(tmp_path / "loss.png", [(1, 2.0)], [], "run") is None
+    assert "no loss curve is drawn (pip install zerotune[plot])" in capsys.readouterr().err
+    assert not (tmp_path / "loss.png").exists()
+
+
 def test_threads_are_the_cpus_shared_out(monkeypatch, capsys):
     from zerotune.cli import finetune as command
 

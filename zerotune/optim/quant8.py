@@ -85,7 +85,7 @@ def require_bitsandbytes():
 
         raise ConfigError(
             f"optim_state_bits=8 needs bitsandbytes ({exc}); install it with "
-            "`pip install bitsandbytes` or use optim_state_bits=32"
+            "`pip install zerotune[bnb]` or use optim_state_bits=32"
         ) from None
     return bnbf
 
