@@ -175,7 +175,23 @@ class Job:
 @click.option("--text-column", default=None, help="Column holding the text (default: text).")
 @click.option("--prompt-column", default=None, help="Prompt column of prompt/response data.")
 @click.option("--response-column", default=None, help="Response column of prompt/response data.")
-@click.option("--train-on-prompt", is_flag=True, help="Also compute the loss on prompt tokens.")
+@click.option(
+    "--chat-column",
+    default=None,
+    help="Column of conversations (default: messages, or ShareGPT's conversations).",
+)
+@click.option(
+    "--chat-template",
+    default=None,
+    help="A Jinja chat template file for chat data (default: the tokenizer's own, else "
+    "zerotune's simple one, saved with the tokenizer).",
+)
+@click.option(
+    "--train-on-prompt",
+    is_flag=True,
+    help="Also compute the loss on prompt tokens (chat data: on every turn, not only the "
+    "assistant's).",
+)
 @click.option(
     "--block-size",
     type=int,
@@ -616,6 +632,8 @@ _RECORDED = (
     "text_column",
     "prompt_column",
     "response_column",
+    "chat_column",
+    "chat_template",
     "train_on_prompt",
     "block_size",
     "eval_split",
@@ -938,7 +956,15 @@ def _prepare(options: dict) -> Job:
     folder."""
     from zerotune.hf.data import DataError, choose_columns, load_raw_dataset
 
-    for key in ("model", "tokenizer", "dataset", "output_dir", "nvme_path", "zero_config"):
+    for key in (
+        "model",
+        "tokenizer",
+        "dataset",
+        "output_dir",
+        "nvme_path",
+        "zero_config",
+        "chat_template",
+    ):
         value = options[key]
         if isinstance(value, str) and value.startswith("~"):
             options[key] = os.path.expanduser(value)  # quoted, so the shell left it
@@ -956,6 +982,7 @@ def _prepare(options: dict) -> Job:
             text_column=options["text_column"],
             prompt_column=options["prompt_column"],
             response_column=options["response_column"],
+            chat_column=options["chat_column"],
             source=f"dataset {dataset}",
         )
     temp_nvme = None
@@ -974,6 +1001,11 @@ def _prepare(options: dict) -> Job:
             _check_recorded_dtype(options, args)
         _check_output_dir(Path(args.output_dir), options, args, source)
         tokenizer, tok_kind = _resolve_tokenizer(options, source, config)
+        if options["chat_template"] is not None:
+            template = Path(options["chat_template"])
+            if not template.is_file():
+                raise BadInput(f"--chat-template {template}: no such file")
+            tokenizer.chat_template = template.read_text()
         if init == "random":  # the model's special tokens are the tokenizer's
             for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
                 if getattr(tokenizer, key, None) is not None:
@@ -1019,6 +1051,7 @@ def _tokenize(job: Job) -> None:
             text_column=job.columns.text,
             prompt_column=job.columns.prompt,
             response_column=job.columns.response,
+            chat_column=job.columns.chat,
             train_on_prompt=job.train_on_prompt,
             seed=job.args.seed,
             name=job.dataset,

@@ -316,6 +316,38 @@ def test_local_model_folder_and_jsonl(env, tmp_path):
     )
 
 
+def test_chat_data_with_a_template_file(env, tmp_path):
+    """ShareGPT conversations with a template given as a file: one conversation a block,
+    the loss goes down, and the template is saved with the tokenizer."""
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "chat.jsonl"
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Say {i}"},
+                {"from": "gpt", "value": f"{i}!"},
+            ]
+        }
+        for i in range(40)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}"
+        "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    out = tmp_path / "out"
+    proc = finetune(env, "--dataset", data, "--chat-template", template, "--output-dir", out,
+                    "--block-size", "32", "--max_steps", "6", "--logging_steps", "1",
+                    "--learning_rate", "1e-2", "--save_strategy", "no")  # fmt: skip
+    s = summary(out)
+    assert s["columns"] == "chat column 'conversations'" and s["train_blocks"] == 40
+    assert "40 blocks of 32 tokens (chat column 'conversations'" in proc.stdout
+    assert s["losses"][-1][1] < s["losses"][0][1]
+    assert AutoTokenizer.from_pretrained(out).chat_template == template.read_text()
+
+
 def test_hub_id_from_the_local_cache_with_memory_options(env, tmp_path):
     """A hub id that is in the Hugging Face cache loads offline (HF_HUB_OFFLINE=1), the way
     a downloaded model would: the cache layout is what huggingface_hub writes."""

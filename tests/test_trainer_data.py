@@ -220,3 +220,115 @@ def test_a_folder_written_by_save_to_disk(tok, tmp_path):
     datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows)}).save_to_disk(tmp_path / "t")
     with pytest.raises(DataError, match=r"has no train split \(its splits: test\)"):
         load_raw_dataset(tmp_path / "t")
+
+
+# ------------------------------------------------------------------------------ chat data
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "and?"},
+    {"role": "assistant", "content": "ok"},
+]
+
+
+def _chat_tok():
+    tok = byte_tokenizer()  # no template of its own: zerotune's default
+    from zerotune.hf.data import DEFAULT_CHAT_TEMPLATE
+
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tok
+
+
+def test_chat_loss_is_on_the_assistant_turns_only():
+    """The known example: with the default template only 'yo', 'ok', each followed by the
+    end-of-turn token and its newline, carry loss; with train_on_prompt every token."""
+    from zerotune.hf.data import chat_loss_mask
+
+    tok = _chat_tok()
+    ids, labels = chat_loss_mask(tok, CHAT)
+    assert tok.decode(ids) == (
+        "<|system|>\nbe brief<|endoftext|>\n<|user|>\nhi<|endoftext|>\n"
+        "<|assistant|>\nyo<|endoftext|>\n<|user|>\nand?<|endoftext|>\n"
+        "<|assistant|>\nok<|endoftext|>\n"
+    )
+    eos = tok.eos_token_id
+    learned = [(i, t) for i, (t, label) in enumerate(zip(ids, labels)) if label != -100]
+    assert [t for _, t in learned] == [*b"yo", eos, 10, *b"ok", eos, 10]
+    assert all(labels[i] == t for i, t in learned)  # labels are the ids themselves
+    # The positions: right after each "<|assistant|>\n".
+    text = tok.decode(ids)
+    before = text[: text.index("yo")]  # one token a byte, but <|endoftext|> is one token
+    assert learned[0][0] == len(before.encode()) - 2 * (len("<|endoftext|>") - 1)
+    _, everything = chat_loss_mask(tok, CHAT, train_on_prompt=True)
+    assert everything == ids
+
+
+def test_chat_shapes_and_blocks(tmp_path):
+    """messages and ShareGPT conversations give the same blocks; each block is one
+    conversation, cut at the block size and padded (attention 0, labels -100); one whose
+    answer lies past the block size is left out."""
+    from zerotune.hf.data import chat_loss_mask
+
+    tok = _chat_tok()
+    short = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    late = [{"role": "user", "content": "x" * 80}, {"role": "assistant", "content": "y"}]
+    rows = [{"messages": CHAT}, {"messages": short}, {"messages": late}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    shared = [
+        {
+            "conversations": [
+                {"from": names[m["role"]], "value": m["content"]} for m in r["messages"]
+            ]
+        }
+        for r in rows
+    ]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shared))
+    block = 64
+    results = []
+    for name in ("m.jsonl", "s.jsonl"):
+        train, _, columns = prepare_datasets(tmp_path / name, tok, block)
+        assert columns.chat == ("messages" if name == "m.jsonl" else "conversations")
+        results.append([dict(b) for b in train])
+    assert results[0] == results[1]
+    blocks = results[0]
+    assert len(blocks) == 2  # `late` has its answer past 64 tokens
+    for b, messages in zip(blocks, (CHAT, short)):
+        ids, labels = chat_loss_mask(tok, messages)
+        n = min(len(ids), block)
+        assert b["input_ids"][:n] == ids[:n] and b["labels"][:n] == labels[:n]
+        assert b["attention_mask"] == [1] * n + [0] * (block - n)
+        assert set(b["input_ids"][n:]) <= {tok.pad_token_id}
+        assert set(b["labels"][n:]) <= {-100}
+    # CHAT is longer than 64 tokens: cut; its second answer is past the cut.
+    assert len(chat_loss_mask(tok, CHAT)[0]) > block
+    assert sum(t != -100 for t in blocks[0]["labels"]) == 4  # "yo", end-of-turn, newline
+    assert sum(t != -100 for t in blocks[1]["labels"]) == 3
+
+
+def test_chat_refusals(tmp_path):
+    tok = _chat_tok()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"speaker": "me", "text": "hi"}]}) + "\n")
+    with pytest.raises(DataError, match="messages are \\{'role', 'content'\\}"):
+        prepare_datasets(bad, tok, 16)
+    bad.write_text(json.dumps({"messages": "hi"}) + "\n")
+    with pytest.raises(DataError, match="holds str values, not lists of messages"):
+        prepare_datasets(bad, tok, 16)
+    # A template that renders the turns backwards cannot be split into turns.
+    tok.chat_template = (
+        "{% for m in messages|reverse %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"messages": CHAT[1:3]}) + "\n")
+    with pytest.raises(DataError, match="--chat-template"):
+        prepare_datasets(good, tok, 64)
+    train, _, _ = prepare_datasets(good, tok, 64, train_on_prompt=True)  # every token
+    assert sum(t != -100 for t in train[0]["labels"]) == sum(train[0]["attention_mask"])
+    # Without a template: zerotune's default, set on the tokenizer (saved with it).
+    plain = byte_tokenizer()
+    prepare_datasets(good, plain, 64)
+    from zerotune.hf.data import DEFAULT_CHAT_TEMPLATE
+
+    assert plain.chat_template == DEFAULT_CHAT_TEMPLATE

@@ -5,17 +5,19 @@
    ``datasets``' packaged builders, a folder ``save_to_disk`` wrote, or a hub dataset name
    (from the local cache when HF_HUB_OFFLINE is set). A .txt file is one document (not one
    row per line).
-2. ``choose_columns``: a text column (``text``, ``content``) or a prompt/response pair
-   (``prompt``/``response``, ``prompt``/``completion``, ``instruction``/``output``,
-   ``question``/``answer``), unless named explicitly.
+2. ``choose_columns``: a chat column (``messages``: ``{"role", "content"}`` lists;
+   ``conversations``: ShareGPT's ``{"from", "value"}``), a text column (``text``,
+   ``content``) or a prompt/response pair (``prompt``/``response``, ``prompt``/``completion``,
+   ``instruction``/``output``, ``question``/``answer``), unless named explicitly.
 3. ``tokenize_and_pack``: each example becomes token ids followed by the end-of-sequence
    token; for a pair, the prompt's tokens get label -100 (no loss on the prompt) unless
    ``train_on_prompt``. Examples are concatenated (1,000 at a time) and cut into blocks of
    ``block_size`` tokens (each group's tail shorter than a block is dropped), so every batch
    is full and needs no padding or attention mask. A block whose labels are all -100 (inside
    a long prompt) is left out: it would be a step of zero loss. Column values are strings,
-   numbers or UTF-8 bytes (null is empty); lists and records (chat messages) are refused,
-   and so is data that gives no token at all.
+   numbers or UTF-8 bytes (null is empty); lists and records are refused outside a chat
+   column, and so is data that gives no token at all. Chat data goes its own way: see
+   [Note: chat data].
 A model without a tokenizer gets ``byte_tokenizer()``: ids 0-255 are the bytes of the UTF-8
 text, then ``<|endoftext|>`` (256), ``<|pad|>`` (257) and ``<|unk|>`` (258); it needs no
 download and ``save_pretrained`` writes a ``tokenizer.json`` that ``AutoTokenizer`` loads.
@@ -31,9 +33,11 @@ from pathlib import Path
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
+    "DEFAULT_CHAT_TEMPLATE",
     "Columns",
     "DataError",
     "byte_tokenizer",
+    "chat_loss_mask",
     "choose_columns",
     "load_raw_dataset",
     "prepare_datasets",
@@ -57,6 +61,28 @@ _PAIRS = (
     ("instruction", "output"),
     ("question", "answer"),
     ("input", "output"),
+)
+
+
+_CHAT_COLUMNS = ("messages", "conversations")
+# ShareGPT speakers as chat roles.
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system", "tool": "tool"}  # fmt: skip
+# [Note: chat data]
+# A conversation is rendered whole with the tokenizer's chat template, and tokenized once
+# with character offsets. The assistant's turns are found by rendering the conversation
+# up to each assistant message: the text the message adds after the generation prompt of
+# the turns before it is that turn (its content and the template's end-of-turn), and the
+# tokens starting inside it carry loss; every other token is -100 unless
+# ``train_on_prompt``. A template whose render of the first turns is not a prefix of the
+# whole render cannot be split this way and is refused. A tokenizer without a template
+# gets ``DEFAULT_CHAT_TEMPLATE`` (saved with it, so inference uses the same format).
+# Conversations are never packed together: each is one block, cut at ``block_size``
+# tokens and padded to it (attention mask 0, labels -100), so no block mixes two
+# conversations and no label is predicted from another conversation's tokens.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
 
@@ -262,13 +288,17 @@ def _quiet_datasets():
 # ----------------------------------------------------------------------------- columns
 @dataclass
 class Columns:
-    """Which columns feed the model: ``text`` alone, or ``prompt`` and ``response``."""
+    """Which columns feed the model: ``chat`` (conversations), ``text`` alone, or ``prompt``
+    and ``response``."""
 
     text: str | None = None
     prompt: str | None = None
     response: str | None = None
+    chat: str | None = None
 
     def describe(self) -> str:
+        if self.chat is not None:
+            return f"chat column {self.chat!r}"
         if self.text is not None:
             return f"text column {self.text!r}"
         return f"prompt column {self.prompt!r}, response column {self.response!r}"
@@ -280,13 +310,18 @@ def choose_columns(
     text_column: str | None = None,
     prompt_column: str | None = None,
     response_column: str | None = None,
+    chat_column: str | None = None,
     source: str = "the dataset",
 ) -> Columns:
     """Pick the columns to train on: the ones named, or the first known name present."""
     have = ", ".join(names)
-    for given in (text_column, prompt_column, response_column):
+    for given in (text_column, prompt_column, response_column, chat_column):
         if given is not None and given not in names:
             raise DataError(f"{source} has no column {given!r} (its columns: {have})")
+    if chat_column is not None:
+        if text_column or prompt_column or response_column:
+            raise DataError("give either a chat column or text / prompt-response columns")
+        return Columns(chat=chat_column)
     if text_column is not None:
         if prompt_column or response_column:
             raise DataError("give either a text column or a prompt/response pair, not both")
@@ -302,6 +337,9 @@ def choose_columns(
         )
     if prompt_column is not None:
         return Columns(prompt=prompt_column, response=response_column)
+    for name in _CHAT_COLUMNS:
+        if name in names:
+            return Columns(chat=name)
     for name in _TEXT_COLUMNS:
         if name in names:
             return Columns(text=name)
@@ -309,9 +347,9 @@ def choose_columns(
         if p in names and r in names:
             return Columns(prompt=p, response=r)
     raise DataError(
-        f"{source} has no text column ({', '.join(_TEXT_COLUMNS)}) and no prompt/response "
-        f"pair (its columns: {have}); name one with --text-column or "
-        "--prompt-column/--response-column"
+        f"{source} has no chat column ({', '.join(_CHAT_COLUMNS)}), no text column "
+        f"({', '.join(_TEXT_COLUMNS)}) and no prompt/response pair (its columns: {have}); "
+        "name one with --chat-column, --text-column or --prompt-column/--response-column"
     )
 
 
@@ -333,6 +371,8 @@ def tokenize_and_pack(
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("the tokenizer has no end-of-sequence token; give one that does")
+    if columns.chat is not None:
+        return _chat_blocks(ds, tokenizer, columns.chat, block_size, train_on_prompt, source)
 
     def ids_of(batch, column):
         texts = [_as_text(t, column, source) for t in batch[column]]
@@ -404,6 +444,97 @@ def tokenize_and_pack(
     return blocks
 
 
+def _conversation(value, column: str, source: str) -> list[dict]:
+    """One row of a chat column as ``[{"role", "content"}, ...]`` (ShareGPT's
+    ``{"from", "value"}`` turns mapped to roles)."""
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise DataError(
+            f"{source}: column {column!r} holds {type(value).__name__} values, not lists of "
+            "messages ({'role': ..., 'content': ...})"
+        )
+    out = []
+    for m in value:
+        if "role" in m and "content" in m:
+            out.append({"role": m["role"], "content": _as_text(m["content"], column, source)})
+        elif "from" in m and "value" in m and m["from"] in _SHAREGPT_ROLES:
+            role = _SHAREGPT_ROLES[m["from"]]
+            out.append({"role": role, "content": _as_text(m["value"], column, source)})
+        else:
+            raise DataError(
+                f"{source}: column {column!r} has a message {dict(m)!r}: messages are "
+                "{'role', 'content'} (or ShareGPT's {'from': human|gpt|system, 'value'})"
+            )
+    if not out:
+        raise DataError(f"{source}: column {column!r} has an empty conversation")
+    return out
+
+
+def chat_loss_mask(tokenizer, messages: list[dict], train_on_prompt: bool = False):
+    """(token ids, labels) of one conversation: see [Note: chat data]."""
+
+    def render(turns, prompt=False):
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
+
+    full = render(messages)
+    if train_on_prompt:
+        ids = list(tokenizer(full, add_special_tokens=False)["input_ids"])
+        return ids, list(ids)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        earlier = render(messages[:i]) if i else ""
+        before, after = render(messages[:i], prompt=True) if i else "", render(messages[: i + 1])
+        if not (after.startswith(earlier) and full.startswith(after)):
+            raise DataError(
+                "the chat template does not render a conversation's first turns as the start "
+                "of the whole (the assistant's turns cannot be found); give another with "
+                "--chat-template, or train on every token with --train-on-prompt"
+            )
+        # The generation prompt of the template may differ from what an assistant turn
+        # starts with: the turn is what follows their common start.
+        start = len(os.path.commonprefix([before, after]))
+        spans.append((start, len(after)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    labels = [
+        t if any(a <= begin < b for a, b in spans) else -100
+        for t, (begin, _) in zip(ids, enc["offset_mapping"])
+    ]
+    return ids, labels
+
+
+def _chat_blocks(ds, tokenizer, column: str, block_size: int, train_on_prompt: bool, source):
+    """One padded block per conversation (see [Note: chat data])."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def block(batch):
+        out = {"input_ids": [], "labels": [], "attention_mask": [], "cut": []}
+        for value in batch[column]:
+            messages = _conversation(value, column, source)
+            ids, labels = chat_loss_mask(tokenizer, messages, train_on_prompt)
+            cut = len(ids) > block_size
+            ids, labels = ids[:block_size], labels[:block_size]
+            if all(t == -100 for t in labels):
+                continue  # nothing to learn in it (or its answers lie past block_size)
+            fill = block_size - len(ids)
+            out["input_ids"].append(ids + [pad] * fill)
+            out["labels"].append(labels + [-100] * fill)
+            out["attention_mask"].append([1] * len(ids) + [0] * fill)
+            out["cut"].append(cut)
+        return out
+
+    blocks = ds.map(block, batched=True, remove_columns=ds.column_names, desc="Tokenizing")
+    if len(blocks) == 0:
+        raise DataError(
+            f"{source} has no conversation with an assistant token within the first "
+            f"{block_size} tokens; use a larger --block-size, or check its roles"
+        )
+    return blocks.remove_columns("cut")
+
+
 def _as_text(value, column: str, source: str) -> str:
     """One value of a text, prompt or response column as the text to tokenize."""
     if isinstance(value, str):
@@ -422,7 +553,7 @@ def _as_text(value, column: str, source: str) -> str:
         return str(value)
     hint = ""
     if isinstance(value, (list, dict)):
-        hint = " (chat messages are not read: give a column of text, or prompt/response columns)"
+        hint = " (chat messages: name the column with --chat-column)"
     raise DataError(
         f"{source}: column {column!r} holds {type(value).__name__} values, not text{hint}"
     )
@@ -437,6 +568,7 @@ def prepare_datasets(
     text_column: str | None = None,
     prompt_column: str | None = None,
     response_column: str | None = None,
+    chat_column: str | None = None,
     train_on_prompt: bool = False,
     seed: int = 0,
     name: str | None = None,
@@ -459,6 +591,7 @@ def prepare_datasets(
         text_column=text_column,
         prompt_column=prompt_column,
         response_column=response_column,
+        chat_column=chat_column,
         source=name,
     )
     blocks = tokenize_and_pack(
