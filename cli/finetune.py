@@ -230,7 +230,16 @@ class Job:
     "zero3-offload-cpu, zero3-offload-nvme); the flags above override it.",
 )
 @click.option(
-    "--output-dir", required=True, help="Where the model, checkpoints, loss curve and summary go."
+    "--output-dir",
+    default=None,
+    help="Where the model, checkpoints, loss curve and summary go (required, here or as "
+    "training.output_dir in the job file).",
+)
+@click.option(
+    "--job",
+    default=None,
+    help="A YAML job file: model, data, zero and training sections (see configs/jobs/); "
+    "the flags given here win over it.",
 )
 @click.option(
     "--nproc-per-node",
@@ -278,9 +287,13 @@ def finetune(**options) -> None:
       zerotune finetune --output-dir out --resume --max_steps 120
     """
     nproc = options.pop("nproc_per_node")
+    ctx = click.get_current_context()
+    given = {k for k in options if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
+    if options["job"] is not None:
+        _apply_job_file(options, given)
+    if options["output_dir"] is None:
+        raise BadInput("give the output folder: --output-dir (or training.output_dir in --job)")
     if options["resume"]:
-        ctx = click.get_current_context()
-        given = {k for k in options if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
         _adopt_recorded_job(options, given)
     under_launcher = (
         "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -301,6 +314,25 @@ def finetune(**options) -> None:
         sys.exit(128 + signal.SIGINT)
 
 
+def _apply_job_file(options: dict, given: set[str]) -> None:
+    """The job file's model, data and training settings where the command line gives none
+    (its zero section is read by ``_zero_settings``); see [Note: job files]."""
+    from zerotune.hf.job import JobFileError, read_job_file
+
+    with _fail_on(JobFileError):
+        job = read_job_file(options["job"])
+    for key, value in job.options.items():
+        if key not in given:
+            options[key] = value
+    for key in ("output_dir", "nvme_path"):  # this command's own flags
+        value = job.training.get(key) or (job.zero.get(key) if key == "nvme_path" else None)
+        if value is not None and key not in given:
+            options[key] = value
+    named = {_flag_name(g[0]) for g in _flag_groups(options["hf_args"])}
+    flags = job.training_flags(named | {"output_dir", "nvme_path"})
+    options["hf_args"] = (*flags, *options["hf_args"])
+
+
 def _threads_per_process(nproc: int) -> int:
     """Threads for each of ``nproc`` processes: the CPUs this process may use, shared out
     (OMP_NUM_THREADS, when set, decides). Said once; set here for one process."""
@@ -315,7 +347,7 @@ def _threads_per_process(nproc: int) -> int:
         import torch
 
         torch.set_num_threads(threads)
-    click.echo(f"zerotune finetune: {threads} thread(s) per process ({why})", err=True)
+    click.echo(f"zerotune finetune: {threads} thread(s) per process ({why})")
     return threads
 
 
@@ -325,9 +357,7 @@ def _build_ops_once() -> None:
     from zerotune.ops.build import OPS, build_all, op_status
 
     if any(op_status(name).state == "not built" for name in OPS):
-        click.echo(
-            "zerotune finetune: building the C++ ops (first run only, about a minute)", err=True
-        )
+        click.echo("zerotune finetune: building the C++ ops (first run only, about a minute)")
         build_all()
 
 
@@ -408,6 +438,10 @@ def _zero_settings(options: dict) -> dict:
     if options["zero_config"]:
         with _fail_on(ConfigError):
             base = read_zero_config_file(options["zero_config"])
+    elif options["job"] is not None:
+        from zerotune.hf.job import read_job_file
+
+        base = dict(read_job_file(options["job"]).zero)  # checked by _apply_job_file
     default_job = options["model"] is None
     # The TrainingArguments spellings (--zero_stage, --offload_param, --offload_optimizer)
     # win over --stage / --offload, which win over the config file.
@@ -503,6 +537,12 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
     argv = ["--output_dir", options["output_dir"]]
     if options["zero_config"]:
         argv += ["--zero_config", options["zero_config"]]
+    elif options["job"] is not None:
+        from zerotune.hf.job import read_job_file
+
+        zero_section = read_job_file(options["job"]).zero
+        if zero_section:
+            argv += ["--zero_config", json.dumps(zero_section)]  # inline: read as a file is
     for key, value in zero.items():
         if key == "nvme_path":
             value = nvme_path

@@ -119,7 +119,7 @@ def test_default_job(default_run, env):
     assert losses[-1] < losses[0] - 1.0, losses
     assert s["elapsed_s"] < 120
     assert "zerotune finetune: done" in proc.stdout and "tokens/s" in proc.stdout
-    assert "1 thread(s) per process (OMP_NUM_THREADS)" in proc.stderr
+    assert "1 thread(s) per process (OMP_NUM_THREADS)" in proc.stdout
     # Tokens as trained: each epoch's last batch holds what is left of the blocks.
     blocks, batch = s["train_blocks"], 8
     per_epoch = -(-blocks // batch)
@@ -152,10 +152,10 @@ def test_first_run_says_it_builds_the_ops(monkeypatch, capsys):
     monkeypatch.setattr(build, "build_all", lambda: built.append(True))
     command._build_ops_once()
     assert built == [True]
-    assert "building the C++ ops (first run only, about a minute)" in capsys.readouterr().err
+    assert "building the C++ ops (first run only, about a minute)" in capsys.readouterr().out
     monkeypatch.setattr(build, "op_status", lambda name: build.OpStatus(name, "built"))
     command._build_ops_once()
-    assert built == [True] and capsys.readouterr().err == ""
+    assert built == [True] and capsys.readouterr().out == ""
 
 
 def test_optional_packages_missing_say_which_extra_brings_them(monkeypatch, tmp_path, capsys):
@@ -179,7 +179,7 @@ def test_threads_are_the_cpus_shared_out(monkeypatch, capsys):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert command._threads_per_process(2) == 4
-    assert "4 thread(s) per process (8 CPUs shared by 2 process(es)" in capsys.readouterr().err
+    assert "4 thread(s) per process (8 CPUs shared by 2 process(es)" in capsys.readouterr().out
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert command._threads_per_process(2) == 3
 
@@ -509,6 +509,8 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
     if mount.returncode != 0:
         pytest.fail("this test needs to mount a small tmpfs (run as root)")
     evaluated = ["--eval_strategy", "steps", "--eval-split", "0.1"]
+    job = tmp_path / "job.yaml"
+    job.write_text("training:\n  stage: 3\n")
     cases = {
         "unknown model": (["--model", "no-such-org/no-such-model"], "unknown model"),
         "preset without --init": (["--model", "gpt2-xl"], "add --init random"),
@@ -560,6 +562,8 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         "missing model folder": (["--model", tmp_path / "nope"], "no such file or folder"),
         "two output folders": (["--output_dir", tmp_path / "b"], "--output-dir is given more"),
         "abbreviated flag": (["--learning_rat", "0.1"], "did you mean --learning_rate?"),
+        "job file key": (["--job", job], "'training.stage' is not a known key; did you mean"),
+        "missing job file": (["--job", tmp_path / "nope.yaml"], "nope.yaml: No such file"),
         "misspelt flag": (["--gradient_acumulation_steps", "2"], "--gradient_accumulation_steps?"),
     }
     # Each its own process for a few (what a process prints beside the CLI's own line, e.g.

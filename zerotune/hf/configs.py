@@ -25,8 +25,17 @@ def list_zero_presets() -> list[str]:
 
 
 def read_zero_config_file(name_or_path: str | Path) -> dict[str, Any]:
-    """The mapping in a zerotune config file (YAML or JSON), or in a shipped preset given by
-    name (``zero3-offload-nvme``). Not validated: flags are merged in first."""
+    """The mapping in a zerotune config file (YAML or JSON), in a shipped preset given by
+    name (``zero3-offload-nvme``), or written inline as a JSON object (a job file's zero
+    section passed on). Not validated: flags are merged in first."""
+    if isinstance(name_or_path, str) and name_or_path.lstrip().startswith("{"):
+        try:
+            data = json.loads(name_or_path)
+        except ValueError as exc:
+            raise ConfigError(f"cannot read the inline zerotune config: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("an inline zerotune config must be a JSON object")
+        return data
     path = Path(name_or_path)
     if not path.is_file():
         preset = resources.files("zerotune._configs") / f"{name_or_path}.yaml"
