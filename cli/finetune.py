@@ -256,6 +256,12 @@ class Job:
     help="Replace what an earlier run left in --output-dir (refused without it).",
 )
 @click.option(
+    "--no-memory-check",
+    is_flag=True,
+    help="Skip the check, before loading, that the memory plan of this run fits the free "
+    "host (and GPU, NVMe) memory.",
+)
+@click.option(
     "--help-trainer",
     is_flag=True,
     expose_value=False,
@@ -312,6 +318,45 @@ def finetune(**options) -> None:
         # so).
         click.echo(_stopped_line("SIGINT", options["output_dir"]), err=True)
         sys.exit(128 + signal.SIGINT)
+
+
+_HOST_MEMORY_ENV = "ZEROTUNE_HOST_MEMORY"  # plan for this much host memory, not what is free
+
+
+def _check_memory(config, args, block: int, world: int) -> None:
+    """Refuse, before anything heavy is loaded, a run the memory plan says will not fit
+    the free memory here (see zerotune.estimate.preflight)."""
+    import psutil
+    import torch
+
+    from zerotune.config import ConfigError, parse_bytes
+    from zerotune.estimate import preflight
+
+    zero = args.zero
+    given = os.environ.get(_HOST_MEMORY_ENV)
+    with _fail_on(ConfigError):
+        host = parse_bytes(given, name=_HOST_MEMORY_ENV) if given else None
+    host = host or psutil.virtual_memory().available
+    cuda = torch.cuda.is_available() and not args.use_cpu
+    gpu = torch.cuda.mem_get_info()[0] if cuda else None
+    nvme = None
+    if "nvme" in zero.offload_tiers and zero.nvme_path and os.path.isdir(zero.nvme_path):
+        nvme = shutil.disk_usage(zero.nvme_path).free
+    with _fail_on(ConfigError, ValueError):
+        refusal = preflight(
+            config,
+            zero,
+            world_size=world,
+            seq_len=block,
+            micro_batch=args.per_device_train_batch_size,
+            checkpointing=bool(args.gradient_checkpointing),
+            device="cuda" if cuda else "cpu",
+            host_memory=host,
+            gpu_memory=gpu,
+            nvme_space=nvme,
+        )
+    if refusal is not None:
+        raise BadInput(f"{refusal}; --no-memory-check runs it anyway")
 
 
 def _apply_job_file(options: dict, given: set[str]) -> None:
@@ -991,7 +1036,7 @@ def _context_length(config, default: int | None = 1024) -> int | None:
     return default
 
 
-def _prepare(options: dict) -> Job:
+def _prepare(options: dict, world: int = 1) -> Job:
     """Steps 1-2 of [Note: finetune flow], cheapest checks first, without touching the output
     folder."""
     from zerotune.hf.data import DataError, choose_columns, load_raw_dataset
@@ -1056,6 +1101,8 @@ def _prepare(options: dict) -> Job:
         block = options["block_size"] or min(context, 1024)
         if block > context:
             raise BadInput(f"--block-size {block} exceeds the model's context length {context}")
+        if not options["no_memory_check"] and _ERRORS_ENV not in os.environ:
+            _check_memory(config, args, block, world)  # a launcher's ranks: checked there
     except BaseException:
         if temp_nvme is not None and _TEMP_NVME_ENV not in os.environ:
             shutil.rmtree(temp_nvme, ignore_errors=True)
@@ -1108,7 +1155,7 @@ def _launch(nproc: int, options: dict) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    job = _prepare(options)  # bad input stops here, before any process starts
+    job = _prepare(options, world=nproc)  # bad input stops here, before any process starts
     from zerotune.checkpoint import CheckpointError
     from zerotune.checkpoint.lock import FolderLock
 

@@ -91,6 +91,7 @@ __all__ = [
     "engine_bytes",
     "estimate",
     "model_shape",
+    "preflight",
 ]
 
 log = logging.getLogger(__name__)
@@ -1028,6 +1029,66 @@ def _job_flags(plan: MemoryPlan) -> str:
     if plan.gpus_per_node > 1:
         parts.append(f"--nproc-per-node {plan.gpus_per_node}")
     return "".join(" " + p for p in parts)
+
+
+# --------------------------------------------------------------- checking before a run
+def preflight(
+    model,
+    config: ZeroConfig,
+    *,
+    world_size: int,
+    seq_len: int,
+    micro_batch: int,
+    checkpointing: bool,
+    device: str,
+    host_memory: int,
+    gpu_memory: int | None = None,
+    nvme_space: int | None = None,
+) -> str | None:
+    """None when the run ``config`` describes fits this machine by the plan, else one
+    sentence: what it needs against what there is, and the settings that would fit (a
+    micro-batch of 1 with activation checkpointing, another offload tier, or both).
+    ``host_memory`` and ``gpu_memory``: what is free now; ``world_size`` ranks on this host."""
+
+    def plan(batch: int, ckpt: bool) -> MemoryPlan:
+        return estimate(
+            model,
+            world_size=world_size,
+            gpus_per_node=world_size,
+            gpu_memory=gpu_memory,
+            host_memory=host_memory,
+            nvme_space=nvme_space,
+            seq_len=seq_len,
+            micro_batch=batch,
+            activation_checkpointing=ckpt,
+            dtype=config.dtype,
+            grad_dtype=config.grad_dtype,
+            config=config,
+            device=device,
+        )
+
+    chosen = (config.stage, config.offload_param, config.offload_optimizer)
+    asked = plan(micro_batch, checkpointing)
+    option = asked.option(*chosen)
+    if option.fits:
+        return None
+    small = (micro_batch, checkpointing) != (1, True)
+    smaller = plan(1, True) if small else asked
+    flags = "--per_device_train_batch_size 1 --gradient_checkpointing"
+    if small and smaller.option(*chosen).fits:
+        fix = flags
+    elif asked.recommended is not None:
+        fix = asked.recommended.flags()
+    elif small and smaller.recommended is not None:
+        fix = f"{smaller.recommended.flags()} {flags}"
+    else:
+        fix = None
+    what = "; ".join(option.why_not or [option.error or "it does not fit"])
+    advice = f"these would fit: {fix}" if fix else "no stage or offload tier fits this machine"
+    return (
+        f"this run does not fit this machine by the memory plan ({option.name}, micro-batch "
+        f"{micro_batch} x {seq_len} tokens: {what}); {advice}"
+    )
 
 
 # ----------------------------------------------------------------- checking at run time
