@@ -339,9 +339,6 @@ def _check_memory(config, args, block: int, world: int) -> None:
     host = host or psutil.virtual_memory().available
     cuda = torch.cuda.is_available() and not args.use_cpu
     gpu = torch.cuda.mem_get_info()[0] if cuda else None
-    nvme = None
-    if "nvme" in zero.offload_tiers and zero.nvme_path and os.path.isdir(zero.nvme_path):
-        nvme = shutil.disk_usage(zero.nvme_path).free
     with _fail_on(ConfigError, ValueError):
         refusal = preflight(
             config,
@@ -353,7 +350,8 @@ def _check_memory(config, args, block: int, world: int) -> None:
             device="cuda" if cuda else "cpu",
             host_memory=host,
             gpu_memory=gpu,
-            nvme_space=nvme,
+            # NVMe space: the engine sizes its swap files exactly, before any weight is
+            # loaded, and refuses a folder without room itself.
         )
     if refusal is not None:
         raise BadInput(f"{refusal}; --no-memory-check runs it anyway")

@@ -141,6 +141,29 @@ def test_default_job(default_run, env):
     assert float(loss) < losses[0]  # the saved weights are the trained ones
 
 
+def test_a_run_the_memory_plan_says_will_not_fit_is_refused_before_loading(env, tmp_path):
+    """gpt2 at the defaults (8 x 1024 tokens, fp32) needs ~30 GiB on a CPU: refused on a
+    16 GiB host, naming what fits; the embedded default job on a 20 MiB host too, and run
+    anyway with --no-memory-check."""
+    cases = {
+        "gpt2": ["--model", "gpt2", "--init", "random"],
+        "default": [],
+        "unchecked": ["--no-memory-check", "--max_steps", "1", "--save_strategy", "no"],
+    }
+    runs = {n: ["--output-dir", tmp_path / n, *a] for n, a in cases.items()}
+    done = finetune_refusals({**env, "ZEROTUNE_HOST_MEMORY": "16GiB"}, {"gpt2": runs.pop("gpt2")})
+    done.update(finetune_refusals({**env, "ZEROTUNE_HOST_MEMORY": "20MiB"}, runs))
+    gpt2 = done["gpt2"].stderr.strip().splitlines()
+    assert done["gpt2"].returncode == 2 and len(gpt2) == 1, gpt2
+    assert "micro-batch 8 x 1024 tokens: per host: needs 30.00 GiB, usable 14.40 GiB" in gpt2[0]
+    assert "these would fit: --per_device_train_batch_size 1 --gradient_checkpointing" in gpt2[0]
+    assert "--no-memory-check runs it anyway" in gpt2[0]
+    assert done["default"].returncode == 2 and "usable 18.0 MiB" in done["default"].stderr
+    assert not (tmp_path / "gpt2").exists() and not (tmp_path / "default").exists()
+    assert done["unchecked"].returncode == 0, done["unchecked"].stderr[-2000:]
+    assert summary(tmp_path / "unchecked")["global_step"] == 1
+
+
 def test_first_run_says_it_builds_the_ops(monkeypatch, capsys):
     """A machine whose C++ ops are not built yet hears why the first step waits."""
     from zerotune.cli import finetune as command
