@@ -580,7 +580,7 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
     argv = ["--output_dir", options["output_dir"]]
     if options["zero_config"]:
         argv += ["--zero_config", options["zero_config"]]
-    elif options["job"] is not None:
+    elif options.get("job") is not None:
         from zerotune.hf.job import read_job_file
 
         zero_section = read_job_file(options["job"]).zero
@@ -927,11 +927,9 @@ def _resolve_model(options: dict):
         raise BadInput(f"--model {name}: no such file or folder")
     if init == "random":
         try:
-            config = model_config(name)
+            config = model_config(name)  # a preset, a config file or folder, a hub id
         except ValueError as exc:
-            config = _hub_config(name)
-            if config is None:
-                raise BadInput(f"unknown model {name!r}: {exc}") from None
+            raise BadInput(str(exc)) from None
         _check_causal_lm(name, config)
         return name, init, config, config
     from transformers import AutoConfig
@@ -976,15 +974,6 @@ def _looks_like_a_path(name: str) -> bool:
     """A name meant as a local path (not a hub id ``org/name``): absolute, relative to
     ``.`` / ``..`` / ``~``, or ending in .json."""
     return name.startswith(("/", "./", "../", "~")) or name.endswith(".json")
-
-
-def _hub_config(name: str):
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(name)
-    except Exception:  # noqa: BLE001 - the caller reports the preset error instead
-        return None
 
 
 def _resolve_tokenizer(options: dict, source, config):

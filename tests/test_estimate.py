@@ -516,3 +516,32 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(args, message):
 def test_cli_bad_input_in_a_real_process(args, message):
     out = _cli(*args)
     _one_line_error(out.returncode, out.stdout, out.stderr, message)
+
+
+def test_cli_takes_a_hub_id_from_the_local_cache(tmp_path):
+    """A hub id whose config is in the Hugging Face cache (offline), as `accelerate
+    estimate-memory` takes one; its command loads the weights (no --init random)."""
+    from transformers import GPT2Config
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--zt-test--small"
+    snapshot = repo / "snapshots" / revision
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128)
+    config.save_pretrained(snapshot)
+    (snapshot / "model.safetensors").write_bytes(b"")  # the weights' presence is enough here
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    run = [sys.executable, "-c", "from zerotune.cli import main; main()", "estimate"]
+    out = subprocess.run([*run, "--model", "zt-test/small", "--json", "--gpu-memory", "none"],
+                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(out.stdout)
+    n = 1000 * 64 + 128 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64
+    assert plan["parameters"] == n and plan["model"] == "zt-test/small"
+    command = plan["recommended"]["command"]
+    assert command.startswith("zerotune finetune --model zt-test/small --stage")
+    assert "--init random" not in command
+    absent = subprocess.run([*run, "--model", "zt-test/absent"], capture_output=True, text=True,
+                            env=env, timeout=300)  # fmt: skip
+    assert absent.returncode == 2 and "hub id whose config is in the local" in absent.stderr

@@ -174,15 +174,25 @@ def test_corrupt_swap_file_raises_instead_of_returning_garbage(tmp_path):
     engine.close()
 
 
-def test_bad_nvme_path():
+def test_nvme_path_is_made_or_refused(tmp_path):
+    """A missing folder is made, parents too; one that cannot be made (under a file) is
+    refused by name, and so is a file given as the folder."""
     from harness import build
 
     import zerotune
 
-    with pytest.raises(zerotune.ConfigError, match="does not exist"):
-        zerotune.shard(
-            build("gpt2"), {"stage": 3, "offload_param": "nvme", "nvme_path": "/no/such/dir"}
-        )
+    made = tmp_path / "not" / "yet"
+    engine = zerotune.shard(
+        build("gpt2"), {"stage": 3, "offload_param": "nvme", "nvme_path": str(made)}
+    )
+    assert made.is_dir() and engine.memory_report()["nvme"] > 0
+    engine.close()
+    (tmp_path / "file").write_text("")
+    for path, message in ((tmp_path / "file" / "sub", "cannot make nvme_path"),
+                          (tmp_path / "file", "is not a folder")):  # fmt: skip
+        with pytest.raises(zerotune.ConfigError, match=message):
+            config = {"stage": 3, "offload_param": "nvme", "nvme_path": str(path)}
+            zerotune.shard(build("gpt2"), config)
 
 
 def test_stale_swap_folders_are_removed_at_start_and_live_ones_kept(tmp_path):

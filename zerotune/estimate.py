@@ -722,6 +722,8 @@ def estimate(
     ranks_per_node = min(gpus_per_node, world_size)
     base = config if isinstance(config, ZeroConfig) else ZeroConfig.from_dict(dict(config or {}))
     bits = base.optim_state_bits if optim_state_bits is None else optim_state_bits
+    # Activations offloaded to NVMe need a folder in every option: a stand-in (not read).
+    act_nvme = "/nvme" if base.offload_activations == "nvme" else None
     base = base.replace(
         dtype=dtype,
         grad_dtype=grad_dtype,
@@ -729,7 +731,7 @@ def estimate(
         stage=3,
         offload_param="none",
         offload_optimizer="none",
-        nvme_path=None,
+        nvme_path=act_nvme,
     )
 
     shape = engine = None
@@ -777,7 +779,7 @@ def estimate(
             stage=stage,
             offload_param=op,
             offload_optimizer=oo,
-            nvme_path="/nvme" if "nvme" in (op, oo) else None,
+            nvme_path="/nvme" if "nvme" in (op, oo) else act_nvme,
         )
         if module is None:
             units = _bare_units(numel, cfg, world_size)

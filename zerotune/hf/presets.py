@@ -19,9 +19,20 @@ def list_presets() -> list[str]:
     )
 
 
+def _hub_config(name: str):
+    """The config of hub id ``name`` (config.json only: from the local cache, or downloaded
+    where the hub is reachable and HF_HUB_OFFLINE is not set), or None."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name)
+    except Exception:  # noqa: BLE001 - not a hub id, not cached, or no network: not found
+        return None
+
+
 def model_config(name_or_path: str):
-    """A transformers config from a preset name (``gpt2-xl``), a config.json path, or a folder
-    holding one."""
+    """A transformers config from a preset name (``gpt2-xl``), a config.json path, a folder
+    holding one, or a hub id (its config.json only: from the cache, or downloaded)."""
     from transformers import AutoConfig
 
     path = Path(name_or_path)
@@ -32,9 +43,13 @@ def model_config(name_or_path: str):
     else:
         preset = _preset_dir() / f"{name_or_path}.json"
         if not preset.is_file():
+            hub = _hub_config(str(name_or_path))
+            if hub is not None:
+                return hub
             raise ValueError(
-                f"unknown model preset {name_or_path!r}; presets: {', '.join(list_presets())}, "
-                "or give a config.json path"
+                f"unknown model {name_or_path!r}: not a preset ({', '.join(list_presets())}), "
+                "a config.json path, a folder, or a hub id whose config is in the local "
+                "Hugging Face cache or can be downloaded"
             )
         data = json.loads(preset.read_text())
     model_type = data.pop("model_type", None)
