@@ -332,3 +332,21 @@ def test_chat_refusals(tmp_path):
     from zerotune.hf.data import DEFAULT_CHAT_TEMPLATE
 
     assert plain.chat_template == DEFAULT_CHAT_TEMPLATE
+
+
+def test_conversational_prompt_completion_trains_on_the_completion_only(tmp_path):
+    """TRL's conversational prompt/completion: message lists in both columns; an assistant
+    turn inside the prompt carries no loss, the completion's does."""
+    from zerotune.hf.data import chat_loss_mask
+
+    tok = _chat_tok()
+    prompt, completion = CHAT[:4], CHAT[4:]  # the prompt holds an earlier assistant turn
+    path = tmp_path / "pc.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    train, _, columns = prepare_datasets(path, tok, 128)
+    assert (columns.prompt, columns.response) == ("prompt", "completion")
+    (block,) = list(train)
+    learned = [t for t in block["labels"] if t != -100]
+    assert learned == [*b"ok", tok.eos_token_id, 10]  # "yo" is in the prompt: no loss
+    ids, _ = chat_loss_mask(tok, CHAT)
+    assert block["input_ids"][: len(ids)] == ids

@@ -8,7 +8,8 @@
 2. ``choose_columns``: a chat column (``messages``: ``{"role", "content"}`` lists;
    ``conversations``: ShareGPT's ``{"from", "value"}``), a text column (``text``,
    ``content``) or a prompt/response pair (``prompt``/``response``, ``prompt``/``completion``,
-   ``instruction``/``output``, ``question``/``answer``), unless named explicitly.
+   ``instruction``/``output``, ``question``/``answer``; of text, or of message lists as in
+   TRL's conversational prompt/completion), unless named explicitly.
 3. ``tokenize_and_pack``: each example becomes token ids followed by the end-of-sequence
    token; for a pair, the prompt's tokens get label -100 (no loss on the prompt) unless
    ``train_on_prompt``. Examples are concatenated (1,000 at a time) and cut into blocks of
@@ -371,8 +372,11 @@ def tokenize_and_pack(
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("the tokenizer has no end-of-sequence token; give one that does")
-    if columns.chat is not None:
-        return _chat_blocks(ds, tokenizer, columns.chat, block_size, train_on_prompt, source)
+    pair_of_lists = (
+        columns.prompt is not None and len(ds) and isinstance(ds[0][columns.prompt], list)
+    )
+    if columns.chat is not None or pair_of_lists:
+        return _chat_blocks(ds, tokenizer, columns, block_size, train_on_prompt, source)
 
     def ids_of(batch, column):
         texts = [_as_text(t, column, source) for t in batch[column]]
@@ -469,8 +473,10 @@ def _conversation(value, column: str, source: str) -> list[dict]:
     return out
 
 
-def chat_loss_mask(tokenizer, messages: list[dict], train_on_prompt: bool = False):
-    """(token ids, labels) of one conversation: see [Note: chat data]."""
+def chat_loss_mask(tokenizer, messages: list[dict], train_on_prompt: bool = False, first: int = 0):
+    """(token ids, labels) of one conversation: see [Note: chat data]. Only assistant turns
+    from message ``first`` on carry loss (a conversational prompt/completion pair: the
+    completion's)."""
 
     def render(turns, prompt=False):
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
@@ -481,7 +487,7 @@ def chat_loss_mask(tokenizer, messages: list[dict], train_on_prompt: bool = Fals
         return ids, list(ids)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < first:
             continue
         earlier = render(messages[:i]) if i else ""
         before, after = render(messages[:i], prompt=True) if i else "", render(messages[: i + 1])
@@ -504,18 +510,27 @@ def chat_loss_mask(tokenizer, messages: list[dict], train_on_prompt: bool = Fals
     return ids, labels
 
 
-def _chat_blocks(ds, tokenizer, column: str, block_size: int, train_on_prompt: bool, source):
-    """One padded block per conversation (see [Note: chat data])."""
+def _chat_blocks(ds, tokenizer, columns: Columns, block_size: int, train_on_prompt, source):
+    """One padded block per conversation (see [Note: chat data]): a chat column's, or a
+    prompt/completion pair of message lists (TRL's conversational shape: the loss on the
+    completion's assistant turns)."""
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
+    def conversations(batch):
+        if columns.chat is not None:
+            for value in batch[columns.chat]:
+                yield _conversation(value, columns.chat, source), 0
+            return
+        for p, r in zip(batch[columns.prompt], batch[columns.response]):
+            prompt = _conversation(p, columns.prompt, source)
+            yield prompt + _conversation(r, columns.response, source), len(prompt)
+
     def block(batch):
-        out = {"input_ids": [], "labels": [], "attention_mask": [], "cut": []}
-        for value in batch[column]:
-            messages = _conversation(value, column, source)
-            ids, labels = chat_loss_mask(tokenizer, messages, train_on_prompt)
-            cut = len(ids) > block_size
+        out = {"input_ids": [], "labels": [], "attention_mask": []}
+        for messages, first in conversations(batch):
+            ids, labels = chat_loss_mask(tokenizer, messages, train_on_prompt, first)
             ids, labels = ids[:block_size], labels[:block_size]
             if all(t == -100 for t in labels):
                 continue  # nothing to learn in it (or its answers lie past block_size)
@@ -523,7 +538,6 @@ def _chat_blocks(ds, tokenizer, column: str, block_size: int, train_on_prompt: b
             out["input_ids"].append(ids + [pad] * fill)
             out["labels"].append(labels + [-100] * fill)
             out["attention_mask"].append([1] * len(ids) + [0] * fill)
-            out["cut"].append(cut)
         return out
 
     blocks = ds.map(block, batched=True, remove_columns=ds.column_names, desc="Tokenizing")
@@ -532,7 +546,7 @@ def _chat_blocks(ds, tokenizer, column: str, block_size: int, train_on_prompt: b
             f"{source} has no conversation with an assistant token within the first "
             f"{block_size} tokens; use a larger --block-size, or check its roles"
         )
-    return blocks.remove_columns("cut")
+    return blocks
 
 
 def _as_text(value, column: str, source: str) -> str:
