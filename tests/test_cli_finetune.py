@@ -612,29 +612,37 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
 
 
-def test_an_interrupt_before_the_first_checkpoint_offers_no_resume(env, tmp_path):
+def _interrupted(env, args, ready, what: str):
+    """Run finetune with ``args`` in its own process group; once ``ready()``, send SIGINT to
+    the group as a terminal's Ctrl-C does. Returns (exit code, stderr)."""
     import signal
     import time
 
-    out = tmp_path / "out"
     proc = subprocess.Popen(
-        [*COMMAND, "--output-dir", str(out), "--max_steps", "2000", "--save_steps", "1000",
-         "--disable_tqdm", "true"],
+        [*COMMAND, *map(str, args), "--disable_tqdm", "true"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
-        while not (out / "zerotune_job.json").exists():  # written just before training
+        while not ready():
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no training within 240 s"
+            assert time.monotonic() < deadline, f"no {what} within 240 s"
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGINT)
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, stderr[-3000:]
+    return proc.returncode, stderr
+
+
+def test_an_interrupt_before_the_first_checkpoint_offers_no_resume(env, tmp_path):
+    out = tmp_path / "out"
+    args = ["--output-dir", out, "--max_steps", "2000", "--save_steps", "1000"]
+    # The job record is written just before training starts.
+    code, stderr = _interrupted(env, args, (out / "zerotune_job.json").exists, "training")
+    assert code == 130, stderr[-3000:]
     line = "zerotune finetune: stopped by SIGINT before the first checkpoint"
     assert stderr.strip().splitlines()[-1] == line, stderr[-3000:]
     assert "--resume" not in stderr and not list(out.glob("checkpoint-*"))
@@ -646,28 +654,15 @@ def test_an_interrupted_run_ends_in_one_line(nproc, env, tmp_path):
     process or --nproc-per-node 2: exit code 130, one line naming the signal and --resume
     (one process printed click's 'Aborted!' and exited with 1), no traceback, complete
     checkpoints kept, the temporary NVMe folder gone."""
-    import signal
-    import time
-
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [*COMMAND, "--output-dir", str(out), "--nproc-per-node", str(nproc), "--max_steps", "2000",
-         "--save_steps", "4", "--disable_tqdm", "true"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while not list(out.glob("checkpoint-*/trainer_state.json")):  # one is complete
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no checkpoint within 240 s"
-            time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, stderr[-3000:]
+    args = ["--output-dir", out, "--nproc-per-node", nproc, "--max_steps", "2000",
+            "--save_steps", "4"]  # fmt: skip
+
+    def ready() -> bool:
+        return bool(list(out.glob("checkpoint-*/trainer_state.json")))  # one is complete
+
+    code, stderr = _interrupted(env, args, ready, "checkpoint")
+    assert code == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert stderr.count("stopped by SIGINT") == 1 and "--resume" in stderr
     assert "Aborted!" not in stderr, stderr[-3000:]
