@@ -164,6 +164,18 @@ def test_a_run_the_memory_plan_says_will_not_fit_is_refused_before_loading(env, 
     assert summary(tmp_path / "unchecked")["global_step"] == 1
 
 
+def test_a_machine_without_built_ops_hears_so_first(env, tmp_path):
+    """A fresh op cache: the command says it builds the C++ ops before training (here the
+    compiler is /bin/false, so the build fails at once and the PyTorch fallback trains)."""
+    run_env = {**env, "ZEROTUNE_CACHE": str(tmp_path / "cache"), "CXX": "/bin/false"}
+    proc = finetune(run_env, "--output-dir", tmp_path / "out", "--max_steps", "2",
+                    "--save_strategy", "no")  # fmt: skip
+    assert "zerotune finetune: building the C++ ops (first run only, about a minute)" in (
+        proc.stdout
+    )
+    assert summary(tmp_path / "out")["global_step"] == 2
+
+
 def test_first_run_says_it_builds_the_ops(monkeypatch, capsys):
     """A machine whose C++ ops are not built yet hears why the first step waits."""
     from zerotune.cli import finetune as command
