@@ -330,9 +330,11 @@ class ZeroTrainer(Trainer):
         if model is not None:
             self._use_engine(build_engine(model, args))
             model = self.engine.module
-        if optimizer is not None and optimizer is self.engine.optimizer:
+        if optimizer is None or self.engine is None:
+            pass  # model_init with optimizers= is the Trainer's to refuse
+        elif optimizer is self.engine.optimizer:
             _driven_by_trainer(optimizer)  # built over this engine's shards already
-        elif optimizer is not None and self.engine is not None:
+        else:
             # Built over the model's parameters: the same class over the shards.
             kwargs["optimizers"] = (
                 _rebuild_over_shards(self.engine, optimizer, scheduler),
