@@ -259,7 +259,7 @@ class Job:
     "--no-memory-check",
     is_flag=True,
     help="Skip the check, before loading, that the memory plan of this run fits the free "
-    "host (and GPU, NVMe) memory.",
+    "host (and GPU) memory (ZEROTUNE_HOST_MEMORY=16GiB plans for another amount).",
 )
 @click.option(
     "--help-trainer",
