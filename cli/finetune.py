@@ -708,6 +708,7 @@ _RUN_FILES = frozenset(
 # (``zerotune_job.json``): --resume reuses what it is not given and refuses what differs.
 _JOB_RECORD = "zerotune_job.json"
 _RECORDED = (
+    "job",  # its zero section: the rest is recorded below
     "model",
     "init",
     "tokenizer",

@@ -83,7 +83,8 @@ def test_the_shipped_job_files_run_and_flags_win(tmp_path, name):
     extra = ["--nvme-path", str(tmp_path / "swap")] if "nvme" in name else []
     proc = subprocess.run(
         [*COMMAND, "--job", str(JOBS / f"{name}.yaml"), "--output_dir", str(out),
-         "--max_steps", "4", "--logging_steps", "2", *extra],
+         "--max_steps", "4", "--logging_steps", "2", "--save_strategy", "steps",
+         "--save_steps", "4", *extra],
         capture_output=True, text=True, env={**os.environ, **env}, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -95,6 +96,17 @@ def test_the_shipped_job_files_run_and_flags_win(tmp_path, name):
         assert (s["zero"]["stage"], s["zero"]["offload_optimizer"]) == (3, "cpu")
         args = json.loads((out / "training_args.json").read_text())
         assert args["gradient_accumulation_steps"] == 2  # from the file
+        # --resume without --job: the job's zero section and Trainer flags again.
+        resumed = subprocess.run(
+            [*COMMAND, "--output-dir", str(out), "--resume", "--max_steps", "6",
+             "--save_strategy", "no"],
+            capture_output=True, text=True, env={**os.environ, **env}, timeout=300,
+        )  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        s = json.loads((out / "run_summary.json").read_text())
+        assert (s["global_step"], s["zero"]["offload_optimizer"]) == (6, "cpu")
+        args = json.loads((out / "training_args.json").read_text())
+        assert args["gradient_accumulation_steps"] == 2
     else:
         assert (s["zero"]["offload_param"], s["zero"]["offload_optimizer"]) == ("nvme", "nvme")
         assert s["zero"]["nvme_path"] == str(tmp_path / "swap") and s["eval_blocks"] > 0
