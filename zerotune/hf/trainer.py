@@ -32,10 +32,12 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
 - Checkpoints: ``checkpoint-N/`` holds the Trainer's ``trainer_state.json`` and, in
   ``checkpoint-N/zero/``, a zerotune checkpoint (master weights, Adam moments, step counts,
   scheduler, loss scaler, RNG states; safetensors and JSON, no pickle), written by
-  ``_save_optimizer_and_scheduler``. ``save_model`` skips the model inside checkpoints (the
-  zerotune checkpoint holds it; ``zerotune export checkpoint-N out`` consolidates it) unless
-  ``save_only_model`` is set. ``TRAINER_COMPLETE``, written last (after the fsynced
-  ``trainer_state.json``, before older checkpoints are rotated out), holds the checksums of
+  ``_save_optimizer_and_scheduler``. Inside a checkpoint ``save_model`` writes the
+  consolidated model only with ``gather_weights_on_save`` (by default for models up to 1 GiB)
+  or ``save_only_model``; otherwise the zerotune checkpoint alone holds the weights
+  (``zerotune export checkpoint-N out`` consolidates them). ``TRAINER_COMPLETE``, written
+  last (after the fsynced ``trainer_state.json``, before older checkpoints are rotated
+  out), holds the checksums of
   ``trainer_state.json`` and of ``zero/COMPLETE``: a folder without it, or whose files no
   longer match it, is skipped by ``--resume`` / ``resume_from_checkpoint=True`` (the one
   before is taken) and refused when named. A save that fails leaves no folder. Resuming
