@@ -1,0 +1,45 @@
+"""zerotune env: versions from package metadata (no import noise from optional packages),
+the optional extras named, the ops' state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_env_reports_versions_without_optional_packages_noise():
+    command = [sys.executable, "-c", "from zerotune.cli import main; main()", "env"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    text = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert text.returncode == 0, text.stderr[-2000:]
+    # bitsandbytes prints lines about its kernels when imported; env does not import it.
+    assert text.stderr == "", text.stderr[-2000:]
+    assert text.stdout.startswith("zerotune environment")
+    out = subprocess.run([*command, "--json"], capture_output=True, text=True, env=env,
+                         timeout=120)  # fmt: skip
+    versions = json.loads(out.stdout)["versions"]
+    from importlib.metadata import version
+
+    for name in ("transformers", "bitsandbytes", "matplotlib", "trl"):
+        assert versions[name] == version(name), name  # the dev extras install all three
+    assert set(versions) >= {"python", "torch", "datasets", "safetensors", "click", "zerotune"}
+
+
+def test_a_missing_optional_package_names_its_extra(monkeypatch):
+    import importlib.metadata as metadata
+
+    from zerotune.cli import env as command
+
+    real = metadata.version
+
+    def version(name):
+        if name == "bitsandbytes":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    versions = command._versions()
+    assert versions["bitsandbytes"] == "not installed (optional: pip install zerotune[bnb])"
+    assert versions["trl"] == real("trl")
