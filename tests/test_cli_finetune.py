@@ -489,8 +489,19 @@ def test_the_output_folder_of_an_earlier_run(default_run, env, tmp_path):
         assert proc.returncode == 2 and message in proc.stderr, (message, proc.stderr)
         assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in earlier.iterdir()) == before
-    finetune(env, "--output-dir", earlier, "--max_steps", "2", "--overwrite",
-             "--offload_param", "cpu", "--offload_optimizer", "cpu")  # fmt: skip
+    # Two runs in one process: --overwrite of the earlier run, and a folder holding only
+    # the user's own files (no earlier run: the run writes next to them).
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ".gitkeep").write_text("")
+    runs = {
+        "overwrite": ["--output-dir", earlier, "--max_steps", "2", "--overwrite",
+                      "--offload_param", "cpu", "--offload_optimizer", "cpu"],
+        "beside": ["--output-dir", other, "--max_steps", "2"],
+    }  # fmt: skip
+    for name, proc in finetune_refusals(env, runs).items():
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    assert (other / ".gitkeep").exists() and summary(other)["global_step"] == 2
     s = summary(earlier)
     assert s["global_step"] == 2
     assert [p.name for p in earlier.glob("checkpoint-*")] == ["checkpoint-2"]  # 20, 40 gone
@@ -505,12 +516,6 @@ def test_the_output_folder_of_an_earlier_run(default_run, env, tmp_path):
     s = summary(earlier)
     assert (s["global_step"], s["steps_this_run"]) == (22, 2)
     assert (elsewhere / "checkpoint-20").is_dir() and (earlier / "notes.txt").exists()
-    # A folder of the user's own files only is no earlier run: the run writes next to them.
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / ".gitkeep").write_text("")
-    finetune(env, "--output-dir", other, "--max_steps", "2")
-    assert (other / ".gitkeep").exists() and summary(other)["global_step"] == 2
     # The zerotune config given by its TrainingArguments name sets the default job's tiers.
     stage2 = tmp_path / "stage2.yaml"
     stage2.write_text("stage: 2\n")
