@@ -359,7 +359,8 @@ def _check_memory(config, args, block: int, world: int) -> None:
 
 def _apply_job_file(options: dict, given: set[str]) -> None:
     """The job file's model, data and training settings where the command line gives none
-    (its zero section is read by ``_zero_settings``); see [Note: job files]."""
+    (its zero section: ``_zero_settings``, also when --resume names the job); see [Note:
+    job files]."""
     from zerotune.hf.job import JobFileError, read_job_file
 
     with _fail_on(JobFileError):
@@ -477,14 +478,17 @@ def _zero_settings(options: dict) -> dict:
         if options["zero_config"] not in (None, passed_config):
             raise BadInput("give the zerotune config once (--config or --zero_config)")
         options["zero_config"] = passed_config  # the same file, read once, as --config
+    if not options["zero_config"] and options["job"] is not None:
+        from zerotune.hf.job import read_job_file
+
+        # The job file's zero section (checked by _apply_job_file) goes on as an inline
+        # config: read here and by the TrainingArguments as a config file is.
+        section = read_job_file(options["job"]).zero
+        options["zero_config"] = json.dumps(section) if section else None
     base: dict = {}
     if options["zero_config"]:
         with _fail_on(ConfigError):
             base = read_zero_config_file(options["zero_config"])
-    elif options["job"] is not None:
-        from zerotune.hf.job import read_job_file
-
-        base = dict(read_job_file(options["job"]).zero)  # checked by _apply_job_file
     default_job = options["model"] is None
     # The TrainingArguments spellings (--zero_stage, --offload_param, --offload_optimizer)
     # win over --stage / --offload, which win over the config file.
@@ -553,9 +557,11 @@ def _print_trainer_help(ctx) -> None:
     ctx.exit(0)
 
 
-def _known_flags(parser) -> list[str]:
+def _known_flags() -> list[str]:
     """Every flag name this command takes: its own and the TrainingArguments ones."""
-    names = {o.lstrip("-").replace("-", "_") for a in parser._actions for o in a.option_strings}
+    from zerotune.hf.job import training_fields
+
+    names = training_fields()
     names.update(o.lstrip("-").replace("-", "_") for p in finetune.params for o in p.opts)
     return sorted(n for n in names if n not in ("h", "help"))
 
@@ -580,12 +586,6 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
     argv = ["--output_dir", options["output_dir"]]
     if options["zero_config"]:
         argv += ["--zero_config", options["zero_config"]]
-    elif options.get("job") is not None:
-        from zerotune.hf.job import read_job_file
-
-        zero_section = read_job_file(options["job"]).zero
-        if zero_section:
-            argv += ["--zero_config", json.dumps(zero_section)]  # inline: read as a file is
     for key, value in zero.items():
         if key == "nvme_path":
             value = nvme_path
@@ -597,7 +597,7 @@ def _parse_training_args(options: dict, zero: dict, nvme_path: str | None):
     if rest:
         names = [f.split("=")[0].lstrip("-").replace("-", "_") for f in rest if f[:2] == "--"]
         hints = [_RENAMED[n] for n in names if n in _RENAMED]
-        known = _known_flags(parser)
+        known = _known_flags()
         for name in names:
             if name not in _RENAMED:
                 close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JobFile", "JobFileError", "read_job_file"]
+__all__ = ["JobFile", "JobFileError", "read_job_file", "training_fields"]
 
 MODEL_KEYS = {"name": "model", "init": "init", "tokenizer": "tokenizer"}
 DATA_KEYS = {
@@ -80,7 +80,8 @@ class JobFile:
         return argv
 
 
-def _training_fields() -> set[str]:
+def training_fields() -> set[str]:
+    """The fields of ZeroTrainingArguments (TrainingArguments' and zerotune's), by name."""
     from .args import ZeroTrainingArguments
 
     return {f.name for f in dataclasses.fields(ZeroTrainingArguments) if f.init}
@@ -113,7 +114,7 @@ def read_job_file(path: str | Path) -> JobFile:
         "model": set(MODEL_KEYS),
         "data": set(DATA_KEYS),
         "zero": _zero_fields(),
-        "training": _training_fields(),
+        "training": training_fields(),
     }
     job = JobFile(path)
     for section, body in data.items():

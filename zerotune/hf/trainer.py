@@ -66,6 +66,7 @@ from transformers import PretrainedConfig, Trainer
 
 from .. import dist as zdist
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_hf
+from ..checkpoint.export import export_dtype
 from ..checkpoint.files import atomic_write_bytes, sha256_file
 from ..checkpoint.manifest import MARKER, trainer_checkpoints
 from ..estimate import check_estimate
@@ -627,8 +628,7 @@ class ZeroTrainer(Trainer):
         choice = self.args.gather_weights_on_save
         if choice is not None:
             return choice
-        itemsize = 4 if dtype == "fp32" else 2
-        return self.num_parameters * itemsize <= GATHER_ON_SAVE_BYTES
+        return self.num_parameters * export_dtype(dtype).itemsize <= GATHER_ON_SAVE_BYTES
 
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's checkpoint, then a marker covering everything a resume reads
