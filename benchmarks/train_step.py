@@ -19,6 +19,9 @@ one JSON line with ``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain)
     python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
         --compare-master-copy                   # + the master copied, not updated in place
     python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
+        --overlap-step --max-grad-norm 1.0 --compare-unclipped --compare-sequential
+                                                # clipping (ZeroTrainer's default path)
+    python benchmarks/train_step.py --model gpt2-medium --offload nvme --nvme-path /tmp \
         --optim adafactor                       # torch Adafactor, plain and ZeroOptimizer
     python benchmarks/train_step.py --offload-activations nvme --nvme-path /tmp \
         --batch 8 --seq 512                     # checkpoints offloaded vs kept, both checkpointed
@@ -34,7 +37,10 @@ zerotune also runs with ``overlapped(carry=False)``: every update finished in ``
 instead of the last ones going on during the next forward. With ``--offload-activations``
 zerotune runs with activation checkpointing on, once keeping the checkpoints and once
 offloading them; the summary describes the offloaded run and adds its ratios against the
-kept one.
+kept one. ``--max-grad-norm`` clips both sides (plain: ``torch.nn.utils.clip_grad_norm_``);
+with ``--overlap-step`` zerotune then runs ``overlapped(clipping=True)``, ZeroTrainer's
+default with the optimizer on NVMe. ``--compare-unclipped`` adds the same overlapped step
+without clipping, ``--compare-sequential`` the same clipping with the step after backward.
 
 With ``--optim adafactor`` (or ``sgd``) both sides run that ``torch.optim`` class: plain
 over the model, zerotune through ``ZeroOptimizer`` (with ``--offload nvme`` its state
@@ -112,6 +118,22 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="also run zerotune copying the fp32 master through staging (not in place)",
     )
+    ap.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=0.0,
+        help="clip the global gradient norm to this (both sides; 0: no clipping)",
+    )
+    ap.add_argument(
+        "--compare-unclipped",
+        action="store_true",
+        help="with --max-grad-norm: also run zerotune's overlapped step without clipping",
+    )
+    ap.add_argument(
+        "--compare-sequential",
+        action="store_true",
+        help="also run zerotune without --overlap-step (the step after backward)",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument(
         "--rounds",
@@ -128,6 +150,8 @@ def parse() -> argparse.Namespace:
             "zerotune-kept-checkpoints",
             "zerotune-no-carry",
             "zerotune-master-copied",
+            "zerotune-unclipped",
+            "zerotune-sequential",
         ],
         help=argparse.SUPPRESS,
     )
@@ -183,6 +207,12 @@ def run_variant(args: argparse.Namespace) -> dict:
             opt = zerotune.ZeroAdamW(runner, lr=1e-5)
         if args.variant == "zerotune-master-copied":
             opt.store.in_place = False  # [Note: the master updated in the page cache]
+    # --compare-unclipped: the same overlapped step without clipping; --compare-sequential:
+    # the same clipping without overlap (the step after backward).
+    clip = 0.0 if args.variant == "zerotune-unclipped" else args.max_grad_norm
+    overlap = (
+        args.overlap_step and args.variant not in ("plain", "zerotune-sequential")
+    ) or args.variant == "zerotune-unclipped"
     io = psutil.Process().io_counters
     cached0 = _page_cache_bytes()
     cached_peak = 0
@@ -194,15 +224,20 @@ def run_variant(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         loss = runner(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
-        if args.overlap_step and args.variant != "plain" and args.optim in GENERIC:
+        if overlap and args.optim in GENERIC:
             with opt.overlapped():  # ZeroOptimizer: no carrying into the next forward
                 loss.backward()
-        elif args.overlap_step and args.variant != "plain":
-            with opt.overlapped(carry=args.variant != "zerotune-no-carry"):
+        elif overlap:
+            carry = args.variant != "zerotune-no-carry"
+            with opt.overlapped(carry=carry, clipping=clip > 0):
                 loss.backward()
         else:
             loss.backward()
         t2 = time.perf_counter()
+        if clip > 0 and args.variant == "plain":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        elif clip > 0:
+            opt.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
         t3 = time.perf_counter()
@@ -275,6 +310,14 @@ def main() -> None:
         variants.append("zerotune-no-carry")
     if args.compare_master_copy:
         variants.append("zerotune-master-copied")
+    if args.compare_unclipped:
+        if not args.max_grad_norm > 0:
+            sys.exit("--compare-unclipped needs --max-grad-norm")
+        variants.append("zerotune-unclipped")
+    if args.compare_sequential:
+        if not args.overlap_step:
+            sys.exit("--compare-sequential needs --overlap-step")
+        variants.append("zerotune-sequential")
     variants.append("zerotune")
     if args.rounds < 1:
         sys.exit("--rounds must be at least 1")
@@ -326,6 +369,7 @@ def main() -> None:
         "offload": args.offload,
         "optim": args.optim,
         "overlap_step": args.overlap_step,
+        "max_grad_norm": args.max_grad_norm,
         "step_time_s": round(zt["total"], 4),
         "peak_rss_gib": round(zt["peak_rss_gib"], 3),
         "read_gb_per_step": round(zt["read_bytes_per_step"] / gb, 3),
@@ -343,6 +387,8 @@ def main() -> None:
         ("zerotune-kept-checkpoints", "moved_bytes_ratio"),
         ("zerotune-no-carry", "moved_bytes_ratio_vs_no_carry"),
         ("zerotune-master-copied", "moved_bytes_ratio_vs_master_copied"),
+        ("zerotune-unclipped", "moved_bytes_ratio_vs_unclipped"),
+        ("zerotune-sequential", "moved_bytes_ratio_vs_sequential"),
     ):
         if other in results:
             o = results[other]

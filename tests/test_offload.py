@@ -534,6 +534,7 @@ def run_overlapped(rank, world, nvme_root, configs):
     out = []
     for config in configs:
         config = dict(config)
+        clip = config.pop("clip", None)  # overlapped(clipping=True) and clip_grad_norm_
         if "nvme" in (config.get("offload_param"), config.get("offload_optimizer")):
             config.update(nvme_path=nvme_root, staging_bytes=3 * 16 * 4096 * 3)
         model = build("gpt2")
@@ -541,16 +542,18 @@ def run_overlapped(rank, world, nvme_root, configs):
         engine = zerotune.shard(model, config)
         opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
         per_rank = 12 // world
-        losses, early = [], []
+        losses, early, norms = [], [], []
         for ids in batches("gpt2"):
             mine = ids[rank * per_rank : (rank + 1) * per_rank]
             loss = loss_of(engine, mine[: per_rank // 2]) / 2  # accumulation: first half
             engine.backward(loss)
             total = loss.detach()
-            with opt.overlapped():
+            with opt.overlapped(clipping=clip is not None):
                 loss = loss_of(engine, mine[per_rank // 2 :]) / 2
                 engine.backward(loss)
-            early.append(len(opt._overlap.launched))  # units updated during backward
+            early.append(len(opt._overlap.launched))  # units launched during backward
+            if clip is not None:
+                norms.append(float(opt.clip_grad_norm_(clip)))
             opt.step()
             total = total + loss.detach()
             if world > 1:
@@ -569,24 +572,45 @@ def run_overlapped(rank, world, nvme_root, configs):
                 if grad_file is not None
                 else 0,
                 "held_peak": held_peak,
+                "norms": norms,
             }
         )
     return out
 
 
+# overlapped(clipping=True) with clip_grad_norm_: gradient shards bound for NVMe partly kept
+# in memory for the update (grad_host_bytes: the first units in update order), partly
+# written and read back; at stage 2 all written.
+CLIPPED_CONFIGS = [
+    {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "grad_host_bytes": 2**15},
+    {"stage": 2, "offload_optimizer": "nvme", "grad_host_bytes": 0},
+]
+
+
 @pytest.mark.parametrize("world", [2])  # world 1 runs the same hooks without collectives
 def test_overlapped_step_matches_plain_adamw(world, tmp_path):
     import numpy as np
-    from harness import train_reference
+    from harness import MAX_NORM, train_reference
 
     ref = train_reference("gpt2", clip=None)
-    results = run_world(world, run_overlapped, str(tmp_path), OVERLAP_CONFIGS)
-    for config, res in zip(OVERLAP_CONFIGS, results[0]):
-        # Most units were updated while backward still ran (all but those whose gradient
+    clipped = train_reference("gpt2", clip=MAX_NORM)
+    assert min(clipped["norms"]) > MAX_NORM  # clipping clips every step
+    configs = OVERLAP_CONFIGS + [dict(c, clip=MAX_NORM) for c in CLIPPED_CONFIGS]
+    results = run_world(world, run_overlapped, str(tmp_path), configs)
+    for config, res in zip(configs, results[0]):
+        # Most units were launched while backward still ran (all but those whose gradient
         # is final only at the end: the tied embedding's unit, the root).
         assert min(res["early"]) >= 3, (config, res["early"])
         bits8 = config.get("optim_state_bits") == 8
         rtol = 2e-2 if bits8 else 1e-5  # 8-bit moments: bitsandbytes' quantization error
+        if "clip" in config:
+            np.testing.assert_allclose(res["norms"], clipped["norms"], rtol=1e-5)
+            np.testing.assert_allclose(res["losses"], clipped["losses"], rtol=rtol)
+            for name, w in clipped["weights"].items():
+                np.testing.assert_allclose(
+                    np.asarray(res["weights"][name]), w.numpy(), rtol=1e-5, atol=2e-5
+                )
+            continue
         np.testing.assert_allclose(res["losses"], ref["losses"], rtol=rtol, err_msg=str(config))
         if bits8:
             continue
@@ -891,12 +915,13 @@ def test_host_pool_keeps_only_buffers_that_recur(tmp_path):
 
 
 # ------------------------------------------------- a step carried into the next forward
-def _train_carried(tmp_path, monkeypatch, carry: bool, steps: int = 6, config=None):
+def _train_carried(tmp_path, monkeypatch, carry: bool, steps: int = 6, config=None, clip=None):
     """World size 1, both tiers on NVMe: forward outside ``overlapped(track_norm=True)``,
     an LR scheduler stepped right after each ``step()``. I/O reports itself done only once
     waited for, so the pipeline falls behind during backward and ``step()`` always has a
     backlog. Returns losses, the units each ``step()`` left unfinished, every unit's state read
-    right after ``step()``, the final weights, the embeddings previewed, the norms."""
+    right after ``step()``, the final weights, the embeddings previewed, the norms, and the
+    bytes of gradient shards held at the end of each backward."""
     import torch
     from harness import LR, WD, batches, build, loss_of, no_decay_groups
 
@@ -921,12 +946,17 @@ def _train_carried(tmp_path, monkeypatch, carry: bool, steps: int = 6, config=No
     engine = zerotune.shard(model, config)
     opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
-    losses, left, states, norms = [], [], [], []
+    losses, left, states, norms, held = [], [], [], [], []
     for ids in batches("gpt2", steps):
         loss = loss_of(engine, ids)
-        with opt.overlapped(carry=carry, track_norm=True):
+        with opt.overlapped(carry=carry, track_norm=True, clipping=clip is not None):
             loss.backward()
-        norms.append(opt.step().grad_norm)
+        held.append(engine.host_pool.held_grads.now)  # gradient shards kept for the step
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+            opt.step()
+        else:
+            norms.append(opt.step().grad_norm)
         sched.step()
         opt.zero_grad()
         left.append(0 if opt._carry is None else len(opt._carry.unfinished))
@@ -937,7 +967,7 @@ def _train_carried(tmp_path, monkeypatch, carry: bool, steps: int = 6, config=No
     staging = engine.staging
     assert len(staging._free) * staging.slot == staging.allocated  # every slot came back
     engine.close()
-    return losses, left, states, weights, previews, norms
+    return losses, left, states, weights, previews, norms, held
 
 
 def test_a_step_carried_into_the_next_forward_matches_plain_adamw(tmp_path, monkeypatch):
@@ -963,7 +993,7 @@ def test_a_step_carried_into_the_next_forward_matches_plain_adamw(tmp_path, monk
         opt.zero_grad()
         ref_losses.append(float(loss.detach()))
 
-    losses, left, states, weights, previews, norms = _train_carried(
+    losses, left, states, weights, previews, norms, _ = _train_carried(
         tmp_path / "a", monkeypatch, carry=True
     )
     # The gradient norm is there at step(): the carried updates' part summed there.
@@ -983,6 +1013,50 @@ def test_a_step_carried_into_the_next_forward_matches_plain_adamw(tmp_path, monk
     for index, state in states.items():
         for key, value in state.items():
             assert torch.equal(value, plain[2][index][key]), (index, key)
+
+
+def test_a_clipped_overlapped_step_matches_plain_adamw_with_clipping(tmp_path, monkeypatch):
+    """World size 1, both tiers on NVMe, gradient shards on NVMe (the first units' kept in
+    memory): with ``overlapped(clipping=True)`` the norm is known at the end of backward
+    and every update runs after ``step()``, carried into the next forward. Losses, norms
+    and weights are those of plain AdamW clipping every step, with a scheduler."""
+    import numpy as np
+    import torch
+    from harness import LR, MAX_NORM, WD, batches, build, loss_of, no_decay_groups
+
+    from zerotune.estimate import estimate
+
+    model = build("gpt2")
+    opt = torch.optim.AdamW(no_decay_groups(model, WD), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
+    ref_losses, ref_norms = [], []
+    for ids in batches("gpt2", 6):
+        loss = loss_of(model, ids)
+        loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    assert min(ref_norms) > MAX_NORM  # clipping clips every step
+
+    config = dict(OVERLAP_CONFIGS[0], grad_host_bytes=2**16)
+    losses, left, _, weights, previews, norms, held = _train_carried(
+        tmp_path / "a", monkeypatch, carry=True, config=config, clip=MAX_NORM
+    )
+    assert min(left) > 0, left  # every step carried updates into the next forward
+    assert previews.count("transformer.wte") == len(left) - 1, previews
+    # The gradient shards kept in memory from backward to the update: the estimate's line.
+    planned = dict(config, nvme_path=str(tmp_path), staging_bytes=3 * 16 * 4096 * 3)
+    plan = estimate(build("gpt2"), dtype="fp32", config=planned, device="cpu", gpu_memory=None)
+    kept = plan.option(3, "nvme", "nvme").detail["grads_kept"]["host"]
+    assert 0 < kept < 2**16 and held == [kept] * 6, (kept, held)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(
+            np.asarray(weights[name]), p.detach().numpy(), rtol=1e-5, atol=2e-5, err_msg=name
+        )
 
 
 def test_a_carried_step_with_8bit_moments_and_gradients_in_memory(tmp_path, monkeypatch):

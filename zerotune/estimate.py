@@ -72,6 +72,7 @@ from .sharding.plan import (
     SwapPlan,
     UnitPlan,
     gather_cache_bytes,
+    grads_kept_for_update,
     plan_swap,
     plan_units,
     pool_keep_sizes,
@@ -419,6 +420,14 @@ def _working_buffers(
         for key, b in held.items():
             out.setdefault("pool", {}).setdefault(key[2], 0)
             out["pool"][key[2]] += b
+    if grads_disk and config.stage >= 2:
+        # ZeroTrainer's clipped overlapped step keeps the first units' final gradient
+        # shards in memory, from their backward to their update in the next forward.
+        trained = [(u.index, u.shard * _F32) for u in units if u.trainable and u.numel]
+        kept = grads_kept_for_update(trained, config.grad_host_bytes)
+        nbytes = sum(n for i, n in trained if i in kept)
+        if nbytes:
+            out["grads_kept"] = {"host": nbytes}
     lowp = config.torch_dtype != torch.float32
     grads_to_host = config.offload_optimizer != "none" or (not lowp and host_shards)
     if device != "cpu" and grads_to_host:
@@ -912,9 +921,10 @@ def _rows(
         add("buffers", tier, max(0, n - slack) if tier == act_tier else n)
     # Buffers of the end of backward: what the activations left by then makes room.
     end_slack = act["total"] - act["end"] if act is not None else 0
-    for tier, n in work.get("pool_late", {}).items():
-        tier = "host" if device == "cpu" and tier == "device" else tier
-        add("buffers", tier, max(0, n - end_slack) if tier == act_tier else n)
+    for kind in ("pool_late", "grads_kept"):
+        for tier, n in work.get(kind, {}).items():
+            tier = "host" if device == "cpu" and tier == "device" else tier
+            add("buffers", tier, max(0, n - end_slack) if tier == act_tier else n)
     return rows, {**kinds, **work}
 
 

@@ -19,12 +19,14 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
   The optimizer is marked as prepared, so accelerate's wrapper (which round-trips the state
   dict to move it to the device) leaves it alone; it reports skipped fp16 steps itself.
 - ``_clip_grad_norm`` / ``_get_grad_norm`` use the optimizer's global-norm clipping.
-- ``training_step``: with the optimizer state on NVMe and no clipping (``--max_grad_norm
-  0``, no fp16, stage 2-3; ``overlap_step``), the last micro-batch of each step runs its
-  backward inside ``optimizer.overlapped(track_norm=True)``: units are updated while
-  backward goes on, and ``_get_grad_norm`` returns a 0-dim tensor that ``step()`` fills
-  with the norm summed from the gradients the updates read (the Trainer logs it after the
-  step, with ``.item()``).
+- ``training_step``: with the optimizer state on NVMe (no fp16, stage 2-3;
+  ``overlap_step``), the last micro-batch of each step runs its backward inside
+  ``optimizer.overlapped(track_norm=True)``. Without clipping (``--max_grad_norm 0``) units
+  are updated while backward goes on, and ``_get_grad_norm`` returns a 0-dim tensor that
+  ``step()`` fills with the norm summed from the gradients the updates read (the Trainer
+  logs it after the step, with ``.item()``). With clipping (the default) and ZeroAdamW,
+  ``clipping=True``: the norm is summed as backward finishes each unit, ``_clip_grad_norm``
+  returns it at once, and the updates run after ``step()`` into the next forward.
 - Gradients are averaged over ranks, like DDP's, so ``average_tokens_across_devices`` (which
   scales each rank's loss by the world size) gives DDP's numbers.
 - fp16: the engine's loss scaler multiplies the loss before accelerate's ``backward`` (a
@@ -416,7 +418,7 @@ class ZeroTrainer(Trainer):
                 # The step's last backward, and only it: the forward before it stays
                 # outside, so the last step's carried updates run during that forward.
                 self._overlap_backward = False
-                with self.optimizer.overlapped(track_norm=True):
+                with self._overlapped_backward():
                     return plain_backward(loss, **kwargs)
             return plain_backward(loss, **kwargs)
 
@@ -525,19 +527,32 @@ class ZeroTrainer(Trainer):
         return super().training_step(model, inputs, *args, **kwargs)
 
     @property
+    def _clips(self) -> bool:
+        return (self.args.max_grad_norm or 0) > 0
+
+    @property
     def overlap_step(self) -> bool:
         """Whether the optimizer step overlaps the last backward of each step (see [Note:
         overlapped step] in optim/zero_adam.py): with the optimizer state on NVMe, where the
-        step is mostly disk traffic, when nothing needs every gradient before the first
-        update (no clipping: ``--max_grad_norm 0``; no fp16 loss scaling; stage 2 or 3)."""
+        step is mostly disk traffic, stage 2 or 3 and no fp16 loss scaling. ZeroAdamW
+        clipping (``--max_grad_norm``, 1.0 by default) waits for the norm and carries its
+        updates into the next forward ([Note: a clipped overlapped step]); another optimizer
+        overlaps only without clipping."""
         engine = self.engine
-        return (
-            (isinstance(self.optimizer, ZeroAdamW) or getattr(self.optimizer, "can_overlap", False))
-            and engine.config.offload_optimizer == "nvme"
+        if not (
+            engine.config.offload_optimizer == "nvme"
             and engine.config.stage >= 2
             and engine.scaler is None
-            and not (self.args.max_grad_norm or 0) > 0
-        )
+        ):
+            return False
+        if isinstance(self.optimizer, ZeroAdamW):
+            return True
+        return getattr(self.optimizer, "can_overlap", False) and not self._clips
+
+    def _overlapped_backward(self):
+        if isinstance(self.optimizer, ZeroAdamW):
+            return self.optimizer.overlapped(track_norm=True, clipping=self._clips)
+        return self.optimizer.overlapped(track_norm=True)
 
     def check_memory_estimate(self) -> list[str]:
         """Compare this rank's measured peaks (host: peak RSS added since the engine was

@@ -349,8 +349,13 @@ class NvmeGrads:
         if hold:
             unit.hold_grad(values, pooled=pool is not None)
             return
+        self.write(unit, values, pool.release)
+
+    def write(self, unit, values: torch.Tensor, give_back) -> None:
+        """Start writing the whole shard ``values``; ``give_back(values)`` once written
+        (None: nothing to give back)."""
         handle = self.extent.file.write(values, self.extent.offset)
-        unit.pool.writes.add(unit.pending_writes, handle, values, pool.release)
+        unit.pool.writes.add(unit.pending_writes, handle, values, give_back)
 
     def add_params(self, unit, hold: bool = False) -> None:
         """World size 1: the parameters' gradients in one host buffer (or, held for an

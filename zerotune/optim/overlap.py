@@ -1,6 +1,7 @@
 """The units an optimizer updates during one overlapped backward, streamed through its
-state store's pipeline (see [Note: overlapped step] and [Note: carrying the step into the
-next forward] in zero_adam.py, [Note: reading ahead of backward] in state_store.py).
+state store's pipeline (see [Note: overlapped step], [Note: carrying the step into the
+next forward] and [Note: a clipped overlapped step] in zero_adam.py, [Note: reading ahead
+of backward] in state_store.py).
 
 The optimizer provides ``store`` (``chunks``, ``pipeline``), ``_unit_segments``,
 ``_count_step``, ``_update_chunk(unit, c0, c1, master, state, grad)``, ``_launch_order``
@@ -19,20 +20,29 @@ class OverlappedStep:
     """The units updated during one overlapped backward ([Note: overlapped step]), and
     after ``step()`` in the next forward ([Note: carrying the step into the next forward])."""
 
-    def __init__(self, opt, carry: bool = False) -> None:
+    def __init__(self, opt, carry: bool = False, clipping: bool = False) -> None:
         self.opt = opt
         self.carry = carry
+        # Updates wait for ``release`` (in step(), once the global norm is known) instead of
+        # starting as backward finishes each unit ([Note: a clipped overlapped step]).
+        self.clipping = clipping
         self.launched: dict[int, None] = {}  # unit indices, in launch order
         self.unfinished: dict[int, object] = {}  # launched units not updated yet
         self.progress: dict[int, int] = {}  # unit index -> shard elements updated (in order)
-        # Chunks of launched units, in launch order; expected: those of the last
-        # overlapped step's units in its order, which an NVMe store reads ahead of their
-        # launch (see [Note: reading ahead of backward] in state_store.py).
         units = opt.engine.units  # a unit's index is its place in this list
-        expected = [
-            (units[i], c0, c1) for i in opt._launch_order for c0, c1 in opt.store.chunks(units[i])
-        ]
-        self.feed = Feed(closed=False, expected=expected)
+        if clipping:
+            # Released in the order the next forward gathers them; the first ones, up to
+            # the engine's budget, keep their final gradient in memory.
+            order = [u.index for u in units if opt.owns(u)]
+            self.keep = opt.engine.grads_kept_for_update([units[i] for i in order])
+        else:
+            # Expected to launch as the last overlapped step did.
+            order, self.keep = opt._launch_order, set()
+        # Chunks of launched units, in launch order; expected: those likely to come, in
+        # their likely order, which an NVMe store reads ahead of their launch (see [Note:
+        # reading ahead of backward] in state_store.py).
+        expected = [(units[i], c0, c1) for i in order for c0, c1 in opt.store.chunks(units[i])]
+        self.feed = Feed(closed=False, expected=expected, reserve=0 if clipping else 2)
         self._job = None  # the store's pipeline over the feed (one for the whole backward)
         self._waiting = None  # the I/O handle it waits for, or IDLE
         self._failed: BaseException | None = None  # what ended the pipeline early
@@ -50,7 +60,8 @@ class OverlappedStep:
             unit.update_pending = False
 
     def launch(self, unit) -> None:
-        """``unit``'s gradient shard is final: queue its update and start what can start."""
+        """``unit``'s gradient shard is final: queue its update and start what can start
+        (clipping: add its share of the norm, and keep its gradient for ``release``)."""
         opt = self.opt
         segs = opt._unit_segments.get(unit.index)
         if segs is None or unit.grad_is_zero or unit.index in self.launched:
@@ -59,9 +70,32 @@ class OverlappedStep:
         self.unfinished[unit.index] = unit
         unit.update_pending = True
         opt._count_step(unit)
-        self.feed.items.extend((unit, c0, c1) for c0, c1 in opt.store.chunks(unit))
+        if self.clipping:
+            for c0, c1, grad in opt.engine.grad_chunks(unit):
+                opt._add_sum_of_squares(opt._norm_sq, unit, c0, c1, grad)
+            if unit.index not in self.keep:
+                unit.spill_held_grad()
+        else:
+            self._queue(unit)
+        self.pump()
+
+    def _queue(self, unit) -> None:
+        self.feed.items.extend((unit, c0, c1) for c0, c1 in self.opt.store.chunks(unit))
         if self._job is None:
-            self._job = opt.store.pipeline(self.feed, self._update)
+            self._job = self.opt.store.pipeline(self.feed, self._update)
+
+    def release(self, late=()) -> None:
+        """Clipping, in step(): the norm is known; queue every launched unit's update, and
+        those of ``late`` (units whose gradients became final only at the end of backward),
+        in the order the next forward gathers them."""
+        for unit in late:
+            if unit.index not in self.launched:
+                self.launched[unit.index] = None
+                self.unfinished[unit.index] = unit
+                unit.update_pending = True
+                self.opt._count_step(unit)
+        for unit in sorted(self.unfinished.values(), key=lambda u: u.index):
+            self._queue(unit)
         self.pump()
 
     def pump(self, block: bool = False) -> None:

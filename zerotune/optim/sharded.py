@@ -232,14 +232,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _before_clip(self) -> None:
         """Called first by ``clip_grad_norm_``."""
-        if self._overlap is not None:
+        if self._overlap is not None and not self._overlap.clipping:
             raise RuntimeError(
                 "clip_grad_norm_ after an overlapped backward: units were updated during "
-                "backward, before the global norm existed; clip without overlapped()"
+                "backward, before the global norm existed; use overlapped(clipping=True)"
             )
         self.settle()
 
-    def _start_overlap(self, track_norm: bool) -> None:
+    def _clipping_norm(self, overlap) -> None:
+        """A clipping overlapped step (see [Note: a clipped overlapped step] in
+        zero_adam.py): the global norm, once, from the sums of squares added as backward
+        finished each unit and those of the units finished only at the end of backward;
+        into ``_grad_norm`` and ``pending_grad_norm``."""
+        if self._norm_sq is None:
+            return  # done already (clip_grad_norm_ before step())
+        sq, self._norm_sq = self._norm_sq, None
+        for unit in self._live_units():
+            if unit.index not in overlap.launched:
+                for c0, c1, grad in self.engine.grad_chunks(unit):
+                    self._add_sum_of_squares(sq, unit, c0, c1, grad)
+        zdist.all_reduce_sum(sq, self.engine.group)
+        self._grad_norm = float(sq.sqrt())
+        self.pending_grad_norm.fill_(self._grad_norm)
+
+    def _start_overlap(self, track_norm: bool, clipping: bool = False) -> None:
         """What every ``overlapped()`` checks and sets before backward: updates made before
         every gradient exists cannot be undone or rescaled."""
         self._check_attached()
@@ -260,7 +276,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._overlap is not None or engine.overlapping:
             raise RuntimeError("overlapped(): call step() before the next overlapped backward")
         self._factor = 1.0
-        if track_norm:
+        if track_norm or clipping:
             self._norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
             self.pending_grad_norm = torch.zeros(())
 
@@ -274,12 +290,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._prepare()
         if self._overflow:
             return torch.tensor(float("inf"))
-        if self.engine.scaler is None:
-            sq = self._grad_sum_of_squares()
-            zdist.all_reduce_sum(sq, self.engine.group)
+        if self._overlap is not None:  # clipping: summed as backward went
+            self._clipping_norm(self._overlap)
+            norm = torch.tensor(self._grad_norm)
         else:
-            sq = self._sum_sq
-        norm = sq.sqrt() * self._factor
+            if self.engine.scaler is None:
+                sq = self._grad_sum_of_squares()
+                zdist.all_reduce_sum(sq, self.engine.group)
+            else:
+                sq = self._sum_sq
+            norm = sq.sqrt() * self._factor
         coef = max_norm / (norm.item() + 1e-6)
         if coef < 1.0:
             self._factor *= coef

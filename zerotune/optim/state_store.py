@@ -265,10 +265,13 @@ class Feed:
     to come, in the order they are likely to come, which the NVMe pipeline may read ahead
     (see [Note: reading ahead of backward])."""
 
-    def __init__(self, items=(), closed: bool = True, expected=()) -> None:
+    def __init__(self, items=(), closed: bool = True, expected=(), reserve: int = 2) -> None:
         self.items: deque = deque(items)
         self.closed = closed
         self.expected = list(expected)
+        # Slots reading ahead leaves free for launched work (none when nothing launches
+        # before the feed is closed: a clipped overlapped step).
+        self.reserve = reserve
         self.todo: deque = deque()  # taken by the pipeline, waiting for a staging slot
 
     def promote(self, unit) -> None:
@@ -688,8 +691,10 @@ class NvmeStore:
         launched them), keeping two slots for launched work. A chunk read ahead waits in
         its slot until its unit is launched, which then only adds its gradient; the
         master and the moments do not depend on the gradient, and nothing else writes
-        them during a step. A wrong guess (a unit launched while reads ahead hold other
-        units' chunks) gives the reads ahead up and ends reading ahead for the step;
+        them during a step. In a clipped overlapped step nothing launches before the feed
+        closes, and reading ahead takes every slot (``Feed.reserve``). A wrong guess (a
+        unit launched while reads ahead hold other units' chunks) gives the reads ahead up
+        and ends reading ahead for the step;
         units never launched give theirs up at the end. Each unit's chunks are updated
         in order. Should the pipeline fail (an I/O error, an exception in ``update``),
         it waits for its transfers and gives every slot back on the way out."""
@@ -749,7 +754,7 @@ class NvmeStore:
                 started.append(entry)
 
         def read_ahead():
-            while planned and not todo and not feed.closed and used() < slots - 2:
+            while planned and not todo and not feed.closed and used() < slots - feed.reserve:
                 item = planned.popleft()
                 key = (item[0].index, item[1])
                 if key in seen:

@@ -73,8 +73,27 @@ the engine keeps it in memory (``Unit.held_grad``) when no other shard is held, 
 it is a one-parameter unit's (an embedding's) own ``.grad``, and the update reads it
 there (``_hold_grads`` in engine.py).
 It needs what an early update cannot undo or rescale: no global-norm clipping (the norm needs
-every gradient first), no fp16 loss scaling (an overflow anywhere must skip every update),
-stage 2 or 3 (stage 1 keeps whole gradients until the step) and a synchronized backward.
+every gradient first; see [Note: a clipped overlapped step]), no fp16 loss scaling (an
+overflow anywhere must skip every update), stage 2 or 3 (stage 1 keeps whole gradients until
+the step) and a synchronized backward.
+
+[Note: a clipped overlapped step]
+Global-norm clipping scales every gradient by a factor known only once the last one exists,
+and an Adam update cannot be rescaled afterwards. ``overlapped(clipping=True)`` therefore
+moves the updates after the norm instead of into backward: as backward finishes a unit,
+its share of the norm is summed from its final gradient shard while that is in memory
+(``OverlappedStep.launch``), so ``clip_grad_norm_`` reads no gradient back; ``step()`` then
+queues every update, in the order the next forward gathers the units, and carries them
+into that forward (see [Note: carrying the step into the next forward]), each unit updated
+just before its gather. Backward still does what does not depend on the norm: the pipeline
+reads ahead the first units' master and moments in every staging slot ([Note: reading
+ahead of backward] in state_store.py), and gradient shards bound for NVMe stay in memory
+for the units updated first, within ``grad_host_bytes``
+(``plan.grads_kept_for_update``), the others being written as usual (held only until
+their share of the norm is summed). The updates are exactly the ones a step after
+``clip_grad_norm_`` makes: same chunks, kernel, step counts and factor (frozen with the
+carried hyper-parameters, and applied to the rows an embedding lookup previews). ZeroTrainer
+uses it by default whenever the optimizer state is on NVMe and ``max_grad_norm`` > 0.
 
 [Note: carrying the step into the next forward]
 The updates still queued when backward ends are those of the units backward finished last:
@@ -199,6 +218,7 @@ class ZeroAdamW(ShardedOptimizer):
         # forward]).
         self._carry: OverlappedStep | None = None
         self._frozen_groups: list[dict] | None = None
+        self._frozen_factor = 1.0
         # With overlapped(track_norm=True): this rank's sum of grad**2, added chunk by chunk
         # as the updates read the gradients, and the norm step() fills in.
         self._norm_sq: torch.Tensor | None = None
@@ -206,19 +226,22 @@ class ZeroAdamW(ShardedOptimizer):
         engine.attach_optimizer(self)
 
     @contextlib.contextmanager
-    def overlapped(self, track_norm: bool = False, carry: bool = True):
+    def overlapped(self, track_norm: bool = False, carry: bool = True, clipping: bool = False):
         """Run the last backward of a step inside: each unit is updated as soon as its
         gradient is final, overlapping the optimizer's I/O with the rest of backward; then
-        call ``step()`` as usual (see [Note: overlapped step]). Not with clipping, fp16 or
-        stage 1, nor inside ``no_sync()``. With ``track_norm`` the global gradient norm is
+        call ``step()`` as usual (see [Note: overlapped step]). Not with fp16 or stage 1,
+        nor inside ``no_sync()``. With ``track_norm`` the global gradient norm is
         summed from the chunks the updates read: ``pending_grad_norm`` is a 0-dim tensor
         that ``step()`` fills (and ``StepInfo.grad_norm``). With ``carry`` (and optimizer
         state on NVMe) the updates still queued at ``step()`` go on during the next forward
-        (see [Note: carrying the step into the next forward])."""
+        (see [Note: carrying the step into the next forward]). With ``clipping`` the
+        updates wait for ``step()``, so ``clip_grad_norm_`` may come between (see [Note: a
+        clipped overlapped step]); the norm is tracked."""
         self.settle()
         engine = self.engine
-        self._start_overlap(track_norm)
-        self._overlap = OverlappedStep(self, carry=carry and self.store.carries)
+        self._start_overlap(track_norm, clipping)
+        carry = carry and self.store.carries
+        self._overlap = OverlappedStep(self, carry=carry, clipping=clipping)
         engine.begin_overlapped_step(self._overlap)
         try:
             yield
@@ -252,6 +275,12 @@ class ZeroAdamW(ShardedOptimizer):
         launched: dict[int, None] = {}  # units updated during backward already
         if overlap is not None:
             overlap.close()
+            if overlap.clipping:
+                self._prepare()
+                self._clipping_norm(overlap)
+                if not self._overflow:
+                    late = [u for u in self._live_units() if u.index not in overlap.launched]
+                    overlap.release(late)
             launched = overlap.launched
             self._carry_or_finish(overlap)
         self._prepare()
@@ -289,6 +318,7 @@ class ZeroAdamW(ShardedOptimizer):
         self._frozen_groups = [
             copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.param_groups
         ]
+        self._frozen_factor = self._factor  # clipping's, for the updates carried
         self._carry = overlap
         self.engine.carry_into_forward(True)
         overlap._phase = "after step() (carried into the next forward)"
@@ -306,8 +336,9 @@ class ZeroAdamW(ShardedOptimizer):
     def _update_chunk(self, unit, c0, c1, master, moments, grad) -> None:
         """Update elements ``[c0, c1)`` of ``unit``'s shard: ``master``, ``grad`` and the
         moments (a pair of fp32 tensors, or a :class:`Q8Moments`) are that chunk's."""
-        if self._factor != 1.0:
-            grad.mul_(self._factor)
+        factor = self._update_factor()
+        if factor != 1.0:
+            grad.mul_(factor)
         if self._norm_sq is not None:
             self._add_sum_of_squares(self._norm_sq, unit, c0, c1, grad)
         target = self.engine.lowp_target(unit)  # compute-dtype shard to refresh, or None
@@ -338,6 +369,11 @@ class ZeroAdamW(ShardedOptimizer):
                 at = b
         if c1 == unit.shard_numel:
             self.engine.lowp_done(unit, target)
+
+    def _update_factor(self) -> float:
+        """What the updates multiply the gradients by (clipping, the fp16 loss scale): the
+        step's, or for updates carried into the next forward the one frozen with them."""
+        return self._factor if self._frozen_groups is None else self._frozen_factor
 
     def _segments_in(self, unit, c0: int, c1: int) -> list[tuple[int, int, dict]]:
         """(start, stop) relative to ``c0`` and Adam's arguments of each segment of ``unit``
@@ -435,6 +471,9 @@ class ZeroAdamW(ShardedOptimizer):
         flat = weight.view(-1)
         master = flat[index]
         g = grad[index].float()  # a copy: Adam-L2 adds to the gradient in place
+        factor = self._update_factor()  # these rows' gradients are not scaled yet
+        if factor != 1.0:
+            g.mul_(factor)
         m, v = torch.cat(m), torch.cat(v)
         self._adam(master, g, (m, v), [(0, index.numel(), segments[0][2])], None)
         flat[index] = master

@@ -44,6 +44,7 @@ from .plan import (
     UnitPlan,
     assign_params,
     gather_cache_bytes,
+    grads_kept_for_update,
     plan_swap,
     pool_keep_sizes,
     size_unit,
@@ -858,10 +859,18 @@ class ZeroEngine(nn.Module):
         which a write would keep alive until written."""
         if self._overlap is None or not self._sync or not unit.grads.on_disk:
             return False
+        if self._overlap.clipping:
+            return True  # until the step has read its share of the norm (launch)
         # One shard at a time (a unit's update follows its backward closely), and an
         # embedding's own .grad (no extra buffer).
         held = self.host_pool.held_grads.now
         return held == 0 or (self.world == 1 and unit.one_parameter)
+
+    def grads_kept_for_update(self, units: list[Unit]) -> set[int]:
+        """The indices of ``units`` (in update order) whose final gradient shards stay in
+        memory for a clipped overlapped step (``plan.grads_kept_for_update``)."""
+        shards = [(u.index, u.shard_numel * 4 if u.grads.on_disk else 0) for u in units]
+        return grads_kept_for_update(shards, self.config.grad_host_bytes)
 
     def post_backward_final(self) -> None:
         """End of a backward pass: reduce what is pending, release everything."""

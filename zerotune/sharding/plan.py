@@ -49,6 +49,7 @@ __all__ = [
     "SwapPlan",
     "UnitPlan",
     "assign_params",
+    "grads_kept_for_update",
     "plan_swap",
     "plan_units",
     "resident_bytes",
@@ -328,6 +329,20 @@ def gather_cache_bytes(gathered_sizes: list[int], prefetch_bytes: int) -> int:
     resident through the whole step for one reuse."""
     recurring = max(recurring_sizes(gathered_sizes), default=0)
     return min(max(prefetch_bytes, 2 * recurring), sum(gathered_sizes))
+
+
+def grads_kept_for_update(shards: list[tuple[int, int]], budget: int) -> set[int]:
+    """For a clipped overlapped step (see [Note: a clipped overlapped step] in
+    optim/zero_adam.py): of ``(unit index, gradient shard bytes bound for NVMe)`` in update
+    order, the units whose final shards stay in memory, the first ones within ``budget``
+    (``grad_host_bytes``). A shard in memory anyway is given as 0 bytes."""
+    keep = set()
+    for index, nbytes in shards:
+        if nbytes > budget:
+            break
+        budget -= nbytes
+        keep.add(index)
+    return keep
 
 
 def recurring_sizes(sizes: list[int]) -> set[int]:

@@ -509,6 +509,16 @@ class Unit:
         self._held_pooled = pooled
         self.host_pool.held_grads.add(values.numel() * values.element_size())
 
+    def spill_held_grad(self) -> None:
+        """Write the held gradient shard to its file after all (the update that was to read
+        it from memory comes later); the buffer goes back once written."""
+        held, self.held_grad = self.held_grad, None
+        if held is None:
+            return
+        self.host_pool.held_grads.sub(held.numel() * held.element_size())
+        give_back = self.host_pool.release if self._held_pooled else None
+        self.grads.write(self, held, give_back)
+
     def drop_held_grad(self) -> None:
         """Give back the gradient shard held for an overlapped update (once it is done)."""
         held, self.held_grad = self.held_grad, None
