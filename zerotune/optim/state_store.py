@@ -694,9 +694,8 @@ class NvmeStore:
         them during a step. In a clipped overlapped step nothing launches before the feed
         closes, and reading ahead takes every slot (``Feed.reserve``). A wrong guess (a
         unit launched while reads ahead hold other units' chunks) gives the reads ahead up
-        and ends reading ahead for the step;
-        units never launched give theirs up at the end. Each unit's chunks are updated
-        in order. Should the pipeline fail (an I/O error, an exception in ``update``),
+        and ends reading ahead for the step; units never launched give theirs up at the
+        end. Each unit's chunks are updated in order. Should the pipeline fail (an I/O error, an exception in ``update``),
         it waits for its transfers and gives every slot back on the way out."""
         feed = Feed.of(feed)
         slots = self.slots
