@@ -119,6 +119,11 @@ def parse() -> argparse.Namespace:
         help="also run zerotune copying the fp32 master through staging (not in place)",
     )
     ap.add_argument(
+        "--grad-host",
+        default=None,
+        help="zerotune's grad_host_bytes (its default if not given)",
+    )
+    ap.add_argument(
         "--max-grad-norm",
         type=float,
         default=0.0,
@@ -194,6 +199,8 @@ def run_variant(args: argparse.Namespace) -> dict:
             zcfg.update(nvme_path=args.nvme_path)
             if args.staging is not None:
                 zcfg.update(staging_bytes=args.staging)
+        if args.grad_host is not None:
+            zcfg.update(grad_host_bytes=args.grad_host)
         # zero-init: the model is never whole in this process (it could not be, offloaded)
         runner = zerotune.zero_init(config, zcfg)
         model = runner.module
