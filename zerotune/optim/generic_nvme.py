@@ -165,7 +165,7 @@ class NvmeGenericState(NvmeStore):
         )
         align = _PAGE // min(smallest, _F32)
         chunk = self.staging.slot // per_element // align * align
-        self.chunk = max(align, chunk)  # beyond a slot: a buffer of its own (_acquire)
+        self.chunk = max(align, chunk)  # beyond a slot: a buffer of its own (acquire)
         self.file = None
         self.nbytes = at
         if at:
@@ -226,13 +226,13 @@ class NvmeGenericState(NvmeStore):
         # written back), as ZeroAdamW's smallest pipeline.
         return self.layout.slots if self.opt.layout == "flat" else 3
 
-    def _acquire(self, nbytes: int) -> torch.Tensor:
+    def acquire(self, nbytes: int) -> torch.Tensor:
         """A staging slot, or for a whole unit larger than one a buffer of its own."""
         if nbytes > self.staging.slot:
             return aligned_empty(round_up(nbytes), torch.uint8)
         return self.staging.acquire(nbytes)
 
-    def _release(self, buf: torch.Tensor) -> None:
+    def release(self, buf: torch.Tensor) -> None:
         if buf.numel() == self.staging.slot:
             self.staging.release(buf)
 
@@ -263,7 +263,7 @@ class NvmeGenericState(NvmeStore):
             at += round_up(nb)
         return out
 
-    def _views(self, entry):
+    def views(self, entry):
         """The chunk's fp32 master and its state (region key -> tensor) in its slot."""
         unit, c0, c1 = entry.item
         buf, n = entry.buf, c1 - c0

@@ -92,6 +92,7 @@ __all__ = [
     "NvmeStore",
     "OptimLayout",
     "ResidentStore",
+    "StepPipeline",
     "chunk_elements",
     "record_bytes",
     "write_initial_state",
@@ -574,20 +575,20 @@ class NvmeStore:
             return record_buffer_bytes(n, not unit.placement.master_in_param_file)
         return 3 * round_up(n * _F32)
 
-    def _acquire(self, nbytes: int) -> torch.Tensor:
+    def acquire(self, nbytes: int) -> torch.Tensor:
         return self.staging.acquire(nbytes)
 
-    def _release(self, buf: torch.Tensor) -> None:
+    def release(self, buf: torch.Tensor) -> None:
         self.staging.release(buf)
 
-    def _start(self, item) -> _Entry:
+    def start(self, item) -> _Entry:
         """Acquire a slot and issue the reads of the chunk's master and state (its
-        gradient comes with ``_attach_grad``, once the unit's gradient is final)."""
+        gradient comes with ``attach_grad``, once the unit's gradient is final)."""
         unit, c0, c1 = item
         n = c1 - c0
         state_bytes = self._state_bytes(unit, c0, c1)
         grad_room = n * _F32 if unit.grads.on_disk else 0
-        buf = self._acquire(state_bytes + grad_room)
+        buf = self.acquire(state_bytes + grad_room)
         in_place = self.updates_in_place(unit)
         pieces = self._pieces(unit, c0, c1, buf, in_place)
         handles = [file.read(part, off) for part, file, off in pieces]
@@ -616,7 +617,7 @@ class NvmeStore:
                 why,
             )
 
-    def _views(self, entry: _Entry):
+    def views(self, entry: _Entry):
         """The chunk's fp32 master and optimizer state (``update``'s arguments) in its slot:
         two fp32 moments, or a :class:`Q8Moments`."""
         unit, c0, c1 = entry.item
@@ -628,7 +629,7 @@ class NvmeStore:
         master, m, v = (f32[j * stride : j * stride + n] for j in range(3))
         return master, (m, v)
 
-    def _update_in_place(self, update, unit, c0: int, c1: int, moments, grad) -> None:
+    def update_in_place(self, update, unit, c0: int, c1: int, moments, grad) -> None:
         """``update`` with the chunk's master in the parameter file's pages (see [Note: the
         master updated in the page cache])."""
         p = unit.params.extent
@@ -661,7 +662,7 @@ class NvmeStore:
             except BufferError:  # a view outlived the update (an exception's frames)
                 pass
 
-    def _attach_grad(self, entry: _Entry) -> None:
+    def attach_grad(self, entry: _Entry) -> None:
         """The chunk's gradient: a view of the shard held in memory, or a read from the
         gradient file into the slot after the state."""
         unit, c0, c1 = entry.item
@@ -678,160 +679,14 @@ class NvmeStore:
             handle.wait()
 
     def pipeline(self, feed, update):
-        """``run`` over a :class:`Feed`, as a generator: before waiting for an I/O handle
-        that is not done yet it yields it, so a caller can do other work and resume later
-        (see [Note: overlapped step] in zero_adam.py); resuming waits for that handle. An
-        open feed with nothing to update yields ``IDLE`` once the writes in flight are done.
+        """``run`` over a :class:`Feed`, as a generator (a :class:`StepPipeline`): before
+        waiting for an I/O handle that is not done yet it yields it, so a caller can do
+        other work and resume later (see [Note: overlapped step] in zero_adam.py);
+        resuming waits for that handle. An open feed with nothing to update yields
+        ``IDLE`` once the writes in flight are done."""
+        return StepPipeline(self, Feed.of(feed), update).run()
 
-        [Note: reading ahead of backward]
-        Up to ``layout.slots`` chunks are in staging at once: reads ahead, the one being
-        updated, writes in flight. Chunks the feed has given (launched: their gradients
-        are final) are read first, in order. Spare slots read ahead of launch: the
-        chunks of ``feed.expected`` (the units in the order the last overlapped step
-        launched them), keeping two slots for launched work. A chunk read ahead waits in
-        its slot until its unit is launched, which then only adds its gradient; the
-        master and the moments do not depend on the gradient, and nothing else writes
-        them during a step. In a clipped overlapped step nothing launches before the feed
-        closes, and reading ahead takes every slot (``Feed.reserve``). A wrong guess (a
-        unit launched while reads ahead hold other units' chunks) gives the reads ahead up
-        and ends reading ahead for the step; units never launched give theirs up at the
-        end. Each unit's chunks are updated in order. Should the pipeline fail (an I/O error, an exception in ``update``),
-        it waits for its transfers and gives every slot back on the way out."""
-        feed = Feed.of(feed)
-        slots = self.slots
-        writes: deque = deque()  # (handles, buf) of updated chunks
-        started: deque = deque()  # entries whose reads are issued, in order
-        todo = feed.todo  # launched chunks not started yet (``Feed.promote`` reorders)
-        ahead: dict = {}  # (unit index, c0) -> entry read ahead of its unit's launch
-        seen: set = set()  # (unit index, c0) of chunks started or in todo
-        planned: deque = deque(feed.expected)
-        gated: set[int] = set()
-
-        def used() -> int:
-            return len(started) + len(writes)
-
-        def gate(unit):
-            if unit.index not in gated:  # its gradients must be on disk first
-                yield from _gate(unit)
-                gated.add(unit.index)
-
-        def absorb():
-            """Take what the feed has: chunks read ahead become launched, the rest wait
-            for a slot. A unit launched while reads ahead hold other units' chunks (the
-            units expected before it) shows the guess wrong: they are given up, and this
-            step reads no more ahead."""
-            while (item := feed.take()) is not None:
-                key = (item[0].index, item[1])
-                entry = ahead.pop(key, None)
-                if entry is None:
-                    if any(e.item[0] is not item[0] for e in ahead.values()):
-                        yield from drop_guess()
-                    todo.append(item)
-                    seen.add(key)
-                    continue
-                yield from gate(item[0])
-                self._attach_grad(entry)
-                entry.launched = True
-
-        def drop_guess():
-            for entry in [e for e in started if not e.launched]:
-                yield from give_up(entry)
-            ahead.clear()
-            planned.clear()
-
-        def finish_done_writes():
-            while writes and all(h.done() for h in writes[0][0]):
-                self._finish(writes.popleft())
-
-        def start_launched():
-            while todo and used() < slots:
-                item = todo.popleft()
-                yield from gate(item[0])
-                entry = self._start(item)
-                self._attach_grad(entry)
-                entry.launched = True
-                started.append(entry)
-
-        def read_ahead():
-            while planned and not todo and not feed.closed and used() < slots - feed.reserve:
-                item = planned.popleft()
-                key = (item[0].index, item[1])
-                if key in seen:
-                    continue
-                seen.add(key)
-                entry = self._start(item)
-                ahead[key] = entry
-                started.append(entry)
-
-        def give_up(entry):
-            """Drop an entry read ahead: once its reads are over (its slot may not be reused
-            before), out of ``started`` and back to staging. Its data is not used, so
-            neither are its read errors."""
-            yield from self._pending(entry.handles)
-            started.remove(entry)
-            self._abandon([(entry.handles, entry.buf)])
-
-        def steps():
-            while True:
-                yield from absorb()
-                finish_done_writes()
-                yield from start_launched()
-                read_ahead()
-                entry = next((e for e in started if e.launched), None)
-                if entry is None:
-                    # Nothing to update yet, or launched work waits for a slot: reads ahead
-                    # leave two for it, so writes hold the others.
-                    if writes:
-                        yield from self._pending(writes[0][0])
-                        self._finish(writes.popleft())
-                        continue
-                    if todo:
-                        raise RuntimeError("optimizer pipeline: launched chunks found no slot")
-                    if feed.items:
-                        continue  # given more meanwhile
-                    if feed.closed:
-                        while started:  # read ahead for units that were not launched
-                            yield from give_up(started[0])
-                        return
-                    yield IDLE
-                    continue
-                (unit, c0, c1), buf = entry.item, entry.buf
-                for h in entry.handles:
-                    if not h.done():
-                        yield h
-                    h.wait()
-                in_param_file = unit.placement.master_in_param_file
-                master, state = self._views(entry)
-                if entry.in_place:
-                    self._update_in_place(update, unit, c0, c1, state, entry.grad)
-                else:
-                    update(unit, c0, c1, master, state, entry.grad)
-                entry.grad = None
-                if c1 == unit.shard_numel:
-                    unit.drop_held_grad()  # its last chunk is updated
-                copied_master = in_param_file and not entry.in_place
-                if copied_master:
-                    unit.keep_private()  # a unit mapping that file must not see the change
-                # The slot stays in ``started`` until its writes are queued, its
-                # transfers from here on being the writes (a failure waits for them).
-                hs = entry.handles = []
-                for part, file, off in entry.pieces:
-                    hs.append(file.write(part, off))
-                self.bytes_written += sum(part.numel() for part, _, _ in entry.pieces)
-                if copied_master:
-                    unit.param_file_writes.append(hs[0])  # a gather must wait for it
-                started.remove(entry)
-                writes.append((hs, buf))
-
-        ended = False
-        try:
-            yield from steps()
-            ended = True
-        finally:
-            if not ended:  # an error (or the generator dropped): give every slot back
-                self._abandon([(e.handles, e.buf) for e in started] + list(writes))
-
-    def _abandon(self, held) -> None:
+    def abandon(self, held) -> None:
         """Wait for the I/O of each ``(handles, buf)`` and give the buffers back, dropping
         the I/O errors: the data is not used (given up, or a failed pipeline on its way
         out with its own error)."""
@@ -841,19 +696,14 @@ class NvmeStore:
                     h.wait()
                 except OSError:
                     pass
-            self._release(buf)
+            self.release(buf)
 
-    @staticmethod
-    def _pending(handles):
-        for h in handles:
-            if not h.done():
-                yield h
-
-    def _finish(self, entry) -> None:
+    def finish_write(self, entry) -> None:
+        """Wait for a chunk's writes ``(handles, buf)`` and give its slot back."""
         handles, buf = entry
         for h in handles:
             h.wait()
-        self._release(buf)
+        self.release(buf)
 
     def read_moment_ranges(self, unit, ranges: list[tuple[int, int]]):
         """exp_avg and exp_avg_sq (fp32 moments) of the shard element ranges ``[a, b)``,
@@ -966,3 +816,182 @@ class NvmeStore:
 
     def nbytes(self) -> int:
         return 0  # nothing resident: see the swap space and staging in the memory report
+
+
+def _pending(handles):
+    for h in handles:
+        if not h.done():
+            yield h
+
+
+class StepPipeline:
+    """One run of an :class:`NvmeStore` step over a :class:`Feed`: ``run()`` is the
+    generator ``NvmeStore.pipeline`` returns, one method per stage of a chunk's way
+    (absorb what the feed gives, start reads, read ahead, update, write, give up).
+
+    [Note: reading ahead of backward]
+    Up to ``layout.slots`` chunks are in staging at once: reads ahead, the one being
+    updated, writes in flight. Chunks the feed has given (launched: their gradients are
+    final) are read first, in order. Spare slots read ahead of launch: the chunks of
+    ``feed.expected`` (the units in the order the last overlapped step launched them),
+    keeping ``feed.reserve`` slots (two) for launched work. A chunk read ahead waits in its
+    slot until its unit is launched, which then only adds its gradient; the master and the
+    moments do not depend on the gradient, and nothing else writes them during a step. In
+    a clipped overlapped step nothing launches before the feed closes, and reading ahead
+    takes every slot. A wrong guess (a unit launched while reads ahead hold other units'
+    chunks) gives the reads ahead up and ends reading ahead for the step; units never
+    launched give theirs up at the end. Each unit's chunks are updated in order. Should
+    the pipeline fail (an I/O error, an exception in ``update``), it waits for its
+    transfers and gives every slot back on the way out.
+    """
+
+    def __init__(self, store: NvmeStore, feed: Feed, update) -> None:
+        self.store = store
+        self.feed = feed
+        self.update = update  # update(unit, c0, c1, master, moments, grad)
+        self.slots = store.slots
+        self.writes: deque = deque()  # (handles, buf) of updated chunks
+        self.started: deque = deque()  # entries whose reads are issued, in order
+        self.todo = feed.todo  # launched chunks not started yet (``Feed.promote`` reorders)
+        self.ahead: dict = {}  # (unit index, c0) -> entry read ahead of its unit's launch
+        self.seen: set = set()  # (unit index, c0) of chunks started or in todo
+        self.planned: deque = deque(feed.expected)
+        self.gated: set[int] = set()
+
+    def used(self) -> int:
+        return len(self.started) + len(self.writes)
+
+    def gate(self, unit):
+        if unit.index not in self.gated:  # its gradients must be on disk first
+            yield from _gate(unit)
+            self.gated.add(unit.index)
+
+    def absorb(self):
+        """Take what the feed has: chunks read ahead become launched, the rest wait for a
+        slot. A unit launched while reads ahead hold other units' chunks (the units
+        expected before it) shows the guess wrong: they are given up, and this step reads
+        no more ahead."""
+        while (item := self.feed.take()) is not None:
+            key = (item[0].index, item[1])
+            entry = self.ahead.pop(key, None)
+            if entry is None:
+                if any(e.item[0] is not item[0] for e in self.ahead.values()):
+                    yield from self.drop_guess()
+                self.todo.append(item)
+                self.seen.add(key)
+                continue
+            yield from self.gate(item[0])
+            self.store.attach_grad(entry)
+            entry.launched = True
+
+    def drop_guess(self):
+        for entry in [e for e in self.started if not e.launched]:
+            yield from self.give_up(entry)
+        self.ahead.clear()
+        self.planned.clear()
+
+    def finish_done_writes(self) -> None:
+        while self.writes and all(h.done() for h in self.writes[0][0]):
+            self.store.finish_write(self.writes.popleft())
+
+    def start_launched(self):
+        while self.todo and self.used() < self.slots:
+            item = self.todo.popleft()
+            yield from self.gate(item[0])
+            entry = self.store.start(item)
+            self.store.attach_grad(entry)
+            entry.launched = True
+            self.started.append(entry)
+
+    def read_ahead(self) -> None:
+        feed = self.feed
+        while (
+            self.planned
+            and not self.todo
+            and not feed.closed
+            and self.used() < self.slots - feed.reserve
+        ):
+            item = self.planned.popleft()
+            key = (item[0].index, item[1])
+            if key in self.seen:
+                continue
+            self.seen.add(key)
+            entry = self.store.start(item)
+            self.ahead[key] = entry
+            self.started.append(entry)
+
+    def give_up(self, entry):
+        """Drop an entry read ahead: once its reads are over (its slot may not be reused
+        before), out of ``started`` and back to staging. Its data is not used, so neither
+        are its read errors."""
+        yield from _pending(entry.handles)
+        self.started.remove(entry)
+        self.store.abandon([(entry.handles, entry.buf)])
+
+    def update_and_write(self, entry):
+        """Wait for the chunk's reads, update it, and queue its writes."""
+        store = self.store
+        (unit, c0, c1), buf = entry.item, entry.buf
+        for h in entry.handles:
+            if not h.done():
+                yield h
+            h.wait()
+        in_param_file = unit.placement.master_in_param_file
+        master, state = store.views(entry)
+        if entry.in_place:
+            store.update_in_place(self.update, unit, c0, c1, state, entry.grad)
+        else:
+            self.update(unit, c0, c1, master, state, entry.grad)
+        entry.grad = None
+        if c1 == unit.shard_numel:
+            unit.drop_held_grad()  # its last chunk is updated
+        copied_master = in_param_file and not entry.in_place
+        if copied_master:
+            unit.keep_private()  # a unit mapping that file must not see the change
+        # The slot stays in ``started`` until its writes are queued, its transfers from
+        # here on being the writes (a failure waits for them).
+        hs = entry.handles = []
+        for part, file, off in entry.pieces:
+            hs.append(file.write(part, off))
+        store.bytes_written += sum(part.numel() for part, _, _ in entry.pieces)
+        if copied_master:
+            unit.param_file_writes.append(hs[0])  # a gather must wait for it
+        self.started.remove(entry)
+        self.writes.append((hs, buf))
+
+    def steps(self):
+        feed = self.feed
+        while True:
+            yield from self.absorb()
+            self.finish_done_writes()
+            yield from self.start_launched()
+            self.read_ahead()
+            entry = next((e for e in self.started if e.launched), None)
+            if entry is not None:
+                yield from self.update_and_write(entry)
+                continue
+            # Nothing to update yet, or launched work waits for a slot: reads ahead leave
+            # ``reserve`` for it, so writes hold the others.
+            if self.writes:
+                yield from _pending(self.writes[0][0])
+                self.store.finish_write(self.writes.popleft())
+                continue
+            if self.todo:
+                raise RuntimeError("optimizer pipeline: launched chunks found no slot")
+            if feed.items:
+                continue  # given more meanwhile
+            if feed.closed:
+                while self.started:  # read ahead for units that were not launched
+                    yield from self.give_up(self.started[0])
+                return
+            yield IDLE
+
+    def run(self):
+        ended = False
+        try:
+            yield from self.steps()
+            ended = True
+        finally:
+            if not ended:  # an error (or the generator dropped): give every slot back
+                held = [(e.handles, e.buf) for e in self.started] + list(self.writes)
+                self.store.abandon(held)
