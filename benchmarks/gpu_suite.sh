@@ -262,7 +262,7 @@ step setup 150 env SUITE_INTERNAL_STEP=setup "${self[@]}" "$OUTDIR"
 step zero_trainer 90 "${PYTEST[@]}" "$TRAINER_CASE"
 step test_gpu 150 "${PYTEST[@]}" tests/test_gpu.py --deselect "$TRAINER_CASE"
 left=$((DEADLINE - SECONDS))
-step gpu_step "$left" "$PY" benchmarks/gpu_step.py "${STEP_ARGS[@]}" --time-budget $((left > 40 ? left - 20 : 20))
+step gpu_step "$left" "$PY" benchmarks/gpu_step.py "${STEP_ARGS[@]}" --time-budget $((left > 45 ? left - 15 : left * 2 / 3))
 
 echo "== gpu_step table"
 grep -v '^running \|^[a-z0-9-]*: {' "$OUTDIR/gpu_step.log" | tail -n 12
