@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 
 def answer_as_variant(args, run_variant) -> bool:
@@ -17,15 +18,39 @@ def answer_as_variant(args, run_variant) -> bool:
     return True
 
 
-def run_variants(script: str, names: list[str]) -> dict[str, dict]:
-    """Each variant's result, run as ``script <this command's arguments> --variant NAME``;
-    a failed variant ends the benchmark with its error output."""
+def run_variants(
+    script: str, names: list[str], *, keep_going: bool = False, deadline: float | None = None
+) -> dict[str, dict]:
+    """Each variant's result, run as ``script <this command's arguments> --variant NAME``.
+
+    By default a failed variant ends the benchmark with its error output. With
+    ``keep_going`` a failed variant's result is ``{"error": ...}`` and the others still run,
+    each finished result is echoed on stderr as it comes (a log keeps it if the parent is
+    killed), and ``deadline`` (a ``time.monotonic()`` value) stops the variant running when
+    it passes and skips the ones not started."""
     results = {}
     for name in names:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            results[name] = {"error": "not run: the time budget was spent"}
+            continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, script, *sys.argv[1:], "--variant", name]
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            results[name] = {"error": f"stopped after {left:.0f} s: the time budget was spent"}
+            print(f"{name}: {results[name]['error']}", file=sys.stderr, flush=True)
+            continue
         if out.returncode != 0:
-            sys.exit(f"{name} run failed:\n{out.stderr[-3000:]}")
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+            if not keep_going:
+                sys.exit(f"{name} run failed:\n{out.stderr[-3000:]}")
+            print(f"{name} run failed:\n{out.stderr[-3000:]}", file=sys.stderr, flush=True)
+            last = out.stderr.strip().splitlines()[-1:] or [""]
+            results[name] = {"error": f"exit {out.returncode}: {last[0][:300]}"}
+            continue
+        line = out.stdout.strip().splitlines()[-1]
+        results[name] = json.loads(line)
+        if keep_going:
+            print(f"{name}: {line}", file=sys.stderr, flush=True)
     return results

@@ -4,7 +4,8 @@ bits, 8-bit states run through bitsandbytes' CUDA kernels, and the estimate's de
 matches torch.cuda's measured peak.
 
 These need a GPU, so they are skipped on a machine without one (CI has none); they run on a
-lent GPU machine with ``python3 -m pytest tests/test_gpu.py`` (docs/design.md, status)."""
+lent GPU machine with ``python3 -m pytest tests/test_gpu.py`` (docs/design.md, status), or
+with the ZeroTrainer case as a step of its own through ``benchmarks/gpu_suite.sh``."""
 
 from __future__ import annotations
 
