@@ -142,7 +142,7 @@ def test_layouts():
     opt = zerotune.ZeroOptimizer(engine, torch.optim.Adafactor, lr=1e-2)
     assert opt.layout == "whole"
     # Adafactor's factored statistics have the parameter's shape: rows and columns.
-    keys = {s.name: k for _, s, k in opt._whole}
+    keys = {s.name: k for _, s, k in opt.whole_params}
     assert tuple(keys["transformer.wte.weight"].shape) == (96, 32)
     assert tuple(keys["transformer.h.0.mlp.c_fc.weight"].shape) == (32, 128)
     engine.close()
@@ -267,7 +267,7 @@ def test_state_on_nvme_leaves_nothing_in_memory(tmp_path):
     assert nv.chunk * (4 + 4 + 4) <= engine.staging.slot
     assert 0 < engine.staging.allocated <= staging
     assert nv.bytes_read > 0 and nv.bytes_written > 0
-    assert len(nv.present) == sum(len(s) for s in opt._unit_segments.values())
+    assert len(nv.present) == sum(len(s) for s in opt.unit_segments.values())
     engine.close()
     assert not any(tmp_path.iterdir())  # the swap folder, state file included, is gone
 

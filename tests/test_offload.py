@@ -689,8 +689,8 @@ def test_overlapped_step_reads_ahead_of_backward(tmp_path):
     losses, ahead, step_reads = [], [], []
     for step, ids in enumerate(batches("gpt2")):
         if step in (4, 7):
-            opt._launch_order.reverse()  # a wrong guess: the embedding first
-        units = [engine.units[i] for i in opt._launch_order]
+            opt.launch_order.reverse()  # a wrong guess: the embedding first
+        units = [engine.units[i] for i in opt.launch_order]
         expected = [(u, c) for u in units for c in store.chunks(u)]
         read0 = store.bytes_read
         with opt.overlapped(carry=False):  # each step's reads counted within it
@@ -775,7 +775,7 @@ def test_a_failed_overlapped_update_is_not_a_step(tmp_path, monkeypatch):
     with opt.overlapped(carry=False):  # every update done before the failing ones
         engine.backward(loss_of(engine, ids))
     opt.step()  # a launch order to read ahead from
-    real, calls = opt._update_chunk, []
+    real, calls = opt.update_chunk, []
 
     def failing(*args):
         calls.append(args[0].index)
@@ -783,7 +783,7 @@ def test_a_failed_overlapped_update_is_not_a_step(tmp_path, monkeypatch):
             raise ValueError("update failed on purpose")
         return real(*args)
 
-    monkeypatch.setattr(opt, "_update_chunk", failing)
+    monkeypatch.setattr(opt, "update_chunk", failing)
     # Every transfer finishes when asked about: the pump never leaves an update for later,
     # so the second one runs (and fails) inside backward whatever the disk's speed.
     from zerotune.memory.aio import IOHandle
@@ -1093,16 +1093,16 @@ def test_a_carried_update_that_fails_stops_training(tmp_path, monkeypatch):
         loss.backward()
     opt.step()
     assert opt._carry is not None and opt._carry.unfinished
-    real = opt._update_chunk
+    real = opt.update_chunk
 
     def failing(*args):
         raise ValueError("update failed on purpose")
 
-    monkeypatch.setattr(opt, "_update_chunk", failing)
+    monkeypatch.setattr(opt, "update_chunk", failing)
     for _ in range(2):
         with _pytest.raises(RuntimeError, match="failed after step\\(\\).*resume from"):
             loss_of(engine, ids)
-    monkeypatch.setattr(opt, "_update_chunk", real)
+    monkeypatch.setattr(opt, "update_chunk", real)
     with _pytest.raises(RuntimeError, match="failed after step"):
         engine.unit_state(engine.units[-1])
     staging = engine.staging

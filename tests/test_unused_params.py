@@ -147,7 +147,7 @@ def train(rank, world, plan, config, overlapped=False, resume_at=None, tmp=None,
     # The step count of each parameter this rank's shards hold a part of.
     steps = {
         seg.slot.name: int(opt.state[seg.key]["step"])
-        for segs in opt._unit_segments.values()
+        for segs in opt.unit_segments.values()
         for seg in segs
     }
     return {"losses": losses, "weights": weights, "steps": steps, "deferred": deferred}
@@ -421,7 +421,7 @@ def test_8bit_moments_of_a_parameter_without_a_gradient_keep_their_bytes():
             assert after_first[1].any()  # it has moments to keep
     for before, now in zip(after_first, b_state()):
         assert torch.equal(before, now)
-    steps = {seg.slot.name: opt.state[seg.key]["step"] for seg in opt._unit_segments[unit.index]}
+    steps = {seg.slot.name: opt.state[seg.key]["step"] for seg in opt.unit_segments[unit.index]}
     assert steps == {"a.weight": 12, "a.bias": 12, "b.weight": 1, "b.bias": 1}
     engine.close()
 

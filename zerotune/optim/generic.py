@@ -127,11 +127,11 @@ class ZeroOptimizer(ShardedOptimizer):
         self.layout = layout
         self._counts: dict[object, int] = {}  # segment key -> its parameter's step count
         self._overlap: OverlappedStep | None = None  # see overlapped()
-        self._launch_order: list[int] = []  # unit indices, as the last overlapped step went
+        self.launch_order: list[int] = []  # unit indices, as the last overlapped step went
         self._carry = None  # never carried into the next forward (see NvmeGenericState)
         self._overrides_mapped = False  # see _map_bitsandbytes_overrides
         self._overrides: dict[int, dict] = {}  # id(model parameter) -> its settings
-        self._norm_sq: torch.Tensor | None = None  # overlapped(track_norm=True)
+        self.norm_sq: torch.Tensor | None = None  # overlapped(track_norm=True)
         self._loaded: dict[int, dict[str, torch.Tensor]] = {}  # unit -> state.* being loaded
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         # Built once on stand-ins: checks the arguments and fills each group's defaults.
@@ -142,13 +142,13 @@ class ZeroOptimizer(ShardedOptimizer):
 
         # Tensors the inner optimizer updates, per group.
         inner_params: list[list[torch.Tensor]] = [[] for _ in groups]
-        self._whole: list[tuple[object, object, torch.Tensor]] = []  # (unit, slot, key) owned
+        self.whole_params: list[tuple[object, object, torch.Tensor]] = []  # (unit, slot, key) owned
         self._units: list[object] = []  # units with parameters in the groups (whole layout)
         world = engine.world
         on_nvme = config.offload_optimizer == "nvme"  # no master in memory: placeholders
         self._key_group: dict[int, int] = {}  # id(inner key) -> group index
         if layout == "flat":
-            for segs in self._unit_segments.values():
+            for segs in self.unit_segments.values():
                 for seg in segs:
                     master = seg.unit.master
                     seg.key = torch.zeros(0) if on_nvme else master[seg.start : seg.end].detach()
@@ -173,10 +173,10 @@ class ZeroOptimizer(ShardedOptimizer):
                 else:
                     device = unit.master.device if unit.master is not None else "cpu"
                     key = torch.zeros(slot.shape, dtype=torch.float32, device=device)
-                self._whole.append((unit, slot, key))
+                self.whole_params.append((unit, slot, key))
                 self._key_group[id(key)] = group_of[id(slot.param)]
                 inner_params[group_of[id(slot.param)]].append(key)
-            for segs in self._unit_segments.values():
+            for segs in self.unit_segments.values():
                 for seg in segs:
                     seg.key = object()  # its step count's key (the parameter is owned)
                     self._counts[seg.key] = 0
@@ -186,7 +186,7 @@ class ZeroOptimizer(ShardedOptimizer):
                 [{**h, "params": ps} for h, ps in zip(full_hyper, inner_params)], **kwargs
             )
             if world > 1 or on_nvme:
-                for _, _, key in self._whole:
+                for _, _, key in self.whole_params:
                     key.data = _empty_like(key)  # filled at each step
         # This optimizer's own groups hold the hyper-parameters schedulers change.
         super().__init__([{**h, "params": ps} for h, ps in zip(full_hyper, inner_params)], defaults)
@@ -222,7 +222,7 @@ class ZeroOptimizer(ShardedOptimizer):
         finally:
             if self._nvme is not None:
                 self._nvme.end_step()
-            self._norm_sq = None
+            self.norm_sq = None
             self.pending_grad_norm = None
 
     def _step_rest(self, launched) -> StepInfo:
@@ -232,7 +232,7 @@ class ZeroOptimizer(ShardedOptimizer):
         if not self._overflow:
             live = [u for u in self._live_units() if u.index not in launched]
             for unit in live:
-                self._count_step(unit)
+                self.count_step(unit)
             if self._nvme is not None:
                 self._step_streaming(live)
             elif self.layout == "flat" or self.engine.world == 1:
@@ -283,7 +283,7 @@ class ZeroOptimizer(ShardedOptimizer):
     def _check_per_element(self) -> None:
         """Flat layout: every state tensor of a segment is per element or a scalar (else
         each rank would keep its own, different, numbers for one parameter)."""
-        for segs in self._unit_segments.values():
+        for segs in self.unit_segments.values():
             for seg in segs:
                 for k, v in self.inner.state.get(seg.key, {}).items():
                     if torch.is_tensor(v) and v.numel() > 1 and not _per_element(v, seg):
@@ -336,7 +336,7 @@ class ZeroOptimizer(ShardedOptimizer):
         self._inner_step()
         for unit in units:
             self._scatter_owned(unit, unit.master)
-        for _, _, key in self._whole:
+        for _, _, key in self.whole_params:
             key.data = _empty_like(key)
 
     def _step_streaming(self, live) -> None:
@@ -350,9 +350,9 @@ class ZeroOptimizer(ShardedOptimizer):
             nv.begin_step()
         items = [(u, c0, c1) for u in units for c0, c1 in nv.chunks(u)]
         if items:
-            nv.run(items, self._update_chunk)
+            nv.run(items, self.update_chunk)
 
-    def _update_chunk(self, unit, c0: int, c1: int, master, state: dict, grad) -> None:
+    def update_chunk(self, unit, c0: int, c1: int, master, state: dict, grad) -> None:
         """Update shard elements ``[c0, c1)`` of ``unit`` from NVMe: the inner step over the
         chunk's tensors (``master``, ``grad`` and the ``state`` regions, in a staging
         slot), the new compute-dtype values to the engine; the pipeline writes back."""
@@ -375,11 +375,11 @@ class ZeroOptimizer(ShardedOptimizer):
         gathered from every rank. Returns the ``targets`` whose state NvmeGenericState
         installs when the state is on NVMe."""
         nv, c1 = self._nvme, c0 + master.numel()
-        if self._norm_sq is not None and grad is not None and not owners:
-            self._add_sum_of_squares(self._norm_sq, unit, c0, c1, grad)
+        if self.norm_sq is not None and grad is not None and not owners:
+            self.add_sum_of_squares(self.norm_sq, unit, c0, c1, grad)
         targets = []
         if self.layout == "flat":
-            for seg in self._unit_segments[unit.index]:
+            for seg in self.unit_segments[unit.index]:
                 a, b = max(seg.start, c0) - c0, min(seg.end, c1) - c0
                 if a >= b:
                     continue
@@ -392,7 +392,7 @@ class ZeroOptimizer(ShardedOptimizer):
             return targets
         if owners:
             master, grad = self._gather_unit(unit, master, grad)
-        for u, slot, key in self._whole:
+        for u, slot, key in self.whole_params:
             if u is not unit:
                 continue
             a, b = slot.offset, slot.offset + slot.numel
@@ -426,7 +426,7 @@ class ZeroOptimizer(ShardedOptimizer):
         """This rank's part of the owners' new values into ``master`` (an exact sum: every
         rank but a parameter's owner gives zeros)."""
         device = self.engine.device
-        mine = {id(slot.param): key for u, slot, key in self._whole if u is unit}
+        mine = {id(slot.param): key for u, slot, key in self.whole_params if u is unit}
         contrib = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
         for slot in unit.slots:
             key = mine.get(id(slot.param))
@@ -435,7 +435,7 @@ class ZeroOptimizer(ShardedOptimizer):
         out = torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
         zdist.reduce_scatter_sum(out, contrib, self.engine.group)
         # Only the optimized parameters: frozen ones (and the padding) keep their values.
-        for seg in self._unit_segments.get(unit.index, []):
+        for seg in self.unit_segments.get(unit.index, []):
             master[seg.start : seg.end].copy_(out[seg.start : seg.end])
 
     def group_of_key(self, key) -> int:
@@ -486,8 +486,8 @@ class ZeroOptimizer(ShardedOptimizer):
     def param_of_keys(self) -> dict[int, torch.nn.Parameter]:
         """id of each tensor the inner optimizer updates -> the model parameter it is part of."""
         if self.layout == "flat":
-            return {id(s.key): s.slot.param for segs in self._unit_segments.values() for s in segs}
-        return {id(key): slot.param for _, slot, key in self._whole}
+            return {id(s.key): s.slot.param for segs in self.unit_segments.values() for s in segs}
+        return {id(key): slot.param for _, slot, key in self.whole_params}
 
     # ------------------------------------------------------------------ step interface
     def step_count(self, key) -> int:
@@ -510,8 +510,8 @@ class ZeroOptimizer(ShardedOptimizer):
         if self.layout != "flat" or self.inner is None:
             return out
         if self._nvme is not None:
-            return self._nvme.flat_keys(unit, self._unit_segments.get(unit.index, []))
-        for seg in self._unit_segments.get(unit.index, []):
+            return self._nvme.flat_keys(unit, self.unit_segments.get(unit.index, []))
+        for seg in self.unit_segments.get(unit.index, []):
             for k, v in self.inner.state.get(seg.key, {}).items():
                 if _per_element(v, seg):
                     out.setdefault(k, v.dtype)
@@ -526,7 +526,7 @@ class ZeroOptimizer(ShardedOptimizer):
         out = {"master": unit.master}
         for k, dtype in self._elementwise_keys(unit).items():
             flat = torch.zeros(unit.shard_numel, dtype=dtype)
-            for seg in self._unit_segments[unit.index]:
+            for seg in self.unit_segments[unit.index]:
                 v = self.inner.state.get(seg.key, {}).get(k)
                 if v is not None:
                     flat[seg.start : seg.end].copy_(v)
@@ -561,7 +561,7 @@ class ZeroOptimizer(ShardedOptimizer):
             return
         nv = self._nvme
         if self.layout == "flat":
-            for segs in self._unit_segments.values():
+            for segs in self.unit_segments.values():
                 for seg in segs:
                     if seg.start + seg.unit.shard_start != seg.slot.offset:
                         continue  # another rank holds the parameter's first element
@@ -577,7 +577,7 @@ class ZeroOptimizer(ShardedOptimizer):
                         rest = {k: v for k, v in st.items() if k not in flat}
                         yield seg.slot.name, rest, flat
             return
-        for _, slot, key in self._whole:
+        for _, slot, key in self.whole_params:
             if nv is not None:
                 st = nv.state_of(key, ("p", slot.name))
             else:
@@ -627,11 +627,11 @@ class ZeroOptimizer(ShardedOptimizer):
                     nv.write_region(("u", unit_index, k), flat)
         targets = []
         if self.layout == "flat":
-            for segs in self._unit_segments.values():
+            for segs in self.unit_segments.values():
                 for seg in segs:
                     targets.append((seg.slot.name, seg.key, seg))
         else:
-            targets = [(slot.name, key, None) for _, slot, key in self._whole]
+            targets = [(slot.name, key, None) for _, slot, key in self.whole_params]
         for name, key, seg in targets:
             found = index.get(name)
             if found is None:  # no state yet for this parameter: the optimizer makes it

@@ -131,7 +131,7 @@ class NvmeGenericState(NvmeStore):
         if opt.layout == "flat":
             for gi, h in enumerate(hyper):
                 self.probes[gi, (_PROBE,)] = probe_layout(cls, kwargs, h, (_PROBE,), flat=True)
-            for index, segs in opt._unit_segments.items():
+            for index, segs in opt.unit_segments.items():
                 unit = segs[0].unit
                 keys: dict[str, torch.dtype] = {}
                 for seg in segs:
@@ -140,7 +140,7 @@ class NvmeGenericState(NvmeStore):
                 for k, dtype in keys.items():
                     region(("u", index, k), dtype, (unit.shard_numel,))
         else:
-            for _, slot, key in opt._whole:
+            for _, slot, key in opt.whole_params:
                 gi = opt.group_of_key(key)
                 probe = self.probes.get((gi, tuple(slot.shape)))
                 if probe is None:
@@ -280,7 +280,7 @@ class NvmeGenericState(NvmeStore):
             for k in self._flat_keys(unit):
                 yield ("u", unit.index, k), self.regions["u", unit.index, k]
             return
-        for u, slot, _ in self.opt._whole:
+        for u, slot, _ in self.opt.whole_params:
             if u is unit:
                 for key, r in self.regions.items():
                     if key[0] == "p" and key[1] == slot.name:

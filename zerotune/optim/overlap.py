@@ -3,8 +3,8 @@ state store's pipeline (see [Note: overlapped step], [Note: carrying the step in
 next forward] and [Note: a clipped overlapped step] in zero_adam.py, [Note: reading ahead
 of backward] in state_store.py).
 
-The optimizer provides ``store`` (``chunks``, ``pipeline``), ``_unit_segments``,
-``_count_step``, ``_update_chunk(unit, c0, c1, master, state, grad)``, ``_launch_order``
+The optimizer provides ``store`` (``chunks``, ``pipeline``), ``unit_segments``,
+``count_step``, ``update_chunk(unit, c0, c1, master, state, grad)``, ``launch_order``
 (the units of its last overlapped step, in order) and ``_carry`` (the step carried into
 the forward, if any): ZeroAdamW and ZeroOptimizer with its state on NVMe.
 """
@@ -37,7 +37,7 @@ class OverlappedStep:
             self.keep = opt.engine.grads_kept_for_update([units[i] for i in order])
         else:
             # Expected to launch as the last overlapped step did.
-            order, self.keep = opt._launch_order, set()
+            order, self.keep = opt.launch_order, set()
         # Chunks of launched units, in launch order; expected: those likely to come, in
         # their likely order, which an NVMe store reads ahead of their launch (see [Note:
         # reading ahead of backward] in state_store.py).
@@ -46,14 +46,15 @@ class OverlappedStep:
         self._job = None  # the store's pipeline over the feed (one for the whole backward)
         self._waiting = None  # the I/O handle it waits for, or IDLE
         self._failed: BaseException | None = None  # what ended the pipeline early
-        self._phase = "during backward"  # when it runs, for the error message
+        self.phase = "during backward"  # when it runs, for the error message
         self._refused = False  # a second backward was refused (check_second_backward)
+        self.carried = False  # step() left its updates to the next forward
         if expected:
             self._job = opt.store.pipeline(self.feed, self._update)
             self.pump()  # reads ahead start before backward does
 
     def _update(self, unit, c0, c1, *state) -> None:
-        self.opt._update_chunk(unit, c0, c1, *state)
+        self.opt.update_chunk(unit, c0, c1, *state)
         self.progress[unit.index] = c1
         if c1 == unit.shard_numel:
             self.unfinished.pop(unit.index, None)
@@ -63,16 +64,16 @@ class OverlappedStep:
         """``unit``'s gradient shard is final: queue its update and start what can start
         (clipping: add its share of the norm, and keep its gradient for ``release``)."""
         opt = self.opt
-        segs = opt._unit_segments.get(unit.index)
+        segs = opt.unit_segments.get(unit.index)
         if segs is None or unit.grad_is_zero or unit.index in self.launched:
             return
         self.launched[unit.index] = None
         self.unfinished[unit.index] = unit
         unit.update_pending = True
-        opt._count_step(unit)
+        opt.count_step(unit)
         if self.clipping:
             for c0, c1, grad in opt.engine.grad_chunks(unit):
-                opt._add_sum_of_squares(opt._norm_sq, unit, c0, c1, grad)
+                opt.add_sum_of_squares(opt.norm_sq, unit, c0, c1, grad)
             if unit.index not in self.keep:
                 unit.spill_held_grad()
         else:
@@ -93,7 +94,7 @@ class OverlappedStep:
                 self.launched[unit.index] = None
                 self.unfinished[unit.index] = unit
                 unit.update_pending = True
-                self.opt._count_step(unit)
+                self.opt.count_step(unit)
         for unit in sorted(self.unfinished.values(), key=lambda u: u.index):
             self._queue(unit)
         self.pump()
@@ -120,7 +121,7 @@ class OverlappedStep:
         except BaseException as exc:
             self._job = self._waiting = None
             self._failed = exc
-            if self.opt._carry is self:  # past step(): say what it means for training
+            if self.carried:  # past step(): say what it means for training
                 self._check_failed()
             raise
 
@@ -153,7 +154,7 @@ class OverlappedStep:
     def _check_failed(self) -> None:
         if self._failed is not None:
             raise RuntimeError(
-                f"overlapped step: the optimizer's update pipeline failed {self._phase} "
+                f"overlapped step: the optimizer's update pipeline failed {self.phase} "
                 f"({self._failed!r}); some units of that step were not updated: resume "
                 "from the last checkpoint"
             ) from self._failed
@@ -183,8 +184,8 @@ class OverlappedStep:
                 "at all: resume from the last checkpoint"
             )
         self._check_failed()
-        self.opt._launch_order = list(self.launched)
-        self._phase = "in step()"
+        self.opt.launch_order = list(self.launched)
+        self.phase = "in step()"
 
     def finish(self) -> None:
         """Run every queued update to its end."""

@@ -64,16 +64,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     clipping, fp16 overflow checks, and the step interface (see [Note: the step interface])."""
 
     engine: object
-    _unit_segments: dict[int, list[Segment]]
+    unit_segments: dict[int, list[Segment]]
     # The global gradient norm a step fills in when it summed it itself (an overlapped
     # step); None otherwise.
     pending_grad_norm: torch.Tensor | None = None
     _overlap = None  # the overlapped step, from overlapped() to step()
-    _norm_sq: torch.Tensor | None = None  # this rank's sum of grad**2 (track_norm)
+    norm_sq: torch.Tensor | None = None  # this rank's sum of grad**2 (track_norm)
     model_param_groups: list[list[torch.nn.Parameter]]
 
     def _build_segments(self, engine, params: Iterable | None) -> list[dict]:
-        """Set ``engine`` and ``_unit_segments`` (this rank's part of each trainable
+        """Set ``engine`` and ``unit_segments`` (this rank's part of each trainable
         parameter in a group, unit by unit) and return the model's parameter groups."""
         if engine.optimizer is not None:
             raise ValueError("this engine already has an optimizer")
@@ -95,7 +95,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     "sharded: the engine watches the gradients of the parameters that were "
                     "trainable then; set requires_grad before zerotune.shard()"
                 )
-        self._unit_segments = {}
+        self.unit_segments = {}
         for unit in engine.units:
             lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
             segs: list[Segment] = []
@@ -106,7 +106,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     continue
                 segs.append(Segment(unit, a - lo, b - lo, gi, slot=slot))
             if segs:
-                self._unit_segments[unit.index] = sorted(segs, key=lambda seg: seg.start)
+                self.unit_segments[unit.index] = sorted(segs, key=lambda seg: seg.start)
         self._prepared = False
         self._overflow = False
         self._factor = 1.0  # applied to gradients in the update: 1/loss scale * clip coef
@@ -138,12 +138,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step interface
     def owns(self, unit) -> bool:
         """Whether this optimizer updates parameters of ``unit`` (and keeps state for it)."""
-        return unit.index in self._unit_segments
+        return unit.index in self.unit_segments
 
     def segments(self):
         """(state key, unit, start, end) for every segment: ``step_count(key)`` is its step
         count, ``[start, end)`` its range in this rank's shard of ``unit``."""
-        for segs in self._unit_segments.values():
+        for segs in self.unit_segments.values():
             for seg in segs:
                 yield seg.key, seg.unit, seg.start, seg.end
 
@@ -153,11 +153,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def set_step_count(self, key, step: int) -> None:
         self.state[key]["step"] = step
 
-    def _count_step(self, unit) -> None:
+    def count_step(self, unit) -> None:
         """The unit is about to be updated: one more step for each of its segments whose
         parameter got a gradient (the others are left alone, as torch's AdamW leaves a
         parameter whose ``.grad`` is None)."""
-        for seg in self._unit_segments[unit.index]:
+        for seg in self.unit_segments[unit.index]:
             # Read once, here: the update follows this, not a flag set later.
             seg.counted = seg.slot.got_grad
             if seg.counted:
@@ -197,7 +197,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ gradients and norms
     def _live_units(self):
         return [
-            u for u in self.engine.units if u.index in self._unit_segments and not u.grad_is_zero
+            u for u in self.engine.units if u.index in self.unit_segments and not u.grad_is_zero
         ]
 
     def _grad_sum_of_squares(self) -> torch.Tensor:
@@ -205,12 +205,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sq = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
         for unit in self._live_units():
             for c0, c1, grad in self.engine.grad_chunks(unit):
-                self._add_sum_of_squares(sq, unit, c0, c1, grad)
+                self.add_sum_of_squares(sq, unit, c0, c1, grad)
         return sq
 
-    def _add_sum_of_squares(self, sq: torch.Tensor, unit, c0: int, c1: int, grad) -> None:
+    def add_sum_of_squares(self, sq: torch.Tensor, unit, c0: int, c1: int, grad) -> None:
         """``sq += grad**2`` summed over the unit's segments within chunk ``[c0, c1)``."""
-        for seg in self._unit_segments[unit.index]:
+        for seg in self.unit_segments[unit.index]:
             a, b = max(seg.start, c0), min(seg.end, c1)
             if a < b:
                 g = grad[a - c0 : b - c0].float()
@@ -244,13 +244,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         zero_adam.py): the global norm, once, from the sums of squares added as backward
         finished each unit and those of the units finished only at the end of backward;
         into ``_grad_norm`` and ``pending_grad_norm``."""
-        if self._norm_sq is None:
+        if self.norm_sq is None:
             return  # done already (clip_grad_norm_ before step())
-        sq, self._norm_sq = self._norm_sq, None
+        sq, self.norm_sq = self.norm_sq, None
         for unit in self._live_units():
             if unit.index not in overlap.launched:
                 for c0, c1, grad in self.engine.grad_chunks(unit):
-                    self._add_sum_of_squares(sq, unit, c0, c1, grad)
+                    self.add_sum_of_squares(sq, unit, c0, c1, grad)
         zdist.all_reduce_sum(sq, self.engine.group)
         self._grad_norm = float(sq.sqrt())
         self.pending_grad_norm.fill_(self._grad_norm)
@@ -277,7 +277,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("overlapped(): call step() before the next overlapped backward")
         self._factor = 1.0
         if track_norm or clipping:
-            self._norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
+            self.norm_sq = torch.zeros(1, dtype=torch.float32, device=engine.device)
             self.pending_grad_norm = torch.zeros(())
 
     @torch.no_grad()
@@ -309,9 +309,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _fill_tracked_norm(self, info: StepInfo) -> None:
         """With ``overlapped(track_norm=True)``: the global norm from every rank's sum of
         squares, into ``info`` and ``pending_grad_norm``."""
-        if self._norm_sq is not None:
-            zdist.all_reduce_sum(self._norm_sq, self.engine.group)
-            info.grad_norm = float(self._norm_sq.sqrt())
+        if self.norm_sq is not None:
+            zdist.all_reduce_sum(self.norm_sq, self.engine.group)
+            info.grad_norm = float(self.norm_sq.sqrt())
             self.pending_grad_norm.fill_(info.grad_norm)
 
     def _step_info(self) -> StepInfo:

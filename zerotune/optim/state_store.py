@@ -522,7 +522,7 @@ class NvmeStore:
         """Chunks in staging at once (see [Note: reading ahead of backward])."""
         return self.layout.slots
 
-    def _q8(self, unit) -> bool:
+    def is_quantized(self, unit) -> bool:
         return self.layout.quantized(unit.numel)
 
     def chunks(self, unit):
@@ -541,14 +541,14 @@ class NvmeStore:
     def updates_in_place(self, unit) -> bool:
         """Whether the step updates ``unit``'s master in the parameter file's pages (see
         [Note: the master updated in the page cache])."""
-        return self.in_place and not self._q8(unit) and unit.placement.master_in_param_file
+        return self.in_place and not self.is_quantized(unit) and unit.placement.master_in_param_file
 
     def _pieces(self, unit, c0: int, c1: int, buf: torch.Tensor, in_place: bool = False) -> list:
         """(part of ``buf``, file, offset) for each region of the chunk's optimizer state;
         the state takes the first bytes of ``buf``. A master in the parameter file (buffered
         I/O) moves exactly its bytes: the rest of that page belongs to the next extent's.
         ``in_place``: the master does not move (its region of ``buf`` stays unused)."""
-        if self._q8(unit):
+        if self.is_quantized(unit):
             n, with_master = c1 - c0, not unit.placement.master_in_param_file
             start = _record_start(n, with_master)
             record = buf[start : record_buffer_bytes(n, with_master)]
@@ -571,7 +571,7 @@ class NvmeStore:
         """Bytes of a slot the chunk's master and optimizer state take (its gradient, when
         read from its file, comes after them)."""
         n = c1 - c0
-        if self._q8(unit):
+        if self.is_quantized(unit):
             return record_buffer_bytes(n, not unit.placement.master_in_param_file)
         return 3 * round_up(n * _F32)
 
@@ -622,7 +622,7 @@ class NvmeStore:
         two fp32 moments, or a :class:`Q8Moments`."""
         unit, c0, c1 = entry.item
         n, buf = c1 - c0, entry.buf
-        if self._q8(unit):
+        if self.is_quantized(unit):
             return _record_views(buf, n, not unit.placement.master_in_param_file)
         f32 = buf.view(torch.float32)
         stride = entry.state_bytes // 3 // _F32
@@ -735,14 +735,14 @@ class NvmeStore:
 
     # ------------------------------------------------------------------ whole-unit I/O
     def state_specs(self, unit) -> list[tuple[str, torch.dtype, int]]:
-        return state_specs(unit, self._q8(unit))
+        return state_specs(unit, self.is_quantized(unit))
 
     def state_numels(self, unit) -> dict[str, int]:
-        return state_numels(unit, self._q8(unit))
+        return state_numels(unit, self.is_quantized(unit))
 
     def read_unit(self, unit) -> dict[str, torch.Tensor]:
         n = unit.shard_numel
-        if self._q8(unit):
+        if self.is_quantized(unit):
             master = torch.empty(n, dtype=torch.float32)
             q8 = Q8Moments.zeros(n, "cpu")
             with_master = not unit.placement.master_in_param_file
@@ -768,7 +768,7 @@ class NvmeStore:
 
     def write_unit(self, unit, state: dict[str, torch.Tensor]) -> None:
         _check_moment_keys(state)
-        if self._q8(unit):
+        if self.is_quantized(unit):
             self._write_records(unit, state)
             return
         keys = ("master", *MOMENTS)

@@ -19,7 +19,7 @@ to). The flat gradient shard cannot tell such a parameter from one whose gradien
 so the engine keeps a flag per parameter (``Slot.got_grad``): set when a gradient of it is
 taken into the shard (``Unit.reduce_grads``, any micro-batch), cleared by ``zero_grad``.
 The update skips the segments of parameters without it and counts a step only for the
-others (``_count_step`` reads the flag once, as the unit is launched; the update follows
+others (``count_step`` reads the flag once, as the unit is launched; the update follows
 that reading, ``Segment.counted``); a unit none of whose parameters got one is skipped
 whole (``grad_is_zero``). With 8-bit moments a block of 256 that no updated segment
 reaches keeps its codes (a round trip through the codes is not exact); a block shared
@@ -196,23 +196,23 @@ class ZeroAdamW(ShardedOptimizer):
             bias_correction=bias_correction,
         )
         groups = self._build_segments(engine, params)
-        live_units = [u for u in engine.units if u.index in self._unit_segments]
+        live_units = [u for u in engine.units if u.index in self.unit_segments]
         self.store = engine.make_optimizer_store(live_units)
         self._scratch = Scratch()  # fp32 moments of an 8-bit chunk without the C++ op
         torch_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups
         ]
-        for segs in self._unit_segments.values():
+        for segs in self.unit_segments.values():
             for seg in segs:
                 master = seg.unit.master
                 seg.key = master[seg.start : seg.end] if master is not None else torch.empty(0)
                 torch_groups[seg.group]["params"].append(seg.key)
         super().__init__(torch_groups, defaults)
-        for segs in self._unit_segments.values():
+        for segs in self.unit_segments.values():
             for seg in segs:
                 self.state[seg.key] = {"step": 0}
         self._overlap: OverlappedStep | None = None  # see [Note: overlapped step]
-        self._launch_order: list[int] = []  # unit indices, as the last overlapped step went
+        self.launch_order: list[int] = []  # unit indices, as the last overlapped step went
         # The last overlapped step's pipeline, still running into the next forward, and
         # the hyper-parameters its updates use (see [Note: carrying the step into the next
         # forward]).
@@ -221,7 +221,7 @@ class ZeroAdamW(ShardedOptimizer):
         self._frozen_factor = 1.0
         # With overlapped(track_norm=True): this rank's sum of grad**2, added chunk by chunk
         # as the updates read the gradients, and the norm step() fills in.
-        self._norm_sq: torch.Tensor | None = None
+        self.norm_sq: torch.Tensor | None = None
         self.pending_grad_norm: torch.Tensor | None = None
         engine.attach_optimizer(self)
 
@@ -288,14 +288,14 @@ class ZeroAdamW(ShardedOptimizer):
         if not self._overflow:
             units = [u for u in self._live_units() if u.index not in launched]
             for unit in units:
-                self._count_step(unit)
+                self.count_step(unit)
             items = [(u, c0, c1) for u in units for c0, c1 in self.store.chunks(u)]
             if items:
-                self.store.run(items, self._update_chunk)
+                self.store.run(items, self.update_chunk)
             self._fill_tracked_norm(info)
             self.engine.after_step()
         self._scratch.release()
-        self._norm_sq = None
+        self.norm_sq = None
         self.pending_grad_norm = None
         self._end_step()
         return info
@@ -312,7 +312,7 @@ class ZeroAdamW(ShardedOptimizer):
         if not (can_carry and overlap.unfinished):
             overlap.finish()
             return
-        if self._norm_sq is not None:
+        if self.norm_sq is not None:
             self._add_carried_norm(overlap)
         # Copies of tensor values too: a scheduler may update a tensor lr in place.
         self._frozen_groups = [
@@ -321,26 +321,27 @@ class ZeroAdamW(ShardedOptimizer):
         self._frozen_factor = self._factor  # clipping's, for the updates carried
         self._carry = overlap
         self.engine.carry_into_forward(True)
-        overlap._phase = "after step() (carried into the next forward)"
+        overlap.carried = True
+        overlap.phase = "after step() (carried into the next forward)"
 
     def _add_carried_norm(self, carry) -> None:
         """With ``track_norm``: add the gradients the carried updates have not read yet (the
-        norm is due at ``step()``; those updates then add nothing, ``_norm_sq`` being gone)."""
+        norm is due at ``step()``; those updates then add nothing, ``norm_sq`` being gone)."""
         for index, unit in carry.unfinished.items():
             done = carry.progress.get(index, 0)
             for c0, c1, grad in self.engine.grad_chunks(unit):
                 if c1 > done:
                     a = max(c0, done)
-                    self._add_sum_of_squares(self._norm_sq, unit, a, c1, grad[a - c0 :])
+                    self.add_sum_of_squares(self.norm_sq, unit, a, c1, grad[a - c0 :])
 
-    def _update_chunk(self, unit, c0, c1, master, moments, grad) -> None:
+    def update_chunk(self, unit, c0, c1, master, moments, grad) -> None:
         """Update elements ``[c0, c1)`` of ``unit``'s shard: ``master``, ``grad`` and the
         moments (a pair of fp32 tensors, or a :class:`Q8Moments`) are that chunk's."""
         factor = self._update_factor()
         if factor != 1.0:
             grad.mul_(factor)
-        if self._norm_sq is not None:
-            self._add_sum_of_squares(self._norm_sq, unit, c0, c1, grad)
+        if self.norm_sq is not None:
+            self.add_sum_of_squares(self.norm_sq, unit, c0, c1, grad)
         target = self.engine.lowp_target(unit)  # compute-dtype shard to refresh, or None
         fused = (
             target is not None and target.dtype != torch.float32 and unit.placement.params != "nvme"
@@ -380,7 +381,7 @@ class ZeroAdamW(ShardedOptimizer):
         within ``[c0, c1)`` that this step updates, in order (the fused op needs it)."""
         groups = self._frozen_groups if self._frozen_groups is not None else self.param_groups
         segments = []
-        for seg in self._unit_segments[unit.index]:
+        for seg in self.unit_segments[unit.index]:
             a, b = max(seg.start, c0), min(seg.end, c1)
             if a >= b or not seg.counted:
                 continue
@@ -442,7 +443,7 @@ class ZeroAdamW(ShardedOptimizer):
             and unit.params.mapped
             and getattr(self.store, "previews", False)
             and unit.placement.master_in_param_file
-            and not self.store._q8(unit)
+            and not self.store.is_quantized(unit)
             and (unit.held_grad is not None or not unit.grads.on_disk)
         )
 

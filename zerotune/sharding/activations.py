@@ -125,7 +125,7 @@ class _Saved:
         self.restored: torch.Tensor | None = None  # back on the compute device
 
     def __del__(self) -> None:
-        self.offload._free(self)
+        self.offload.free(self)
 
 
 @dataclass
@@ -523,7 +523,7 @@ class CheckpointOffload:
             if record is not None and record.tensor is None and record.restored is None:
                 self._restore(record)
 
-    def _free(self, record: _Saved) -> None:
+    def free(self, record: _Saved) -> None:
         """A record died (autograd freed its graph): give back what it held."""
         # A record with a pending write is held by self._writes, so it cannot die before.
         with self._lock:

@@ -699,6 +699,20 @@ class ZeroEngine(nn.Module):
         else:
             unit.backward_active = True  # the forward pins become the backward pins
 
+    def begin_backward(self) -> bool:
+        """Called by every pre-backward hook: True for the first of a backward pass (the
+        pass is checked and marked begun; the caller queues ``post_backward_final``)."""
+        if self._final_callback_queued:
+            return False
+        self.check_backward()
+        self._final_callback_queued = True
+        return True
+
+    def hide_from_graph(self, unit: Unit) -> None:
+        """``unit``'s body ran where the autograd graph does not show it (a reentrant
+        checkpoint): finding unused parameters cannot tell what it reached."""
+        self._hidden_units.add(unit.index)
+
     def check_backward(self) -> None:
         """A backward pass starts (its first hook): refuse what it cannot do right, and
         finish the last step's updates before any gradient is written."""
@@ -784,12 +798,10 @@ class ZeroEngine(nn.Module):
         deferred = {u.index for u, m in zip(self.units, merged) if m}
         if not deferred:
             return
-        engine_ref = weakref.ref(self)
+        pending = self._deferred  # a hook must not keep the engine alive
 
         def defer(grad):
-            engine = engine_ref()
-            if engine is not None:
-                engine._deferred.update(deferred)
+            pending.update(deferred)
 
         for t in outputs:
             if t.requires_grad:
@@ -817,7 +829,7 @@ class ZeroEngine(nn.Module):
         unit.reduce_grads(sync=self._sync, hold=self._hold_grads(unit))
         if self._sync and self.world > 1:
             self._reduced_during_backward = _fingerprint(self._reduced_during_backward, unit)
-        if unit._host_copy is not None:
+        if unit.copying_to_host:
             # Its gradients are on their way to the host: finish the previous unit's now
             # (its copies ran while this unit's backward did), this one's after the next.
             if self._copying is not None and self._copying is not unit:

@@ -151,8 +151,8 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
                     _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
                 if engine.finds_unused:
                     if any(_is_reentrant_checkpoint(t.grad_fn) for t in outputs):
-                        engine._hidden_units.add(unit.index)  # its body ran in one
-                    if unit.index == 0 and engine._sync:
+                        engine.hide_from_graph(unit)  # its body ran in one
+                    if unit.index == 0 and engine.syncing:
                         engine.agree_on_unused(outputs)
         finally:
             engine.post_forward(unit)  # the pins of this forward go, whatever happened
@@ -184,9 +184,7 @@ def _wait_for_input_grads(engine: ZeroEngine, unit: Unit, inputs: list[torch.Ten
 
 def _pre_backward_hook(engine: ZeroEngine, unit: Unit):
     def hook(grad):
-        if not engine._final_callback_queued:
-            engine.check_backward()  # the first hook of a backward pass
-            engine._final_callback_queued = True
+        if engine.begin_backward():  # the first hook of a backward pass
             Variable._execution_engine.queue_callback(engine.post_backward_final)
         engine.pre_backward(unit)
         return None

@@ -482,6 +482,11 @@ class Unit:
         staged[self.numel :].zero_()
         self._host_copy = (staged, event, False)
 
+    @property
+    def copying_to_host(self) -> bool:
+        """Whether gradients are on their way to the host (``_gradients_to_host``)."""
+        return self._host_copy is not None
+
     def finish_host_copy(self) -> None:
         """Wait for this unit's gradients on their way to the host and add them in."""
         if self._host_copy is None:

@@ -1,0 +1,62 @@
+"""No module reads or writes another object's private fields: a field whose name starts
+with one underscore is used through ``self`` (or ``cls``) only. The exceptions are fields
+of other projects' objects that zerotune must reach (torch modules' registries, autograd's
+engine, flags that accelerate and transformers read), named below."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Other projects' fields: torch (nn.Module's registries, a tensor's version counter,
+# autograd's engine, the C extension), transformers (gradient checkpointing, init flag),
+# accelerate (prepared / scheduler flags), os._exit.
+FOREIGN = {
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "_version",
+    "_C",
+    "_current_graph_task_id",
+    "_execution_engine",
+    "_gradient_checkpointing_func",
+    "_is_hf_initialized",
+    "_is_accelerate_prepared",
+    "_opt_called",
+    "_wrapped_by_lr_sched",
+    "_exit",
+}
+
+
+def _private_uses(path: Path, root: Path = ROOT) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr
+        if not name.startswith("_") or name.startswith("__") or name in FOREIGN:
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super":
+            continue  # the parent class's own method
+        found.append(f"{path.relative_to(root)}:{node.lineno}: .{name}")
+    return found
+
+
+def test_no_module_uses_another_objects_private_fields():
+    files = sorted((ROOT / "zerotune").rglob("*.py")) + sorted((ROOT / "cli").rglob("*.py"))
+    assert len(files) > 40
+    found = [use for path in files for use in _private_uses(path)]
+    assert found == [], "\n".join(found)
+
+
+def test_the_check_finds_a_private_read(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(engine):\n    return engine._sync, self._ok, m._parameters\n")
+    assert _private_uses(bad, tmp_path) == ["bad.py:2: ._sync"]
