@@ -11,7 +11,7 @@ the forward, if any): ZeroAdamW and ZeroOptimizer with its state on NVMe.
 
 from __future__ import annotations
 
-from .state_store import IDLE, Feed
+from .pipeline import IDLE, Feed
 
 __all__ = ["OverlappedStep"]
 
@@ -40,7 +40,7 @@ class OverlappedStep:
             order, self.keep = opt.launch_order, set()
         # Chunks of launched units, in launch order; expected: those likely to come, in
         # their likely order, which an NVMe store reads ahead of their launch (see [Note:
-        # reading ahead of backward] in state_store.py).
+        # reading ahead of backward] in pipeline.py).
         expected = [(units[i], c0, c1) for i in order for c0, c1 in opt.store.chunks(units[i])]
         self.feed = Feed(closed=False, expected=expected, reserve=0 if clipping else 2)
         self._job = None  # the store's pipeline over the feed (one for the whole backward)

@@ -77,13 +77,13 @@ from __future__ import annotations
 import errno
 import logging
 import mmap
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from ..memory.aio import aligned_empty
 from ..memory.swap import ALIGN, HUGE, round_up
+from .pipeline import IDLE, Entry, Feed, StepPipeline, gate_writes
 from .quant8 import MOMENTS, Q8Moments, blocks, quantized, require_bitsandbytes
 
 __all__ = [
@@ -125,8 +125,8 @@ def chunk_elements(staging_bytes: int, grad_on_disk: bool, slots: int) -> int:
 def fp32_slots(staging_bytes: int, grad_on_disk: bool) -> int:
     """How many staging slots the fp32 step pipeline cuts ``staging_bytes`` into:
     ``MAX_SLOTS`` (reads of the units backward finishes next start early in the spare
-    ones, see [Note: reading ahead of backward]) unless that leaves chunks under a page,
-    and never fewer than three (read, update, write)."""
+    ones, see [Note: reading ahead of backward] in pipeline.py) unless that leaves chunks
+    under a page, and never fewer than three (read, update, write)."""
     for slots in range(MAX_SLOTS, 3, -1):
         if staging_bytes // (slots * _fp32_element_bytes(grad_on_disk)) >= _MIN_CHUNK:
             return slots
@@ -256,78 +256,6 @@ def _check_moment_keys(state: dict) -> None:
             raise ValueError(f"{k}.q8 and {k}.absmax go together")
 
 
-IDLE = object()  # yielded by a pipeline whose open feed has nothing to do yet
-
-
-class Feed:
-    """The chunks ``(unit, c0, c1)`` a pipeline updates, in order. An open feed may be given
-    more while its pipeline runs (the overlapped step adds each unit as backward finishes
-    it); the pipeline ends when the feed is closed and empty. ``expected``: chunks likely
-    to come, in the order they are likely to come, which the NVMe pipeline may read ahead
-    (see [Note: reading ahead of backward])."""
-
-    def __init__(self, items=(), closed: bool = True, expected=(), reserve: int = 2) -> None:
-        self.items: deque = deque(items)
-        self.closed = closed
-        self.expected = list(expected)
-        # Slots reading ahead leaves free for launched work (none when nothing launches
-        # before the feed is closed: a clipped overlapped step).
-        self.reserve = reserve
-        self.todo: deque = deque()  # taken by the pipeline, waiting for a staging slot
-
-    def promote(self, unit) -> None:
-        """Update ``unit``'s chunks before the others not started yet (each unit's chunks
-        keep their order): something is about to need its new values."""
-        for queue in (self.todo, self.items):
-            if any(item[0] is unit for item in queue):
-                mine = [item for item in queue if item[0] is unit]
-                rest = [item for item in queue if item[0] is not unit]
-                queue.clear()
-                queue.extend(mine + rest)
-
-    @classmethod
-    def of(cls, feed) -> Feed:
-        return feed if isinstance(feed, Feed) else cls(feed)
-
-    def take(self):
-        return self.items.popleft() if self.items else None
-
-
-class _Entry:
-    """A chunk in a staging slot of the NVMe pipeline: its reads, and its gradient once
-    its unit is launched."""
-
-    __slots__ = (
-        "buf",
-        "grad",
-        "handles",
-        "in_place",
-        "item",
-        "launched",
-        "pieces",
-        "state_bytes",
-    )
-
-    def __init__(self, item, buf, state_bytes, pieces, handles, in_place=False) -> None:
-        self.in_place = in_place  # the master is updated in the parameter file's pages
-        self.item = item
-        self.buf = buf
-        self.state_bytes = state_bytes
-        self.pieces = pieces
-        self.handles = handles
-        self.grad = None
-        self.launched = False
-
-
-def _gate(unit):
-    """Wait (yielding each handle not done yet) for the unit's writes in flight: gradients
-    spilled to NVMe must be on disk before the step reads them back."""
-    for handle in unit.pending_write_handles():
-        if not handle.done():
-            yield handle
-    unit.wait_writes()
-
-
 class Scratch:
     """fp32 moments of the quantized chunk being updated without the fused op: one buffer,
     grown to the largest chunk and reused through a step (one chunk is updated at a time;
@@ -380,7 +308,7 @@ class ResidentStore:
             if item is None:
                 yield IDLE
                 continue
-            yield from _gate(item[0])
+            yield from gate_writes(item[0])
             self.run([item], update)
 
     def run(self, items, update) -> None:
@@ -519,7 +447,8 @@ class NvmeStore:
 
     @property
     def slots(self) -> int:
-        """Chunks in staging at once (see [Note: reading ahead of backward])."""
+        """Chunks in staging at once (see [Note: reading ahead of backward] in
+        pipeline.py)."""
         return self.layout.slots
 
     def is_quantized(self, unit) -> bool:
@@ -581,7 +510,7 @@ class NvmeStore:
     def release(self, buf: torch.Tensor) -> None:
         self.staging.release(buf)
 
-    def start(self, item) -> _Entry:
+    def start(self, item) -> Entry:
         """Acquire a slot and issue the reads of the chunk's master and state (its
         gradient comes with ``attach_grad``, once the unit's gradient is final)."""
         unit, c0, c1 = item
@@ -593,7 +522,7 @@ class NvmeStore:
         pieces = self._pieces(unit, c0, c1, buf, in_place)
         handles = [file.read(part, off) for part, file, off in pieces]
         self.bytes_read += sum(part.numel() for part, _, _ in pieces)
-        return _Entry(item, buf, state_bytes, pieces, handles, in_place)
+        return Entry(item, buf, state_bytes, pieces, handles, in_place)
 
     def _populate(self, mapping, at: int, nbytes: int, path, offset: int) -> None:
         """Fill the page tables of ``mapping[at : at + nbytes]`` (a file's bytes from
@@ -617,7 +546,7 @@ class NvmeStore:
                 why,
             )
 
-    def views(self, entry: _Entry):
+    def views(self, entry: Entry):
         """The chunk's fp32 master and optimizer state (``update``'s arguments) in its slot:
         two fp32 moments, or a :class:`Q8Moments`."""
         unit, c0, c1 = entry.item
@@ -662,7 +591,7 @@ class NvmeStore:
             except BufferError:  # a view outlived the update (an exception's frames)
                 pass
 
-    def attach_grad(self, entry: _Entry) -> None:
+    def attach_grad(self, entry: Entry) -> None:
         """The chunk's gradient: a view of the shard held in memory, or a read from the
         gradient file into the slot after the state."""
         unit, c0, c1 = entry.item
@@ -816,182 +745,3 @@ class NvmeStore:
 
     def nbytes(self) -> int:
         return 0  # nothing resident: see the swap space and staging in the memory report
-
-
-def _pending(handles):
-    for h in handles:
-        if not h.done():
-            yield h
-
-
-class StepPipeline:
-    """One run of an :class:`NvmeStore` step over a :class:`Feed`: ``run()`` is the
-    generator ``NvmeStore.pipeline`` returns, one method per stage of a chunk's way
-    (absorb what the feed gives, start reads, read ahead, update, write, give up).
-
-    [Note: reading ahead of backward]
-    Up to ``layout.slots`` chunks are in staging at once: reads ahead, the one being
-    updated, writes in flight. Chunks the feed has given (launched: their gradients are
-    final) are read first, in order. Spare slots read ahead of launch: the chunks of
-    ``feed.expected`` (the units in the order the last overlapped step launched them),
-    keeping ``feed.reserve`` slots (two) for launched work. A chunk read ahead waits in its
-    slot until its unit is launched, which then only adds its gradient; the master and the
-    moments do not depend on the gradient, and nothing else writes them during a step. In
-    a clipped overlapped step nothing launches before the feed closes, and reading ahead
-    takes every slot. A wrong guess (a unit launched while reads ahead hold other units'
-    chunks) gives the reads ahead up and ends reading ahead for the step; units never
-    launched give theirs up at the end. Each unit's chunks are updated in order. Should
-    the pipeline fail (an I/O error, an exception in ``update``), it waits for its
-    transfers and gives every slot back on the way out.
-    """
-
-    def __init__(self, store: NvmeStore, feed: Feed, update) -> None:
-        self.store = store
-        self.feed = feed
-        self.update = update  # update(unit, c0, c1, master, moments, grad)
-        self.slots = store.slots
-        self.writes: deque = deque()  # (handles, buf) of updated chunks
-        self.started: deque = deque()  # entries whose reads are issued, in order
-        self.todo = feed.todo  # launched chunks not started yet (``Feed.promote`` reorders)
-        self.ahead: dict = {}  # (unit index, c0) -> entry read ahead of its unit's launch
-        self.seen: set = set()  # (unit index, c0) of chunks started or in todo
-        self.planned: deque = deque(feed.expected)
-        self.gated: set[int] = set()
-
-    def used(self) -> int:
-        return len(self.started) + len(self.writes)
-
-    def gate(self, unit):
-        if unit.index not in self.gated:  # its gradients must be on disk first
-            yield from _gate(unit)
-            self.gated.add(unit.index)
-
-    def absorb(self):
-        """Take what the feed has: chunks read ahead become launched, the rest wait for a
-        slot. A unit launched while reads ahead hold other units' chunks (the units
-        expected before it) shows the guess wrong: they are given up, and this step reads
-        no more ahead."""
-        while (item := self.feed.take()) is not None:
-            key = (item[0].index, item[1])
-            entry = self.ahead.pop(key, None)
-            if entry is None:
-                if any(e.item[0] is not item[0] for e in self.ahead.values()):
-                    yield from self.drop_guess()
-                self.todo.append(item)
-                self.seen.add(key)
-                continue
-            yield from self.gate(item[0])
-            self.store.attach_grad(entry)
-            entry.launched = True
-
-    def drop_guess(self):
-        for entry in [e for e in self.started if not e.launched]:
-            yield from self.give_up(entry)
-        self.ahead.clear()
-        self.planned.clear()
-
-    def finish_done_writes(self) -> None:
-        while self.writes and all(h.done() for h in self.writes[0][0]):
-            self.store.finish_write(self.writes.popleft())
-
-    def start_launched(self):
-        while self.todo and self.used() < self.slots:
-            item = self.todo.popleft()
-            yield from self.gate(item[0])
-            entry = self.store.start(item)
-            self.store.attach_grad(entry)
-            entry.launched = True
-            self.started.append(entry)
-
-    def read_ahead(self) -> None:
-        feed = self.feed
-        while (
-            self.planned
-            and not self.todo
-            and not feed.closed
-            and self.used() < self.slots - feed.reserve
-        ):
-            item = self.planned.popleft()
-            key = (item[0].index, item[1])
-            if key in self.seen:
-                continue
-            self.seen.add(key)
-            entry = self.store.start(item)
-            self.ahead[key] = entry
-            self.started.append(entry)
-
-    def give_up(self, entry):
-        """Drop an entry read ahead: once its reads are over (its slot may not be reused
-        before), out of ``started`` and back to staging. Its data is not used, so neither
-        are its read errors."""
-        yield from _pending(entry.handles)
-        self.started.remove(entry)
-        self.store.abandon([(entry.handles, entry.buf)])
-
-    def update_and_write(self, entry):
-        """Wait for the chunk's reads, update it, and queue its writes."""
-        store = self.store
-        (unit, c0, c1), buf = entry.item, entry.buf
-        for h in entry.handles:
-            if not h.done():
-                yield h
-            h.wait()
-        in_param_file = unit.placement.master_in_param_file
-        master, state = store.views(entry)
-        if entry.in_place:
-            store.update_in_place(self.update, unit, c0, c1, state, entry.grad)
-        else:
-            self.update(unit, c0, c1, master, state, entry.grad)
-        entry.grad = None
-        if c1 == unit.shard_numel:
-            unit.drop_held_grad()  # its last chunk is updated
-        copied_master = in_param_file and not entry.in_place
-        if copied_master:
-            unit.keep_private()  # a unit mapping that file must not see the change
-        # The slot stays in ``started`` until its writes are queued, its transfers from
-        # here on being the writes (a failure waits for them).
-        hs = entry.handles = []
-        for part, file, off in entry.pieces:
-            hs.append(file.write(part, off))
-        store.bytes_written += sum(part.numel() for part, _, _ in entry.pieces)
-        if copied_master:
-            unit.param_file_writes.append(hs[0])  # a gather must wait for it
-        self.started.remove(entry)
-        self.writes.append((hs, buf))
-
-    def steps(self):
-        feed = self.feed
-        while True:
-            yield from self.absorb()
-            self.finish_done_writes()
-            yield from self.start_launched()
-            self.read_ahead()
-            entry = next((e for e in self.started if e.launched), None)
-            if entry is not None:
-                yield from self.update_and_write(entry)
-                continue
-            # Nothing to update yet, or launched work waits for a slot: reads ahead leave
-            # ``reserve`` for it, so writes hold the others.
-            if self.writes:
-                yield from _pending(self.writes[0][0])
-                self.store.finish_write(self.writes.popleft())
-                continue
-            if self.todo:
-                raise RuntimeError("optimizer pipeline: launched chunks found no slot")
-            if feed.items:
-                continue  # given more meanwhile
-            if feed.closed:
-                while self.started:  # read ahead for units that were not launched
-                    yield from self.give_up(self.started[0])
-                return
-            yield IDLE
-
-    def run(self):
-        ended = False
-        try:
-            yield from self.steps()
-            ended = True
-        finally:
-            if not ended:  # an error (or the generator dropped): give every slot back
-                held = [(e.handles, e.buf) for e in self.started] + list(self.writes)
-                self.store.abandon(held)
