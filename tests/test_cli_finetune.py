@@ -191,13 +191,14 @@ def test_optional_packages_missing_say_which_extra_brings_them(monkeypatch, tmp_
     from zerotune.cli import finetune as command
 
     from zerotune.config import ConfigError
+    from zerotune.hf.finetune import plot_losses
     from zerotune.optim.quant8 import require_bitsandbytes
 
     for name in ("bitsandbytes", "bitsandbytes.functional", "matplotlib"):
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
     with pytest.raises(ConfigError, match=r"pip install zerotune\[bnb\]"):
         require_bitsandbytes()
-    assert command._plot_losses(tmp_path / "loss.png", [(1, 2.0)], [], "run") is None
+    assert plot_losses(tmp_path / "loss.png", [(1, 2.0)], [], "run", command._say) is None
     assert "no loss curve is drawn (pip install zerotune[plot])" in capsys.readouterr().err
     assert not (tmp_path / "loss.png").exists()
 
@@ -679,24 +680,6 @@ def test_an_interrupted_run_ends_in_one_line(nproc, env, tmp_path):
     assert "Aborted!" not in stderr, stderr[-3000:]
     assert list(out.glob("checkpoint-*"))
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
-
-
-def test_default_job_takes_the_epochs_asked_for():
-    """The default job trains 40 steps unless told otherwise: --num_train_epochs is told
-    otherwise (its max_steps used to override the epochs silently); --max_steps too."""
-    from zerotune.cli.finetune import _parse_training_args
-
-    def parsed(*flags):
-        options = dict(
-            model=None, output_dir="out", zero_config=None, hf_args=flags, eval_split=0.0
-        )
-        return _parse_training_args(options, {}, None)
-
-    assert parsed().max_steps == 40
-    epochs = parsed("--num_train_epochs", "1")
-    assert epochs.max_steps == -1 and epochs.num_train_epochs == 1
-    assert parsed("--max_steps=7").max_steps == 7
-    assert parsed("--num_train_epochs=2", "--max_steps", "5").max_steps == 5
 
 
 def test_a_folder_another_run_holds_is_refused_naming_it(env, tmp_path):
