@@ -111,16 +111,14 @@ def estimate(
             _fail(f"--nvme-path {nvme_path}: {exc.strerror or exc}")
     target = None
     if model is not None:
-        from zerotune.estimate import _meta_model
+        from zerotune.hf.models import context_length, meta_model
 
         try:
-            target, _ = _meta_model(model)
+            target, _ = meta_model(model)
         except Exception as exc:  # noqa: BLE001 - any failure to read the model is bad input
             _fail(f"--model {model}: {str(exc).strip() or type(exc).__name__}")
-        from .finetune import _context_length
-
         config = getattr(target, "config", None)
-        context = _context_length(config, default=None) if config is not None else None
+        context = context_length(config, default=None) if config is not None else None
         if seq_len is not None and context is not None and seq_len > context:
             _fail(f"--seq-len {seq_len} exceeds the model's context length {context}")
     try:

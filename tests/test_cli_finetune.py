@@ -1,21 +1,24 @@
-"""``zerotune finetune`` driven as a user would, in a subprocess: the embedded default job,
-an exact resume, a local model folder with a jsonl dataset, two processes, and bad input
-(one line, exit code 2, no output folder)."""
+"""``zerotune finetune`` driven as a user would, away from the test's process: the embedded
+default job, an exact resume, a local model folder with a jsonl dataset, two processes, and
+bad input (one line, exit code 2, no output folder). A run gets a process of its own where
+the process is what is tested (signals, the launcher, what a process prints, its
+environment at import); the others share one (``cli``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 COMMAND = [sys.executable, "-c", "from zerotune.cli import main; main()", "finetune"]
-EXPORT = [sys.executable, "-c", "from zerotune.cli import main; main()", "export"]
 
 
 @pytest.fixture(scope="module")
@@ -44,38 +47,94 @@ def finetune(env, *args, timeout=300, check=True) -> subprocess.CompletedProcess
     return proc
 
 
-# Refusals stop before training: most of a process is imports. One process runs them all
-# through click's runner (exit code, stdout and stderr of each; an exception that escaped
-# is added to stderr as the traceback a process would print).
-REFUSALS = r"""
-import json, sys, traceback
+# Most of a process is imports: runs that need no process of their own (no signal, no
+# launcher, nothing printed beside the command's own lines) go to one process that runs
+# zerotune's commands through click's runner, one after another, as the test asks: exit
+# code, stdout and stderr of each (an exception that escaped is added to stderr as the
+# traceback a process would print), on a pipe of their own.
+RUNNER = r"""
+import json, os, sys, traceback
 from click.testing import CliRunner
 from zerotune.cli import main
 
-results = {}
-for name, args in json.loads(sys.stdin.read()).items():
-    r = CliRunner().invoke(main, ["finetune", *args])
+answers = os.fdopen(int(sys.argv[1]), "w")
+for line in sys.stdin:
+    args, cwd, env = json.loads(line)
+    os.chdir(cwd)
+    os.environ.update(env)
+    r = CliRunner().invoke(main, args)
     err = r.stderr
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         err += "".join(traceback.format_exception(r.exception))
-    results[name] = [r.exit_code, r.stdout, err]
-print("RESULTS " + json.dumps(results))
+    answers.write(json.dumps([r.exit_code, r.stdout, err]) + "\n")
+    answers.flush()
 """
 
 
-def finetune_refusals(env, cases: dict, timeout=300) -> dict:
-    """``finetune`` once per case (name -> arguments), all in one process; name ->
-    CompletedProcess. For input that is refused (or fails) before training."""
-    named = {name: [str(a) for a in args] for name, args in cases.items()}
-    proc = subprocess.run([sys.executable, "-c", REFUSALS], input=json.dumps(named),
-                          capture_output=True, text=True, env=env, timeout=timeout)  # fmt: skip
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    results = json.loads(lines[-1][len("RESULTS ") :])
-    return {
-        name: subprocess.CompletedProcess(named[name], code, out, err)
-        for name, (code, out, err) in results.items()
-    }
+class CliProcess:
+    """One process that runs ``zerotune`` commands in turn (see RUNNER)."""
+
+    def __init__(self, env):
+        read, write = os.pipe()
+        self.log = tempfile.TemporaryFile("w+")  # what the process prints outside a command
+        self.proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(write)],
+                                     stdin=subprocess.PIPE, stdout=self.log, stderr=self.log,
+                                     text=True, env=env, pass_fds=(write,))  # fmt: skip
+        os.close(write)
+        self.answers = os.fdopen(read)
+
+    def run(self, *args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+        """``zerotune ARGS`` in the folder ``cwd`` (default: the test's), with ``env`` set
+        in the process's environment from then on."""
+        argv = [str(a) for a in args]
+        self.proc.stdin.write(json.dumps([argv, str(cwd or os.getcwd()), env or {}]) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.answers], [], [], timeout)
+        line = self.answers.readline() if ready else ""
+        if not line:
+            self.close()
+            self.log.seek(0)
+            pytest.fail(f"zerotune {' '.join(argv)}: no answer in {timeout} s\n"
+                        + self.log.read()[-3000:])  # fmt: skip
+        code, out, err = json.loads(line)
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    def finetune(self, *args, cwd=None, env=None, check=True) -> subprocess.CompletedProcess:
+        proc = self.run("finetune", *args, cwd=cwd, env=env)
+        if check:
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    def finetune_all(self, cases: dict, env=None) -> dict:
+        """``finetune`` once per case (name -> arguments), in turn; name -> CompletedProcess."""
+        return {name: self.finetune(*a, env=env, check=False) for name, a in cases.items()}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.answers.close()
+
+
+@pytest.fixture(scope="module")
+def cli(env):
+    """The module's process for runs that need none of their own (see RUNNER)."""
+    runner = CliProcess(env)
+    yield runner
+    runner.close()
+
+
+def finetune_in_new_process(env, cases: dict) -> dict:
+    """``finetune`` once per case (name -> arguments), all in one new process with ``env``;
+    name -> CompletedProcess."""
+    runner = CliProcess(env)
+    try:
+        return runner.finetune_all(cases)
+    finally:
+        runner.close()
 
 
 def finetune_each(env, cases: dict, timeout=300) -> dict:
@@ -98,9 +157,11 @@ def summary(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def default_run(env, tmp_path_factory):
+def default_run(cli, tmp_path_factory):
+    """The embedded default job; the first command of the module's process (the first
+    test asks for it), so its elapsed time counts the imports, as a process of its own."""
     out = tmp_path_factory.mktemp("default") / "out"
-    proc = finetune(env, "--output-dir", out)
+    proc = cli.finetune("--output-dir", out)
     return out, proc
 
 
@@ -153,9 +214,13 @@ def test_a_run_the_memory_plan_says_will_not_fit_is_refused_before_loading(env, 
         "unchecked": ["--no-memory-check", "--max_steps", "1", "--save_strategy", "no"],
     }
     runs = {n: ["--output-dir", tmp_path / n, *a] for n, a in cases.items()}
-    done = finetune_refusals({**env, "ZEROTUNE_HOST_MEMORY": "16GiB"}, {"gpt2": runs.pop("gpt2")})
-    fresh = {"ZEROTUNE_CACHE": str(tmp_path / "ops"), "CXX": "/bin/false"}
-    done.update(finetune_refusals({**env, **fresh, "ZEROTUNE_HOST_MEMORY": "20MiB"}, runs))
+    # One process of its own (its C++ ops not built yet): the gpt2 refusal loads no op.
+    fresh = CliProcess({**env, "ZEROTUNE_CACHE": str(tmp_path / "ops"), "CXX": "/bin/false"})
+    try:
+        done = fresh.finetune_all({"gpt2": runs.pop("gpt2")}, env={"ZEROTUNE_HOST_MEMORY": "16GiB"})
+        done.update(fresh.finetune_all(runs, env={"ZEROTUNE_HOST_MEMORY": "20MiB"}))
+    finally:
+        fresh.close()
     gpt2 = done["gpt2"].stderr.strip().splitlines()
     assert done["gpt2"].returncode == 2 and len(gpt2) == 1, gpt2
     assert "micro-batch 8 x 1024 tokens: per host: needs 30.00 GiB, usable 14.40 GiB" in gpt2[0]
@@ -191,13 +256,14 @@ def test_optional_packages_missing_say_which_extra_brings_them(monkeypatch, tmp_
     from zerotune.cli import finetune as command
 
     from zerotune.config import ConfigError
+    from zerotune.hf.finetune import plot_losses
     from zerotune.optim.quant8 import require_bitsandbytes
 
     for name in ("bitsandbytes", "bitsandbytes.functional", "matplotlib"):
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
     with pytest.raises(ConfigError, match=r"pip install zerotune\[bnb\]"):
         require_bitsandbytes()
-    assert command._plot_losses(tmp_path / "loss.png", [(1, 2.0)], [], "run") is None
+    assert plot_losses(tmp_path / "loss.png", [(1, 2.0)], [], "run", command._say) is None
     assert "no loss curve is drawn (pip install zerotune[plot])" in capsys.readouterr().err
     assert not (tmp_path / "loss.png").exists()
 
@@ -213,14 +279,14 @@ def test_threads_are_the_cpus_shared_out(monkeypatch, capsys):
     assert command._threads_per_process(2) == 3
 
 
-def test_resume_continues_with_the_same_losses(default_run, env, tmp_path):
+def test_resume_continues_with_the_same_losses(default_run, cli, tmp_path):
     """--resume from a copy of the default run's step-20 checkpoint logs its losses of steps
     25-40 again."""
     out, _ = default_run
     again = tmp_path / "again"
     again.mkdir()
     shutil.copytree(out / "checkpoint-20", again / "checkpoint-20")
-    finetune(env, "--output-dir", again, "--resume")
+    cli.finetune("--output-dir", again, "--resume")
     s = summary(again)
     assert s["global_step"] == 40 and s["steps_this_run"] == 20
     expected = dict((step, loss) for step, loss in summary(out)["losses"] if step > 20)
@@ -230,25 +296,22 @@ def test_resume_continues_with_the_same_losses(default_run, env, tmp_path):
                                rtol=1e-5, atol=0)  # fmt: skip
 
 
-def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
+def test_resume_reuses_the_runs_own_options_and_refuses_others(cli, tmp_path):
     """--resume continues the run as it was started: the dataset, block size and dtype it
     is not given come from the run's record (they used to fall back to the defaults: another
     corpus, fp32), and ones that differ are refused in one line."""
     data = tmp_path / "data.txt"
     data.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(300)))
     out = tmp_path / "out"
-    finetune(env, "--dataset", data, "--block-size", "32", "--bf16", "--output-dir", out,
-             "--max_steps", "2", "--save_steps", "1", "--per_device_train_batch_size", "2",
-             "--gradient_accumulation_steps", "2")  # fmt: skip
+    cli.finetune("--dataset", data, "--block-size", "32", "--bf16", "--output-dir", out,
+                 "--max_steps", "2", "--save_steps", "1", "--per_device_train_batch_size", "2",
+                 "--gradient_accumulation_steps", "2")  # fmt: skip
     record = json.loads((out / "zerotune_job.json").read_text())
     assert record["dataset"] == str(data.resolve()) and record["dtype"] == "bf16"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()  # a relative --output-dir, from another working folder
-    proc = subprocess.run(
-        [*COMMAND, "--output-dir", os.path.relpath(out, elsewhere), "--resume",
-         "--max_steps", "3", "--save_steps", "1"],
-        capture_output=True, text=True, env=env, timeout=300, cwd=elsewhere,
-    )  # fmt: skip
+    proc = cli.finetune("--output-dir", os.path.relpath(out, elsewhere), "--resume",
+                        "--max_steps", "3", "--save_steps", "1", cwd=elsewhere)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = summary(out)
     assert s["dataset"] == str(data.resolve()) and s["block_size"] == 32
@@ -268,7 +331,7 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
         "dtype bf16 (now fp32)": ["--bf16", "False"],  # the flag's value, not its name
     }
     resumed = ["--output-dir", out, "--resume", "--max_steps", "4"]
-    procs = finetune_refusals(env, {named: [*resumed, *extra] for named, extra in refused.items()})
+    procs = cli.finetune_all({named: [*resumed, *extra] for named, extra in refused.items()})
     for named, proc in procs.items():
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert named in proc.stderr and "--resume_from_checkpoint" in proc.stderr
@@ -277,41 +340,35 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(env, tmp_path):
     # A config file that gives the same dtype is the run's own.
     config = tmp_path / "bf16.yaml"
     config.write_text("stage: 3\ndtype: bf16\n")
-    finetune(env, "--output-dir", out, "--resume", "--config", config, "--max_steps", "4")
+    cli.finetune("--output-dir", out, "--resume", "--config", config, "--max_steps", "4")
     assert summary(out)["zero"]["dtype"] == "bf16" and summary(out)["global_step"] == 4
     # zerotune export of the run folder: its newest complete checkpoint, in the training
     # dtype (bf16); one whose zerotune files were cut short is skipped.
     (out / "checkpoint-4" / "zero" / "COMPLETE").unlink(missing_ok=True)
-    exported = subprocess.run(
-        [*EXPORT, out, tmp_path / "model", "--quiet"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+    exported = cli.run("export", out, tmp_path / "model", "--quiet")
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert "bf16" in exported.stdout and "checkpoint-4" in exported.stderr
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
-    direct = subprocess.run(
-        [*EXPORT, out / "checkpoint-3", tmp_path / "model3", "--quiet"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+    direct = cli.run("export", out / "checkpoint-3", tmp_path / "model3", "--quiet")
     assert direct.returncode == 0, direct.stderr[-2000:]
     assert (tmp_path / "model3" / "model.safetensors").read_bytes() == (
         tmp_path / "model" / "model.safetensors"
     ).read_bytes()
     (out / "zerotune_job.json").write_text("[]")  # damaged: one line, not a traceback
-    proc = finetune(env, "--output-dir", out, "--resume", check=False)
+    proc = cli.finetune("--output-dir", out, "--resume", check=False)
     assert proc.returncode == 2 and "not a JSON object" in proc.stderr, proc.stderr[-2000:]
     # A record alone (a run stopped before its first checkpoint) is no run to protect.
     lone = tmp_path / "lone"
     lone.mkdir()
     (lone / "zerotune_job.json").write_text(json.dumps(record))
-    finetune(env, "--output-dir", lone, "--max_steps", "1")
+    cli.finetune("--output-dir", lone, "--max_steps", "1")
     assert json.loads((lone / "zerotune_job.json").read_text())["dataset"] is None
 
 
-def test_local_model_folder_and_jsonl(env, tmp_path):
+def test_local_model_folder_and_jsonl(cli, tmp_path):
     """A local HF folder (with its tokenizer) and prompt/response jsonl, ZeRO-2 with CPU
     optimizer offload, an eval split, an optimizer other than AdamW (--optim adafactor)."""
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
@@ -327,10 +384,10 @@ def test_local_model_folder_and_jsonl(env, tmp_path):
     rows = [{"prompt": f"Q: {a}+{a % 7}=", "response": f" {a + a % 7}\n"} for a in range(300)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    proc = finetune(env, "--model", folder, "--dataset", data, "--output-dir", out,
-                    "--stage", "2", "--offload", "cpu", "--eval-split", "0.2", "--block-size",
-                    "32", "--max_steps", "4", "--logging_steps", "1",
-                    "--learning_rate", "1e-2", "--optim", "adafactor")  # fmt: skip
+    proc = cli.finetune("--model", folder, "--dataset", data, "--output-dir", out,
+                        "--stage", "2", "--offload", "cpu", "--eval-split", "0.2", "--block-size",
+                        "32", "--max_steps", "4", "--logging_steps", "1",
+                        "--learning_rate", "1e-2", "--optim", "adafactor")  # fmt: skip
     s = summary(out)
     blocks = f"{s['train_blocks']} blocks of 32 tokens (+{s['eval_blocks']} held out)"
     assert blocks in proc.stdout, proc.stdout
@@ -345,7 +402,7 @@ def test_local_model_folder_and_jsonl(env, tmp_path):
     )
 
 
-def test_chat_data_with_a_template_file(env, tmp_path):
+def test_chat_data_with_a_template_file(cli, tmp_path):
     """ShareGPT conversations with a template given as a file: one conversation a block,
     the loss goes down, and the template is saved with the tokenizer."""
     from transformers import AutoTokenizer
@@ -367,9 +424,9 @@ def test_chat_data_with_a_template_file(env, tmp_path):
         "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
     )
     out = tmp_path / "out"
-    proc = finetune(env, "--dataset", data, "--chat-template", template, "--output-dir", out,
-                    "--block-size", "32", "--max_steps", "6", "--logging_steps", "1",
-                    "--learning_rate", "1e-2", "--save_strategy", "no")  # fmt: skip
+    proc = cli.finetune("--dataset", data, "--chat-template", template, "--output-dir", out,
+                        "--block-size", "32", "--max_steps", "6", "--logging_steps", "1",
+                        "--learning_rate", "1e-2", "--save_strategy", "no")  # fmt: skip
     s = summary(out)
     assert s["columns"] == "chat column 'conversations'" and s["train_blocks"] == 40
     assert "40 blocks of 32 tokens (chat column 'conversations'" in proc.stdout
@@ -399,10 +456,17 @@ def test_hub_id_from_the_local_cache_with_memory_options(env, tmp_path):
     # TrainingArguments / ZeroTrainingArguments flags the command passes on.
     # Spelled as TrainingArguments flags; an NVMe folder that does not exist yet is made.
     swap = tmp_path / "not" / "yet"
-    proc = finetune(env, "--model", "zt-test/tiny-gpt2", "--output_dir", out, "--block_size",
-                    "32", "--max_steps", "8", "--logging_steps", "4", "--save_strategy", "no",
-                    "--learning_rate", "1e-2", "--optim", "adamw_8bit", "--nvme_path", swap,
-                    "--gradient_checkpointing", "--offload_activations", "nvme")  # fmt: skip
+    runs = {
+        "cached": ["--model", "zt-test/tiny-gpt2", "--output_dir", out, "--block_size", "32",
+                   "--max_steps", "8", "--logging_steps", "4", "--save_strategy", "no",
+                   "--learning_rate", "1e-2", "--optim", "adamw_8bit", "--nvme_path", swap,
+                   "--gradient_checkpointing", "--offload_activations", "nvme"],
+        # Not in the cache: one line naming the cache, exit code 2.
+        "absent": ["--model", "zt-test/absent", "--output-dir", tmp_path / "o2"],
+    }  # fmt: skip
+    done = finetune_in_new_process(env, runs)  # its own HF_HOME, read at import
+    proc = done["cached"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert swap.is_dir() and f"swap files in {swap} (" in proc.stdout
     assert "GiB free)" in proc.stdout
     s = summary(out)
@@ -417,8 +481,7 @@ def test_hub_id_from_the_local_cache_with_memory_options(env, tmp_path):
     assert f"nvme {memory['nvme'] / 2**20:,.1f} MiB (swap files)" in proc.stdout
     assert s["losses"][-1][1] < s["losses"][0][1]
     assert "activation checkpoints on nvme, 8-bit Adam states" in proc.stderr + proc.stdout
-    # Not in the cache: one line naming the cache, exit code 2.
-    proc = finetune(env, "--model", "zt-test/absent", "--output-dir", tmp_path / "o2", check=False)
+    proc = done["absent"]
     assert proc.returncode == 2 and "local Hugging Face cache" in proc.stderr
 
 
@@ -460,7 +523,7 @@ def test_ranks_without_nvme_room_print_one_line(env, tmp_path):
         subprocess.run(["umount", str(small)])
 
 
-def test_the_output_folder_of_an_earlier_run(default_run, env, tmp_path):
+def test_the_output_folder_of_an_earlier_run(default_run, cli, tmp_path):
     """A folder holding an earlier run is refused (its checkpoints would be rotated away or
     resumed from as this run's) unless --resume or --overwrite; --overwrite replaces that
     run's files once the input has been checked and leaves the user's own alone, and
@@ -485,12 +548,12 @@ def test_the_output_folder_of_an_earlier_run(default_run, env, tmp_path):
     (tmp_path / "broken" / "config.json").write_text((out / "config.json").read_text())
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"\x05")
     at_once = {m: ["--output-dir", earlier, "--max_steps", "2", *a] for m, a in refused.items()}
-    for message, proc in finetune_refusals(env, at_once).items():
+    for message, proc in cli.finetune_all(at_once).items():
         assert proc.returncode == 2 and message in proc.stderr, (message, proc.stderr)
         assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in earlier.iterdir()) == before
-    # Two runs in one process: --overwrite of the earlier run, and a folder holding only
-    # the user's own files (no earlier run: the run writes next to them).
+    # --overwrite of the earlier run, and a folder holding only the user's own files (no
+    # earlier run: the run writes next to them).
     other = tmp_path / "other"
     other.mkdir()
     (other / ".gitkeep").write_text("")
@@ -499,7 +562,7 @@ def test_the_output_folder_of_an_earlier_run(default_run, env, tmp_path):
                       "--offload_param", "cpu", "--offload_optimizer", "cpu"],
         "beside": ["--output-dir", other, "--max_steps", "2"],
     }  # fmt: skip
-    for name, proc in finetune_refusals(env, runs).items():
+    for name, proc in cli.finetune_all(runs).items():
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
     assert (other / ".gitkeep").exists() and summary(other)["global_step"] == 2
     s = summary(earlier)
@@ -511,24 +574,24 @@ def test_the_output_folder_of_an_earlier_run(default_run, env, tmp_path):
     # Resuming from a checkpoint kept elsewhere starts the folder afresh: --overwrite works.
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(out / "checkpoint-20", elsewhere / "checkpoint-20")
-    finetune(env, "--output-dir", earlier, "--overwrite", "--max_steps", "22",
-             "--resume_from_checkpoint", elsewhere / "checkpoint-20")  # fmt: skip
+    cli.finetune("--output-dir", earlier, "--overwrite", "--max_steps", "22",
+                 "--resume_from_checkpoint", elsewhere / "checkpoint-20")  # fmt: skip
     s = summary(earlier)
     assert (s["global_step"], s["steps_this_run"]) == (22, 2)
     assert (elsewhere / "checkpoint-20").is_dir() and (earlier / "notes.txt").exists()
     # The zerotune config given by its TrainingArguments name sets the default job's tiers.
     stage2 = tmp_path / "stage2.yaml"
     stage2.write_text("stage: 2\n")
-    finetune(env, "--output-dir", tmp_path / "zc", "--max_steps", "1", "--zero_config", stage2)
+    cli.finetune("--output-dir", tmp_path / "zc", "--max_steps", "1", "--zero_config", stage2)
     zero = summary(tmp_path / "zc")["zero"]
     assert (zero["stage"], zero["offload_optimizer"], zero["offload_param"]) == (2, "none", "none")
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    proc = finetune(env, "--output-dir", a_file / "sub", check=False)
+    proc = cli.finetune("--output-dir", a_file / "sub", check=False)
     assert proc.returncode == 2 and "is not a folder" in proc.stderr, proc.stderr
 
 
-def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
+def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "no closing brace"\n')
     good_json = tmp_path / "good.jsonl"
@@ -601,7 +664,7 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
         "misspelt flag": (["--gradient_acumulation_steps", "2"], "--gradient_accumulation_steps?"),
     }
     # Each its own process for a few (what a process prints beside the CLI's own line, e.g.
-    # import warnings, shows there); the rest in one process.
+    # import warnings, shows there); the rest in the module's process.
     alone = ("unknown model", "nvme without space", "unknown flag")
     runs = {
         name: ["--output-dir", tmp_path / "out" / name.replace(" ", "-"), *args]
@@ -609,7 +672,7 @@ def test_bad_input_is_one_line_and_exit_code_2(env, tmp_path):
     }
     try:
         done = finetune_each(env, {name: runs[name] for name in alone})
-        done.update(finetune_refusals(env, {n: a for n, a in runs.items() if n not in alone}))
+        done.update(cli.finetune_all({n: a for n, a in runs.items() if n not in alone}))
         results = {name: (p.returncode, p.stdout, p.stderr) for name, p in done.items()}
     finally:
         subprocess.run(["umount", str(small)])
@@ -681,25 +744,7 @@ def test_an_interrupted_run_ends_in_one_line(nproc, env, tmp_path):
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
 
 
-def test_default_job_takes_the_epochs_asked_for():
-    """The default job trains 40 steps unless told otherwise: --num_train_epochs is told
-    otherwise (its max_steps used to override the epochs silently); --max_steps too."""
-    from zerotune.cli.finetune import _parse_training_args
-
-    def parsed(*flags):
-        options = dict(
-            model=None, output_dir="out", zero_config=None, hf_args=flags, eval_split=0.0
-        )
-        return _parse_training_args(options, {}, None)
-
-    assert parsed().max_steps == 40
-    epochs = parsed("--num_train_epochs", "1")
-    assert epochs.max_steps == -1 and epochs.num_train_epochs == 1
-    assert parsed("--max_steps=7").max_steps == 7
-    assert parsed("--num_train_epochs=2", "--max_steps", "5").max_steps == 5
-
-
-def test_a_folder_another_run_holds_is_refused_naming_it(env, tmp_path):
+def test_a_folder_another_run_holds_is_refused_naming_it(env, cli, tmp_path):
     """A run (or a resume) into a folder another live run holds: one line naming its pid,
     exit 2, nothing written; in one process and before a launcher starts its ranks."""
     out = tmp_path / "out"
@@ -713,13 +758,9 @@ def test_a_folder_another_run_holds_is_refused_naming_it(env, tmp_path):
     )
     try:
         assert holder.stdout.readline().strip() == b"held"
-        done = finetune_each(
-            env,
-            {
-                "one": ["--output-dir", out, "--max_steps", "1"],
-                "two": ["--output-dir", out, "--max_steps", "1", "--nproc-per-node", "2"],
-            },
-        )
+        two = ["--output-dir", out, "--max_steps", "1", "--nproc-per-node", "2"]
+        done = finetune_each(env, {"two": two})  # a launcher: a process of its own
+        done["one"] = cli.finetune("--output-dir", out, "--max_steps", "1", check=False)
     finally:
         holder.kill()
         holder.wait()

@@ -54,12 +54,12 @@ def test_a_folder_the_lock_made_goes_when_nothing_was_written(tmp_path):
 
 WATCHED = """
 import os, signal, sys, time
-from zerotune.cli.finetune import _die_with_launcher
+from zerotune.launch import die_with_launcher
 def bye(signum, frame):
     open(sys.argv[1], "w").write("left through SIGTERM")
     sys.exit(143)
 signal.signal(signal.SIGTERM, bye)
-_die_with_launcher()
+die_with_launcher()
 print(os.getpid(), flush=True)
 time.sleep(60)
 """

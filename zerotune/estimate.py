@@ -664,23 +664,6 @@ def _bare_units(numel: int, config: ZeroConfig, world: int) -> list[UnitPlan]:
     return [size_unit(0, "<params>", [("<params>", numel, True)], config, world)]
 
 
-def _meta_model(model):
-    """A module for ``model``: a module as is; a transformers config, preset name, config.json
-    path or folder built on the meta device (no weights)."""
-    if isinstance(model, nn.Module):
-        return model, type(model).__name__
-    from .init.construct import _build_on_meta
-
-    name = None
-    if isinstance(model, str):
-        from .hf.presets import model_config
-
-        name = model
-        model = model_config(model)
-    built = _build_on_meta(model)
-    return built, name or type(built).__name__
-
-
 def estimate(
     model=None,
     *,
@@ -751,7 +734,9 @@ def estimate(
             raise ConfigError(f"params: at most {_MAX_PARAMS:.0e} here, got {params!r}")
         numel, name, module = int(params), "a bare parameter count", None
     else:
-        module, name = _meta_model(model)
+        from .hf.models import meta_model
+
+        module, name = meta_model(model)
         # A model zerotune already sharded: its parameters are shards, its units know sizes.
         engine = module if isinstance(module, ZeroEngine) else None
         engine = engine or getattr(module, "_zerotune_engine", None)

@@ -1,5 +1,6 @@
 """Hugging Face integration: ZeroTrainer, ZeroTrainingArguments, ``zero()`` for any Trainer
-subclass (TRL's), data preparation, presets.
+subclass (TRL's), data preparation, presets, and the fine-tuning job that ``zerotune
+finetune`` runs (``prepare_job`` then ``run_job``; a refusal is a ``JobError``).
 
 ``ZeroTrainer``, ``ZeroTrainingArguments``, ``zero`` and ``build_engine`` load on first use:
 they import ``transformers.Trainer``, which takes seconds, and the data and config helpers do
@@ -14,6 +15,9 @@ _LAZY = {
     "build_engine": "trainer",
     "ZeroTrainingArguments": "args",
     "zero": "trainer",
+    "JobError": "job",
+    "prepare_job": "prepare",
+    "run_job": "finetune",
 }
 
 
@@ -26,12 +30,15 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "JobError",
     "ZeroTrainer",
     "ZeroTrainingArguments",
     "build_engine",
     "list_presets",
     "list_zero_presets",
     "model_config",
+    "prepare_job",
     "read_zero_config_file",
+    "run_job",
     "zero",
 ]

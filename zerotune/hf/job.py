@@ -19,6 +19,7 @@ file, key by key; ``--config`` replaces the ``zero`` section as a whole.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -26,7 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JobFile", "JobFileError", "read_job_file", "training_fields"]
+__all__ = [
+    "JobError",
+    "JobFile",
+    "JobFileError",
+    "apply_job_file",
+    "as_job_error",
+    "read_job_file",
+    "training_fields",
+]
 
 MODEL_KEYS = {"name": "model", "init": "init", "tokenizer": "tokenizer"}
 DATA_KEYS = {
@@ -49,7 +58,25 @@ _INPUTS = {("data", "dataset"), ("data", "chat_template"), ("model", "tokenizer"
 _OUTPUTS = {("zero", "nvme_path"), ("training", "output_dir"), ("training", "nvme_path")}
 
 
-class JobFileError(ValueError):
+class JobError(ValueError):
+    """A fine-tuning job that cannot run as given (a missing file, a refused option, an
+    impossible setting): the message is one sentence that says what to do instead.
+    ``zerotune finetune`` prints it as its one error line."""
+
+
+@contextlib.contextmanager
+def as_job_error(*kinds: type[BaseException]):
+    """Turn the expected errors of a step (``kinds``: a ConfigError, a DataError, ...) into
+    JobError with their message; a JobError passes as it is."""
+    try:
+        yield
+    except JobError:
+        raise
+    except kinds as exc:
+        raise JobError(str(exc).strip() or repr(exc)) from None
+
+
+class JobFileError(JobError):
     """The job file cannot be used as written; the message says where and why."""
 
 
@@ -85,6 +112,27 @@ def training_fields() -> set[str]:
     from .args import ZeroTrainingArguments
 
     return {f.name for f in dataclasses.fields(ZeroTrainingArguments) if f.init}
+
+
+def apply_job_file(options: dict[str, Any], given: set[str]) -> None:
+    """Fill ``options`` (zerotune finetune's option names to values) from the job file that
+    ``options["job"]`` names, where the command line gave none (``given``: the names it
+    gave): its model and data settings, its output and NVMe folders, and its training
+    section as flags before ``options["hf_args"]``. Its zero section is read by
+    ``zerotune.hf.prepare.zero_settings`` (also when --resume names the job)."""
+    from .flags import flag_groups, flag_name
+
+    job = read_job_file(options["job"])
+    for key, value in job.options.items():
+        if key not in given:
+            options[key] = value
+    for key in ("output_dir", "nvme_path"):  # zerotune finetune's own flags
+        value = job.training.get(key) or (job.zero.get(key) if key == "nvme_path" else None)
+        if value is not None and key not in given:
+            options[key] = value
+    named = {flag_name(g[0]) for g in flag_groups(options["hf_args"])}
+    flags = job.training_flags(named | {"output_dir", "nvme_path"})
+    options["hf_args"] = (*flags, *options["hf_args"])
 
 
 def _zero_fields() -> set[str]:

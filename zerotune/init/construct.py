@@ -31,6 +31,7 @@ from ..sharding.engine import ZeroEngine
 from ..sharding.tiling import LinearTile, TiledLinear, init_tile
 
 __all__ = [
+    "build_on_meta",
     "default_device",
     "hidden",
     "materialize_buffers",
@@ -51,7 +52,9 @@ def _unit_seed(seed: int, unit_name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(unit_name.encode())) % 2**63
 
 
-def _build_on_meta(model_or_config) -> nn.Module:
+def build_on_meta(model_or_config) -> nn.Module:
+    """The model of a transformers config (or a factory) built on the meta device: its
+    structure and shapes, no storage."""
     if isinstance(model_or_config, nn.Module):
         raise ValueError(
             "zero_init needs a config or a factory, not a built model (it would already be whole "
@@ -181,7 +184,7 @@ def zero_init(
     zero-argument factory returning an ``nn.Module``. The same seed gives the same model at
     any world size. See [Note: zero-init].
     """
-    model = _build_on_meta(model_or_config)
+    model = build_on_meta(model_or_config)
     device = torch.device(device) if device is not None else default_device()
     realize_placeholders(model, device)
     materializer = _Materializer(model, seed, device)
