@@ -39,10 +39,10 @@ def run_variant(variant: str, ckpt: str, out: str, dtype: str) -> dict:
     else:
         from safetensors.torch import save_file
 
-        from zerotune.checkpoint.io import _RankFiles, open_checkpoint
+        from zerotune.checkpoint.io import RankFiles, open_checkpoint
 
         folder, manifest = open_checkpoint(ckpt)
-        files = _RankFiles(folder, manifest["world_size"])
+        files = RankFiles(folder, manifest["world_size"])
         torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
         state = {}
         for p in manifest["params"]:

@@ -28,10 +28,10 @@ MiB = 1 << 20
 def impl(request, monkeypatch):
     """Run a test on the C++ op and on the Python fallback (forced by hiding the op)."""
     if request.param == "cpp":
-        if aio._load_op() is None:
+        if aio.load_aio_op() is None:
             pytest.skip("the C++ aio op cannot be built here (its fallback is tested)")
     else:
-        monkeypatch.setattr(aio, "_load_op", lambda: None)
+        monkeypatch.setattr(aio, "load_aio_op", lambda: None)
     return request.param
 
 
@@ -300,7 +300,7 @@ def test_missing_folder_names_the_path(tmp_path, impl):
 
 
 def test_direct_mode_reported(tmp_path):
-    if aio._load_op() is None:
+    if aio.load_aio_op() is None:
         pytest.skip("the C++ aio op cannot be built here")
     with SwapFile(tmp_path / "swap", MiB, direct=False) as f:
         assert not f.direct and f.mode == "buffered"
@@ -311,7 +311,7 @@ def test_direct_mode_reported(tmp_path):
 
 
 def test_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch):
-    if aio._load_op() is None:
+    if aio.load_aio_op() is None:
         pytest.skip("the C++ aio op cannot be built here")
     real_open = os.open
 

@@ -462,18 +462,18 @@ def test_parameter_extents_of_2_mib_or_more_start_on_2_mib_boundaries():
     """Large extents of the parameter file are aligned for huge page-cache pages (see [Note:
     huge page-cache pages]); small ones, and every extent of the other files, are packed on
     4 KiB boundaries; the plan the estimate uses lays the files out the same way."""
-    from zerotune.memory.swap import _layout, extent_align
+    from zerotune.memory.swap import extent_align, extent_layout
     from zerotune.sharding.plan import SwapPlan
 
     MiB = 1 << 20
     sizes = {0: 5000, 1: 3 * MiB, 2: 100, 3: 2 * MiB, 4: 2 * MiB - 4096}
-    offsets, total = _layout(sizes, extent_align("param"))
+    offsets, total = extent_layout(sizes, extent_align("param"))
     assert offsets == {
         0: (0, 8192), 1: (2 * MiB, 3 * MiB), 2: (5 * MiB, 4096), 3: (6 * MiB, 2 * MiB),
         4: (8 * MiB, 2 * MiB - 4096),
     }  # fmt: skip
     assert total == 10 * MiB - 4096
-    packed, packed_total = _layout(sizes, extent_align("optim"))
+    packed, packed_total = extent_layout(sizes, extent_align("optim"))
     assert packed[1] == (8192, 3 * MiB) and packed_total == 8192 + 7 * MiB + 4096 - 4096
     plan = SwapPlan(sizes={"param": sizes, "optim": sizes})
     assert plan.file_bytes("param") == total and plan.file_bytes("optim") == packed_total

@@ -1,5 +1,6 @@
 """No module reads or writes another object's private fields: a field whose name starts
-with one underscore is used through ``self`` (or ``cls``) only. The exceptions are fields
+with one underscore is used through ``self`` (or ``cls``) only, and no module imports
+another zerotune module's private names. The exceptions are fields
 of other projects' objects that zerotune must reach (torch modules' registries, autograd's
 engine, flags that accelerate and transformers read), named below."""
 
@@ -35,6 +36,14 @@ def _private_uses(path: Path, root: Path = ROOT) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     found = []
     for node in ast.walk(tree):
+        ours = ("zerotune", "cli")
+        if isinstance(node, ast.ImportFrom) and (
+            node.level > 0 or (node.module or "").split(".")[0] in ours
+        ):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: import {alias.name}")
+            continue
         if not isinstance(node, ast.Attribute):
             continue
         name = node.attr
@@ -58,5 +67,8 @@ def test_no_module_uses_another_objects_private_fields():
 
 def test_the_check_finds_a_private_read(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f(engine):\n    return engine._sync, self._ok, m._parameters\n")
-    assert _private_uses(bad, tmp_path) == ["bad.py:2: ._sync"]
+    bad.write_text(
+        "from .io import _agree, load\n"
+        "def f(engine):\n    return engine._sync, self._ok, m._parameters\n"
+    )
+    assert _private_uses(bad, tmp_path) == ["bad.py:1: import _agree", "bad.py:3: ._sync"]

@@ -49,7 +49,7 @@ from .files import (
     cannot_create,
     fsync_dir,
 )
-from .io import _agree, _RankFiles, model_files, open_checkpoint, persistent_buffers
+from .io import RankFiles, agree_on_failure, model_files, open_checkpoint, persistent_buffers
 from .manifest import BUFFERS
 
 __all__ = ["CHUNK_ELEMENTS", "ExportError", "export_hf", "save_hf"]
@@ -275,7 +275,7 @@ def export_hf(
     specs += [TensorSpec(n, _buffer_dtype(e.dtype, torch_dtype), e.shape) for n, e in buffers]
 
     piece = min(max((p["numel"] for p in params), default=0), CHUNK_ELEMENTS)
-    files = _RankFiles(folder, manifest["world_size"])
+    files = RankFiles(folder, manifest["world_size"])
 
     def read(name: str, c0: int, c1: int, buf: torch.Tensor) -> None:
         p = by_name[name]  # elements [c0, c1) of the flattened parameter
@@ -386,9 +386,9 @@ def save_hf(
     if engine.rank == 0:
         try:
             writer = HFFolderWriter(output, specs, limit, overwrite=overwrite)
-        except Exception as exc:  # noqa: BLE001 - re-raised by _agree on every rank
+        except Exception as exc:  # noqa: BLE001 - re-raised by agree_on_failure on every rank
             error = exc
-    _agree(engine, error, f"preparing {output}")
+    agree_on_failure(engine, error, f"preparing {output}")
     for unit in engine.units:
         if unit.shard_numel == 0:
             continue
@@ -428,9 +428,9 @@ def save_hf(
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(writer.tmp))
             writer.finish()
-        except Exception as exc:  # noqa: BLE001 - re-raised by _agree on every rank
+        except Exception as exc:  # noqa: BLE001 - re-raised by agree_on_failure on every rank
             error = exc
     if writer is not None and error is not None:
         writer.abort()
-    _agree(engine, error, f"writing {output}")
+    agree_on_failure(engine, error, f"writing {output}")
     return output if engine.rank == 0 else None

@@ -101,7 +101,7 @@ class CheckpointInfo:
 
 
 # ------------------------------------------------------------------------------- helpers
-def _agree(engine, error: BaseException | None, what: str) -> None:
+def agree_on_failure(engine, error: BaseException | None, what: str) -> None:
     """Every rank learns whether any rank failed; all raise together (see [Note: saving a
     checkpoint])."""
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=engine.device)
@@ -279,9 +279,9 @@ def save_checkpoint(
     if engine.rank == 0:
         try:
             _prepare_folder(root, staged)
-        except Exception as exc:  # noqa: BLE001 - re-raised by _agree on every rank
+        except Exception as exc:  # noqa: BLE001 - re-raised by agree_on_failure on every rank
             error = exc
-    _agree(engine, error, f"preparing {folder}")
+    agree_on_failure(engine, error, f"preparing {folder}")
 
     # Phase 2: every rank's file; the sum-reduce carries (ok, size, sha256 as 4 int64).
     table = torch.zeros(engine.world, 6, dtype=torch.int64, device=engine.device)
@@ -327,12 +327,12 @@ def save_checkpoint(
             atomic_write_bytes(root / LATEST, (name + "\n").encode())
             if keep_last is not None:
                 _rotate(root, keep_last, folder)
-        except Exception as exc:  # noqa: BLE001 - re-raised by _agree on every rank
+        except Exception as exc:  # noqa: BLE001 - re-raised by agree_on_failure on every rank
             error = exc
             if moving:
                 _settle_failed_move(folder)
             shutil.rmtree(staged, ignore_errors=True)  # a failed save leaves no folder behind
-    _agree(engine, error, f"finishing {folder}")
+    agree_on_failure(engine, error, f"finishing {folder}")
     log.info("zerotune: saved checkpoint %s (step %d, world size %d)", folder, step, engine.world)
     return folder
 
@@ -661,7 +661,7 @@ def _match_params(engine, manifest: dict, folder: Path) -> dict[int, list[dict]]
     return out
 
 
-class _RankFiles:
+class RankFiles:
     """Readers of the old rank files, opened on first use."""
 
     def __init__(self, folder: Path, world: int):
@@ -750,7 +750,7 @@ def load_checkpoint(
                 saved_bits,
                 engine.config.optim_state_bits,
             )
-    files = _RankFiles(folder, manifest["world_size"])
+    files = RankFiles(folder, manifest["world_size"])
     try:
         saved_keys = _saved_state_keys(files, manifest["world_size"]) if generic else {}
         for unit in engine.units:
@@ -804,7 +804,7 @@ def load_checkpoint(
     return CheckpointInfo(folder, manifest["step"], manifest["world_size"], manifest.get("extra"))
 
 
-def _saved_state_keys(files: _RankFiles, world: int) -> dict[tuple[int, str], torch.dtype]:
+def _saved_state_keys(files: RankFiles, world: int) -> dict[tuple[int, str], torch.dtype]:
     """(old unit index, ``state.<key>``) -> dtype of a ZeroOptimizer's per-element state in
     the rank files."""
     out = {}
@@ -816,7 +816,7 @@ def _saved_state_keys(files: _RankFiles, world: int) -> dict[tuple[int, str], to
     return out
 
 
-def _read_slice(unit, records: list[dict], files: _RankFiles, staged: dict) -> None:
+def _read_slice(unit, records: list[dict], files: RankFiles, staged: dict) -> None:
     """Fill this rank's new slice of ``unit`` from the old rank files (see [Note: loading at
     another world size])."""
     lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel

@@ -87,7 +87,7 @@ def backend() -> str:
     """The implementation ``SwapFile`` uses: "cpp-threads" or "python-threads" (fallback).
 
     Builds the C++ op on first call."""
-    return "python-threads" if _load_op() is None else "cpp-threads"
+    return "python-threads" if load_aio_op() is None else "cpp-threads"
 
 
 class IOHandle:
@@ -181,7 +181,7 @@ class SwapFile:
         self._pending: list[IOHandle] = []
         self._pending_lock = threading.Lock()
         self._prune_at = 64
-        op = _load_op()
+        op = load_aio_op()
         self._fd = _create(self.path, self.size)
         try:
             self.direct = False
@@ -427,7 +427,7 @@ class _PyEngine:
 # Helpers
 
 
-def _load_op() -> ModuleType | None:
+def load_aio_op() -> ModuleType | None:
     global _fallback_logged
     op = load_op("aio")
     if op is None:

@@ -74,9 +74,9 @@ def prefer_mmap_for_large_buffers(threshold: int = 1 << 20) -> None:
 
 
 def _aio_op():
-    from .aio import _load_op
+    from .aio import load_aio_op
 
-    return _load_op()
+    return load_aio_op()
 
 
 def host_cache_used(config, device: str) -> bool:

@@ -94,9 +94,9 @@ class GatherCache:
         then refilled with ``resize_``)."""
         if device.type != "cpu":
             return None  # accelerator allocators cache freed blocks themselves
-        from .aio import _load_op
+        from .aio import load_aio_op
 
-        op = _load_op()
+        op = load_aio_op()
         return cls(op.lend_storage) if op is not None else None
 
     def lend(self, flat: torch.Tensor, nbytes: int) -> torch.Tensor:

@@ -145,7 +145,7 @@ class SwapSpace:
         rank = zdist.get_rank(group)
         run_id = _shared_run_id(group)
         _remove_stale_runs(self.root, keep=run_id)
-        layout = {k: _layout(v, extent_align(k)) for k, v in sizes.items() if v}
+        layout = {k: extent_layout(v, extent_align(k)) for k, v in sizes.items() if v}
         need = sum(total for _, total in layout.values())
         free = shutil.disk_usage(self.root).free
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -213,7 +213,9 @@ def _size(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def _layout(sizes: dict[int, int], align: int = ALIGN) -> tuple[dict[int, tuple[int, int]], int]:
+def extent_layout(
+    sizes: dict[int, int], align: int = ALIGN
+) -> tuple[dict[int, tuple[int, int]], int]:
     offsets, cursor = {}, 0
     for index, nbytes in sizes.items():
         length = round_up(max(nbytes, 1))

@@ -114,10 +114,10 @@ class SwapPlan:
     def file_bytes(self, kind: str) -> int:
         """Bytes of ``kind``'s swap file (extents rounded up to 4 KiB, placed as
         ``extent_align`` says)."""
-        from ..memory.swap import _layout, extent_align
+        from ..memory.swap import extent_align, extent_layout
 
         sizes = self.sizes.get(kind)
-        return _layout(sizes, extent_align(kind))[1] if sizes else 0
+        return extent_layout(sizes, extent_align(kind))[1] if sizes else 0
 
     @property
     def total_bytes(self) -> int:
