@@ -49,7 +49,10 @@
 // Every step is the same IEEE operation as the scalar code's, so both give the same bytes
 // (tests compare them); `set_simd_level("scalar")` selects the scalar path.
 
-#include <torch/extension.h>
+// The headers it uses, not torch/extension.h: that one parses all of libtorch's C++ API,
+// most of what building the op costs.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <array>
