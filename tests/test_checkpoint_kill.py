@@ -85,6 +85,7 @@ class Server:
             bufsize=1,
         )
         self.lines: queue.Queue[str] = queue.Queue()
+        self.child: int | None = None  # the trainer of a run not yet reaped
         threading.Thread(target=self._read, daemon=True).start()
         self.expect("ready", timeout=120)
 
@@ -122,48 +123,67 @@ class Server:
         self.proc.stdin.write(f"{root} {total} {name or '-'}\n")
         self.proc.stdin.flush()
         (_, pid), _ = self.expect("child")
+        self.child = int(pid)
         (_, resumed), seen = self.expect("resumed")
         if kill_after is not None:
             time.sleep(kill_after)
             os.kill(int(pid), signal.SIGKILL)
         _, rest = self.expect("reaped")
+        self.child = None
         seen += rest
         losses = [(int(w[1]), float.fromhex(w[2])) for w in seen if w[0] == "loss"]
         saved = [int(w[1]) for w in seen if w[0] == "saved"]
         return int(resumed), losses, max(saved, default=int(resumed)), kill_after is not None
 
     def close(self) -> None:
+        if self.child is not None:  # a run that failed midway: its trainer may go on
+            os.kill(self.child, signal.SIGKILL)
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
 
 
+@pytest.fixture(scope="module")
+def servers():
+    started: list[Server] = []
+    yield started
+    for server in started:
+        server.close()
+
+
+@pytest.fixture
+def server(servers, tmp_path_factory):
+    """The module's server (each run forks a fresh trainer, on its own folders); a new one
+    after a test that failed in the middle of a run."""
+    if servers and servers[-1].child is not None:
+        servers.pop().close()
+    if not servers:
+        servers.append(Server(tmp_path_factory.mktemp("server")))
+    return servers[0]
+
+
 @pytest.mark.parametrize("name", [None, "last"], ids=["step-names", "one-name"])
-def test_sigkill_during_saves_always_leaves_the_last_complete_checkpoint(tmp_path, name):
+def test_sigkill_during_saves_always_leaves_the_last_complete_checkpoint(server, tmp_path, name):
     """Also when every save has the same name (it replaces the one before: the old one must
     stay whole until the new one is complete; it used to be removed first)."""
-    server = Server(tmp_path)
-    try:
-        rng = random.Random(20240601)
-        root = tmp_path / "ckpt"
-        runs = []
-        last_saved = 0
-        mid_save = 0  # kills that left a checkpoint folder without its marker
-        for _ in range(6):
-            resumed, losses, saved, _ = server.run(root, 100_000, rng.uniform(0.02, 0.4), name)
-            # The newest complete checkpoint: the last one reported saved, or the one whose
-            # save finished in the instant between its completion and the report.
-            assert last_saved <= resumed <= last_saved + 1, (resumed, last_saved)
-            runs.append(losses)
-            last_saved = saved
-            mid_save += any(p.is_dir() and not (p / "COMPLETE").exists() for p in root.iterdir())
-        resumed, losses, saved, _ = server.run(root, last_saved + 3, None, name)
-        assert last_saved <= resumed <= last_saved + 1
-        assert saved == last_saved + 3
+    rng = random.Random(20240601)
+    root = tmp_path / "ckpt"
+    runs = []
+    last_saved = 0
+    mid_save = 0  # kills that left a checkpoint folder without its marker
+    for _ in range(6):
+        resumed, losses, saved, _ = server.run(root, 100_000, rng.uniform(0.02, 0.4), name)
+        # The newest complete checkpoint: the last one reported saved, or the one whose
+        # save finished in the instant between its completion and the report.
+        assert last_saved <= resumed <= last_saved + 1, (resumed, last_saved)
         runs.append(losses)
-        # The reference: one run that was never killed, through the same code.
-        _, reference, _, _ = server.run(tmp_path / "reference", last_saved + 3, None)
-    finally:
-        server.close()
+        last_saved = saved
+        mid_save += any(p.is_dir() and not (p / "COMPLETE").exists() for p in root.iterdir())
+    resumed, losses, saved, _ = server.run(root, last_saved + 3, None, name)
+    assert last_saved <= resumed <= last_saved + 1
+    assert saved == last_saved + 3
+    runs.append(losses)
+    # The reference: one run that was never killed, through the same code.
+    _, reference, _, _ = server.run(tmp_path / "reference", last_saved + 3, None)
     expected = dict(reference)
     steps_seen = 0
     for losses in runs:
