@@ -38,8 +38,7 @@ def _plain(obj):
 
 
 def _pool_worker(rank, world, tasks, results):
-    """One rank of a pool: runs task after task, each in its own gloo process group, so a
-    test pays the ~8 s import of torch + transformers once per session, not per call."""
+    """One rank of a pool: runs task after task, each in its own gloo process group."""
     import torch.distributed as dist
 
     while True:
@@ -65,11 +64,30 @@ def _pool_worker(rank, world, tasks, results):
                 dist.destroy_process_group()
 
 
+def _fork_context():
+    """Rank processes are forked from multiprocessing's fork server, which imports torch,
+    transformers' GPT-2 and zerotune once (~8 s of CPU) instead of each rank importing them
+    again. It runs no tensor op, so it has no OpenMP threads that a fork would break."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["conftest", "harness", "transformers.models.gpt2.modeling_gpt2"])
+    return ctx
+
+
+def pytest_collection_modifyitems(items):
+    """Start the fork server's imports now, on the core the first tests leave idle, when a
+    collected test module runs ranks."""
+    if any(getattr(getattr(i, "module", None), "run_world", None) is run_world for i in items):
+        import multiprocessing.forkserver
+
+        _fork_context()
+        multiprocessing.forkserver.ensure_running()
+
+
 class _RankPool:
-    """``world`` spawned rank processes kept for the session (see ``run_world``)."""
+    """``world`` rank processes kept for the session (see ``run_world``)."""
 
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = _fork_context()
         self.world = world
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
