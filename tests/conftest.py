@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import tempfile
 import traceback
+from pathlib import Path
 
 # Tiny models: one thread per process (OpenMP threads spinning on a shared 2-core machine
 # cost more than they compute; ranks and scripts the tests start inherit this).
@@ -155,6 +158,28 @@ def _close_rank_pools():
     yield
     while _POOLS:
         _POOLS.popitem()[1].close()
+
+
+def run_together(*commands: list[str], timeout: float = 300, **popen) -> list:
+    """``subprocess.run(command, capture_output=True, text=True)`` for each command, all
+    started at once (one process leaves the second core idle); returns their
+    ``CompletedProcess`` in order. Keyword arguments go to every ``Popen``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [(Path(tmp, f"{i}.out"), Path(tmp, f"{i}.err")) for i in range(len(commands))]
+        procs = []
+        try:
+            for command, (out, err) in zip(commands, logs):
+                with out.open("w") as o, err.open("w") as e:
+                    procs.append(subprocess.Popen(command, stdout=o, stderr=e, **popen))
+            for proc in procs:
+                proc.wait(timeout=timeout)
+        finally:
+            for proc in procs:
+                proc.kill()
+        return [
+            subprocess.CompletedProcess(c, proc.returncode, out.read_text(), err.read_text())
+            for c, proc, (out, err) in zip(commands, procs, logs)
+        ]
 
 
 def tiny_gpt2(seed: int = 0, layers: int = 2, tie: bool = True, **overrides):

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+
+from conftest import run_together
 
 
 def test_env_reports_versions_without_optional_packages_noise():
     command = [sys.executable, "-c", "from zerotune.cli import main; main()", "env"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    text = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    text, out = run_together(command, [*command, "--json"], env=env, timeout=120)
     assert text.returncode == 0, text.stderr[-2000:]
     # bitsandbytes prints lines about its kernels when imported; env does not import it.
     assert text.stderr == "", text.stderr[-2000:]
     assert text.stdout.startswith("zerotune environment")
-    out = subprocess.run([*command, "--json"], capture_output=True, text=True, env=env,
-                         timeout=120)  # fmt: skip
     versions = json.loads(out.stdout)["versions"]
     from importlib.metadata import version
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import run_world
+from conftest import run_together, run_world
 
 from zerotune.estimate import engine_bytes, estimate
 from zerotune.sharding.plan import plan_units
@@ -421,20 +420,29 @@ def test_check_estimate_warns_beyond_15_percent(tmp_path, caplog):
 
 
 # ------------------------------------------------------------------------------ CLI
-def _cli(*args):
+ESTIMATE = [sys.executable, "-c", "from zerotune.cli import main; main()", "estimate"]
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """The `zerotune estimate` processes of the tests below, all started at once: their
+    results by name (a bad input's: its arguments joined)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    code = "from zerotune.cli import main; main()"
-    return subprocess.run(
-        [sys.executable, "-c", code, "estimate", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    runs = {
+        "json for a count": ["--params", "7.5e9", "--world-size", "64", "--host-memory", "512GB",
+                             "--json"],
+        "table for a model": ["--model", "gpt2-xl", "--world-size", "8", "--gpu-memory", "24GB",
+                              "--host-memory", "256GB", "--seq-len", "1024",
+                              "--activation-checkpointing",
+                              "--nvme-path", str(tmp_path_factory.mktemp("nvme"))],
+        **{" ".join(args): args for args, _ in REAL_PROCESS},
+    }  # fmt: skip
+    done = run_together(*([*ESTIMATE, *args] for args in runs.values()), env=env, timeout=120)
+    return dict(zip(runs, done))
 
 
-def test_cli_json_for_a_parameter_count():
-    out = _cli("--params", "7.5e9", "--world-size", "64", "--host-memory", "512GB", "--json")
+def test_cli_json_for_a_parameter_count(cli):
+    out = cli["json for a count"]
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["parameters"] == 7_500_000_000 and data["world_size"] == 64
@@ -449,22 +457,8 @@ def test_cli_json_for_a_parameter_count():
     )
 
 
-def test_cli_table_for_a_model(tmp_path):
-    out = _cli(
-        "--model",
-        "gpt2-xl",
-        "--world-size",
-        "8",
-        "--gpu-memory",
-        "24GB",
-        "--host-memory",
-        "256GB",
-        "--seq-len",
-        "1024",
-        "--activation-checkpointing",
-        "--nvme-path",
-        str(tmp_path),
-    )
+def test_cli_table_for_a_model(cli):
+    out = cli["table for a model"]
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "1,557,611,200 parameters" in text and "recommended:" in text
@@ -492,6 +486,7 @@ BAD_INPUT = [
     (["--model", "tiny-gpt2", "--seq-len", "4096"], "exceeds the model's context length 128"),
     (["--params", "1e9", "--gpu-memory", "1e400"], "too large to be a size"),
 ]
+REAL_PROCESS = [BAD_INPUT[1], BAD_INPUT[5]]
 
 
 def _one_line_error(code: int, stdout: str, stderr: str, message: str) -> None:
@@ -512,9 +507,9 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(args, message):
     _one_line_error(result.exit_code, result.stdout, result.stderr, message)
 
 
-@pytest.mark.parametrize("args,message", [BAD_INPUT[1], BAD_INPUT[5]])
-def test_cli_bad_input_in_a_real_process(args, message):
-    out = _cli(*args)
+@pytest.mark.parametrize("args,message", REAL_PROCESS)
+def test_cli_bad_input_in_a_real_process(cli, args, message):
+    out = cli[" ".join(args)]
     _one_line_error(out.returncode, out.stdout, out.stderr, message)
 
 
@@ -532,9 +527,11 @@ def test_cli_takes_a_hub_id_from_the_local_cache(tmp_path):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    run = [sys.executable, "-c", "from zerotune.cli import main; main()", "estimate"]
-    out = subprocess.run([*run, "--model", "zt-test/small", "--json", "--gpu-memory", "none"],
-                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    out, absent = run_together(
+        [*ESTIMATE, "--model", "zt-test/small", "--json", "--gpu-memory", "none"],
+        [*ESTIMATE, "--model", "zt-test/absent"],
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads(out.stdout)
     n = 1000 * 64 + 128 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64
@@ -542,6 +539,4 @@ def test_cli_takes_a_hub_id_from_the_local_cache(tmp_path):
     command = plan["recommended"]["command"]
     assert command.startswith("zerotune finetune --model zt-test/small --stage")
     assert "--init random" not in command
-    absent = subprocess.run([*run, "--model", "zt-test/absent"], capture_output=True, text=True,
-                            env=env, timeout=300)  # fmt: skip
     assert absent.returncode == 2 and "hub id whose config is in the local" in absent.stderr

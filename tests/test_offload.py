@@ -7,7 +7,7 @@ import os
 import stat
 
 import pytest
-from conftest import run_world
+from conftest import run_together, run_world
 from harness import train_zero
 from test_engine_equivalence import check, reference
 
@@ -94,24 +94,25 @@ print(json.dumps({"grew": peak - base, "largest": max(u.gathered_bytes for u in 
 
 def test_nvme_peak_memory_stays_within_staging_unit_and_activations(tmp_path):
     import json
-    import subprocess
     import sys
 
-    def run(code, *args):
-        script = tmp_path / "script.py"
-        script.write_text(code)
-        out = subprocess.run(
-            [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+    def script(name, code):
+        path = tmp_path / f"{name}.py"
+        path.write_text(code)
+        return [sys.executable, str(path)]
 
     swap = tmp_path / "swap"
     swap.mkdir()
-    r = run(MEMORY_SCRIPT, str(swap))
+    # Both at once: each measures its own process's memory.
+    runs = run_together(
+        [*script("memory", MEMORY_SCRIPT), str(swap)], script("activations", ACTIVATIONS_SCRIPT)
+    )
+    for out in runs:
+        assert out.returncode == 0, out.stderr[-3000:]
+    r, plain = (json.loads(out.stdout.strip().splitlines()[-1]) for out in runs)
     # Activations of this batch plus torch's own first-forward overhead, measured on a plain
     # forward of the same model (no parameter gradients, no optimizer).
-    activations = run(ACTIVATIONS_SCRIPT)["grew"]
+    activations = plain["grew"]
     mb = 2**20
     model_state = r["numel"] * 16  # fp32 params + grads + master-sized moments: what plain holds
     assert r["staging"] <= r["staging_limit"]

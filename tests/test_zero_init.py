@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_world, tiny_gpt2, tiny_llama_config
+from conftest import run_together, run_world, tiny_gpt2, tiny_llama_config
 
 
 def build_zero(rank, world, seed):
@@ -116,24 +115,18 @@ print(json.dumps({"base": base, "peak": peak, "shards": shards, "largest": large
 """
 
 
-def _run_memory(mode: str, tmp_path) -> dict:
+def test_zero_init_peak_memory_stays_within_shards_plus_one_unit(tmp_path):
     import json
 
     script = tmp_path / "mem.py"
     script.write_text(MEMORY_SCRIPT)
-    if mode == "zero":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(script), mode]  # fmt: skip
-    else:
-        cmd = [sys.executable, str(script), mode]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_zero_init_peak_memory_stays_within_shards_plus_one_unit(tmp_path):
-    zero = _run_memory("zero", tmp_path)
-    plain = _run_memory("plain", tmp_path)
+    zero = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", "2", str(script), "zero"]  # fmt: skip
+    # Both at once: each measures its own processes' memory.
+    runs = run_together(zero, [sys.executable, str(script), "plain"])
+    for out in runs:
+        assert out.returncode == 0, out.stderr[-3000:]
+    zero, plain = (json.loads(out.stdout.strip().splitlines()[-1]) for out in runs)
     mb = 2**20
     grew = zero["peak"] - zero["base"]
     # The bound of the issue, counted from the process's RSS after imports: this rank's
