@@ -20,6 +20,28 @@ RTOL = 1e-5
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.fixture(scope="module", autouse=True)
+def world2_run(request, tmp_path_factory):
+    """The torchrun job of ``test_world2_torchrun_matches_ddp`` (at the end of this file),
+    started with the module's first test: its two ranks run on the core that the in-process
+    tests leave idle. Yields (process, its JSON output, its stderr file)."""
+    if not any(i.name == "test_world2_torchrun_matches_ddp" for i in request.session.items):
+        yield None
+        return
+    work = tmp_path_factory.mktemp("world2")
+    out, err = work / "world2.json", work / "stderr.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             str(HERE / "trainer_cases.py"), str(out)],
+            stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+        )  # fmt: skip
+    yield proc, out, err
+    proc.kill()
+    proc.wait()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The plain Trainer's run (world 1): logs, final weights, evaluation."""
@@ -142,29 +164,6 @@ def test_config_and_pretrained_folder_models(reference, tmp_path):
     trainer = zero_run(str(tmp_path / "b"), model_source=model().config)
     losses = logged(trainer)
     assert len(losses) == COMMON["max_steps"] and losses[-1] < losses[0]
-
-
-def test_world2_torchrun_matches_ddp(tmp_path):
-    """The plain Trainer under DDP and ZeroTrainer (stages 1 and 3; stage 2 with NVMe
-    optimizer state), each on 2 ranks under torchrun: the same logged losses and gradient
-    norms."""
-    out = tmp_path / "world2.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(HERE / "trainer_cases.py"), str(out)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(out.read_text())
-    plain = results.pop("plain")
-    assert plain["world"] == 2 and len(plain["loss"]) == COMMON["max_steps"]
-    for name, got in results.items():
-        assert got["world"] == 2 and got["engine_world"] == 2, name
-        torch.testing.assert_close(got["loss"], plain["loss"], rtol=RTOL, atol=0, msg=name)
-        torch.testing.assert_close(
-            got["grad_norm"], plain["grad_norm"], rtol=1e-4, atol=0, msg=name
-        )
 
 
 def test_resume_from_mid_run_checkpoint(tmp_path):
@@ -430,3 +429,20 @@ def test_default_callbacks_and_parameter_counts_are_the_plain_trainers(tmp_path,
     assert zero.get_num_trainable_parameters() == want
     assert zero.memory_measured is not None  # the estimate was checked after the first step
     zero.close()
+
+
+def test_world2_torchrun_matches_ddp(world2_run):
+    """The plain Trainer under DDP and ZeroTrainer (stages 1 and 3; stage 2 with NVMe
+    optimizer state), each on 2 ranks under torchrun: the same logged losses and gradient
+    norms."""
+    proc, out, err = world2_run
+    assert proc.wait(timeout=300) == 0, err.read_text()[-4000:]
+    results = json.loads(out.read_text())
+    plain = results.pop("plain")
+    assert plain["world"] == 2 and len(plain["loss"]) == COMMON["max_steps"]
+    for name, got in results.items():
+        assert got["world"] == 2 and got["engine_world"] == 2, name
+        torch.testing.assert_close(got["loss"], plain["loss"], rtol=RTOL, atol=0, msg=name)
+        torch.testing.assert_close(
+            got["grad_norm"], plain["grad_norm"], rtol=1e-4, atol=0, msg=name
+        )
