@@ -14,9 +14,18 @@ RTOL = 1e-5
 SHORT = {**COMMON, "max_steps": 3, "warmup_steps": 0}
 
 
+_plain_twice_runs: dict[str, tuple] = {}
+
+
 def _plain_twice(tmp_path, optim: str):
     """Two plain Trainers over one model object: the second goes on from the first's weights
-    with an optimizer of its own."""
+    with an optimizer of its own (run once per optimizer)."""
+    if optim not in _plain_twice_runs:
+        _plain_twice_runs[optim] = _train_plain_twice(tmp_path, optim)
+    return _plain_twice_runs[optim]
+
+
+def _train_plain_twice(tmp_path, optim: str):
     from transformers import Trainer, TrainingArguments
 
     m = model()

@@ -91,43 +91,62 @@ def _zero_args(cls, tmp_path, zero_name: str, **extra):
     return zero(cls)(output_dir=str(tmp_path / "zero"), **ARGS, **options, **extra)
 
 
-@pytest.mark.parametrize("zero_name", list(ZERO))
-def test_sft_on_chat_data_logs_the_plain_sft_losses(tmp_path, zero_name):
-    """Assistant-only loss and TRL's default gradient checkpointing included."""
-    sft = dict(assistant_only_loss=True, gradient_checkpointing=True)
+SFT = dict(assistant_only_loss=True, gradient_checkpointing=True)
+
+
+@pytest.fixture(scope="module")
+def plain_sft(tmp_path_factory):
+    """The plain SFTTrainer's logs, for every ZeRO setting."""
     plain = SFTTrainer(
         model=byte_gpt2(),
-        args=SFTConfig(output_dir=str(tmp_path / "plain"), **ARGS, **sft),
+        args=SFTConfig(output_dir=str(tmp_path_factory.mktemp("plain")), **ARGS, **SFT),
         train_dataset=chats(),
         processing_class=chat_tokenizer(),
     )
     plain.train()
+    return {key: logged(plain, key) for key in ("loss", "mean_token_accuracy")}
+
+
+@pytest.mark.parametrize("zero_name", list(ZERO))
+def test_sft_on_chat_data_logs_the_plain_sft_losses(tmp_path, zero_name, plain_sft):
+    """Assistant-only loss and TRL's default gradient checkpointing included."""
     trainer = zero(SFTTrainer)(
         model=byte_gpt2(),
-        args=_zero_args(SFTConfig, tmp_path, zero_name, **sft),
+        args=_zero_args(SFTConfig, tmp_path, zero_name, **SFT),
         train_dataset=chats(),
         processing_class=chat_tokenizer(),
     )
     assert isinstance(trainer, ZeroTrainer) and isinstance(trainer, SFTTrainer)
     trainer.train()
     assert len(logged(trainer)) == ARGS["max_steps"]
-    torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
+    torch.testing.assert_close(logged(trainer), plain_sft["loss"], rtol=RTOL, atol=0)
     torch.testing.assert_close(
-        logged(trainer, "mean_token_accuracy"), logged(plain, "mean_token_accuracy")
+        logged(trainer, "mean_token_accuracy"), plain_sft["mean_token_accuracy"]
     )
     trainer.close()
 
 
-@pytest.mark.parametrize("zero_name", list(ZERO))
-def test_dpo_shards_its_reference_model_and_logs_the_plain_dpo_losses(tmp_path, zero_name):
+DPO_LOGGED = ("loss", "rewards/margins", "logps/chosen")
+
+
+@pytest.fixture(scope="module")
+def plain_dpo(tmp_path_factory):
+    """The plain DPOTrainer's logs, for every ZeRO setting."""
     plain = DPOTrainer(
         model=byte_gpt2(),
         ref_model=byte_gpt2(),
-        args=DPOConfig(output_dir=str(tmp_path / "plain"), **ARGS),
+        args=DPOConfig(output_dir=str(tmp_path_factory.mktemp("plain")), **ARGS),
         train_dataset=preferences(),
         processing_class=byte_tokenizer(),
     )
     plain.train()
+    return {key: logged(plain, key) for key in DPO_LOGGED}
+
+
+@pytest.mark.parametrize("zero_name", list(ZERO))
+def test_dpo_shards_its_reference_model_and_logs_the_plain_dpo_losses(
+    tmp_path, zero_name, plain_dpo
+):
     trainer = zero(DPOTrainer)(
         model=byte_gpt2(),
         ref_model=byte_gpt2(),
@@ -143,8 +162,8 @@ def test_dpo_shards_its_reference_model_and_logs_the_plain_dpo_losses(tmp_path, 
     released = [s.param.numel() for u in ref.units if not u.persistent for s in u.slots]
     assert len(released) > 4 and not any(released)
     trainer.train()
-    for key in ("loss", "rewards/margins", "logps/chosen"):
-        torch.testing.assert_close(logged(trainer, key), logged(plain, key), rtol=RTOL, atol=1e-6)
+    for key in DPO_LOGGED:
+        torch.testing.assert_close(logged(trainer, key), plain_dpo[key], rtol=RTOL, atol=1e-6)
     trainer.close()
 
 
