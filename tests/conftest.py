@@ -7,7 +7,6 @@ import socket
 import subprocess
 import tempfile
 import traceback
-from pathlib import Path
 
 # Tiny models: one thread per process (OpenMP threads spinning on a shared 2-core machine
 # cost more than they compute; ranks and scripts the tests start inherit this).
@@ -160,26 +159,49 @@ def _close_rank_pools():
         _POOLS.popitem()[1].close()
 
 
+class Started:
+    """A process started now and read later: ``result()`` waits for it and returns what
+    ``subprocess.run(command, capture_output=True, text=True)`` would have. Its output goes
+    to files (a pipe not read yet could fill and stall it)."""
+
+    def __init__(self, command: list[str], **popen):
+        self.command = command
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(command, stdout=self.out, stderr=self.err, **popen)
+
+    def result(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+        out, err = (f.seek(0) or f.read() for f in (self.out, self.err))
+        return subprocess.CompletedProcess(self.command, self.proc.returncode, out, err)
+
+    def stop(self) -> None:
+        """Ends it if it still runs (a test failed before reading it)."""
+        self.proc.kill()
+        self.proc.wait()
+
+
 def run_together(*commands: list[str], timeout: float = 300, **popen) -> list:
     """``subprocess.run(command, capture_output=True, text=True)`` for each command, all
     started at once (one process leaves the second core idle); returns their
     ``CompletedProcess`` in order. Keyword arguments go to every ``Popen``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        logs = [(Path(tmp, f"{i}.out"), Path(tmp, f"{i}.err")) for i in range(len(commands))]
-        procs = []
-        try:
-            for command, (out, err) in zip(commands, logs):
-                with out.open("w") as o, err.open("w") as e:
-                    procs.append(subprocess.Popen(command, stdout=o, stderr=e, **popen))
-            for proc in procs:
-                proc.wait(timeout=timeout)
-        finally:
-            for proc in procs:
-                proc.kill()
-        return [
-            subprocess.CompletedProcess(c, proc.returncode, out.read_text(), err.read_text())
-            for c, proc, (out, err) in zip(commands, procs, logs)
-        ]
+    started = [Started(command, **popen) for command in commands]
+    try:
+        return [s.result(timeout) for s in started]
+    finally:
+        for s in started:
+            s.stop()
+
+
+def start_for(request, test: str, command: list[str], **popen) -> Started | None:
+    """For a module fixture: ``command`` started now when ``test`` is among the tests that
+    will run (it reads the result), so that the process runs on the core the module's
+    in-process tests leave idle; else None."""
+    if not any(getattr(i, "originalname", i.name) == test for i in request.session.items):
+        return None
+    return Started(command, **popen)
 
 
 def tiny_gpt2(seed: int = 0, layers: int = 2, tie: bool = True, **overrides):

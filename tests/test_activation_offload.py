@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import run_world, tiny_gpt2
+from conftest import run_world, start_for, tiny_gpt2
 from harness import batches, build, loss_of, train_zero
 from test_engine_equivalence import check, reference
 
@@ -173,27 +173,22 @@ print(json.dumps(out))
 """
 
 
-def test_nvme_checkpoints_lower_rss_after_forward(tmp_path):
-    script = tmp_path / "rss.py"
+@pytest.fixture(scope="module", autouse=True)
+def rss_run(request, tmp_path_factory):
+    """The script of ``test_nvme_checkpoints_lower_rss_after_forward`` (at the end of this
+    file), started with the module's first test. Yields it and its swap folder."""
+    tmp = tmp_path_factory.mktemp("rss")
+    script, swap = tmp / "rss.py", tmp / "swap"
     script.write_text(RSS_SCRIPT)
-    swap = tmp_path / "swap"
     swap.mkdir()
-    out = subprocess.run(
-        [sys.executable, str(script), str(swap)], capture_output=True, text=True, timeout=300
+    job = start_for(
+        request,
+        "test_nvme_checkpoints_lower_rss_after_forward",
+        [sys.executable, str(script), str(swap)],
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    plain, moved = result["none"], result["nvme"]
-    checkpoint_bytes = 128 * 64 * 32 * 4 * 8  # batch * seq * hidden * fp32 * layers = 8 MiB
-    assert moved["loss"] == plain["loss"]
-    # Held between forward and backward: the checkpoints plus what the head saves (logits,
-    # loss); with nvme the checkpoints are on disk, except the newest, already back for
-    # backward (1 MiB of slack for the allocator).
-    saved = plain["grew"] - moved["grew"]
-    bound = checkpoint_bytes * 7 // 8 - 2**20
-    assert saved > bound, (plain["grew"] / 2**20, moved["grew"] / 2**20)
-    assert checkpoint_bytes <= moved["file"] < 2 * checkpoint_bytes  # one bounded file
-    assert list(swap.iterdir()) == []
+    yield job, swap
+    if job is not None:
+        job.stop()
 
 
 def test_swap_file_is_private_and_removed_at_close(tmp_path):
@@ -349,3 +344,21 @@ def test_full_disk_is_one_clear_error(tmp_path):
         assert list(small.iterdir()) == []
     finally:
         subprocess.run(["umount", str(small)])
+
+
+def test_nvme_checkpoints_lower_rss_after_forward(rss_run):
+    job, swap = rss_run
+    out = job.result(timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    plain, moved = result["none"], result["nvme"]
+    checkpoint_bytes = 128 * 64 * 32 * 4 * 8  # batch * seq * hidden * fp32 * layers = 8 MiB
+    assert moved["loss"] == plain["loss"]
+    # Held between forward and backward: the checkpoints plus what the head saves (logits,
+    # loss); with nvme the checkpoints are on disk, except the newest, already back for
+    # backward (1 MiB of slack for the allocator).
+    saved = plain["grew"] - moved["grew"]
+    bound = checkpoint_bytes * 7 // 8 - 2**20
+    assert saved > bound, (plain["grew"] / 2**20, moved["grew"] / 2**20)
+    assert checkpoint_bytes <= moved["file"] < 2 * checkpoint_bytes  # one bounded file
+    assert list(swap.iterdir()) == []

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import start_for
 from trainer_cases import COMMON, dataset, logged, model, plain_run, zero_run
 
 import zerotune
@@ -23,23 +23,18 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module", autouse=True)
 def world2_run(request, tmp_path_factory):
     """The torchrun job of ``test_world2_torchrun_matches_ddp`` (at the end of this file),
-    started with the module's first test: its two ranks run on the core that the in-process
-    tests leave idle. Yields (process, its JSON output, its stderr file)."""
-    if not any(i.name == "test_world2_torchrun_matches_ddp" for i in request.session.items):
-        yield None
-        return
-    work = tmp_path_factory.mktemp("world2")
-    out, err = work / "world2.json", work / "stderr.txt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with err.open("w") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             str(HERE / "trainer_cases.py"), str(out)],
-            stdout=subprocess.DEVNULL, stderr=stderr, env=env,
-        )  # fmt: skip
-    yield proc, out, err
-    proc.kill()
-    proc.wait()
+    started with the module's first test. Yields it and the JSON file it writes."""
+    out = tmp_path_factory.mktemp("world2") / "world2.json"
+    job = start_for(
+        request,
+        "test_world2_torchrun_matches_ddp",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(HERE / "trainer_cases.py"), str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    yield job, out
+    if job is not None:
+        job.stop()
 
 
 @pytest.fixture(scope="module")
@@ -435,8 +430,9 @@ def test_world2_torchrun_matches_ddp(world2_run):
     """The plain Trainer under DDP and ZeroTrainer (stages 1 and 3; stage 2 with NVMe
     optimizer state), each on 2 ranks under torchrun: the same logged losses and gradient
     norms."""
-    proc, out, err = world2_run
-    assert proc.wait(timeout=300) == 0, err.read_text()[-4000:]
+    job, out = world2_run
+    proc = job.result(timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
     plain = results.pop("plain")
     assert plain["world"] == 2 and len(plain["loss"]) == COMMON["max_steps"]
