@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Started
 
 from zerotune.memory import aio
 from zerotune.memory.aio import ALIGN, AioError, SwapFile, aligned_empty
@@ -48,21 +49,40 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _run_python(code: str, **env_over: str) -> dict:
+def _start_python(code: str, **env_over: str) -> Started:
     env = dict(os.environ)
     env.pop("ZEROTUNE_DISABLE_OPS", None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.update(env_over)
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return Started([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env)
+
+
+def _report(child: Started) -> dict:
+    proc = child.result(timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """The child processes of the tests that need one (a resource limit, or the ops disabled
+    at import), all started with the first of those tests. Yields their folder and them."""
+    tmp = tmp_path_factory.mktemp("children")
+    started = {
+        **{
+            f"fsize-{disable}": _start_python(
+                FSIZE_CHILD.replace("sys.argv[1]", repr(str(tmp / f"swap-{disable}"))),
+                ZEROTUNE_DISABLE_OPS=disable,
+            )
+            for disable in ("0", "1")
+        },
+        "disabled": _start_python(
+            DISABLED_CHILD.replace("SWAP", repr(str(tmp / "disabled"))), ZEROTUNE_DISABLE_OPS="1"
+        ),
+    }
+    yield tmp, started
+    for child in started.values():
+        child.stop()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,12 +425,11 @@ FSIZE_CHILD = """
 
 
 @pytest.mark.parametrize("disable_ops", ["0", "1"])
-def test_file_size_limit_errors(tmp_path, disable_ops):
+def test_file_size_limit_errors(children, disable_ops):
     """RLIMIT_FSIZE makes the disk refuse, as a full one would: at creation and in a worker."""
-    path = tmp_path / "swap"
-    rep = _run_python(
-        FSIZE_CHILD.replace("sys.argv[1]", repr(str(path))), ZEROTUNE_DISABLE_OPS=disable_ops
-    )
+    tmp, started = children
+    path = tmp / f"swap-{disable_ops}"
+    rep = _report(started[f"fsize-{disable_ops}"])
     if disable_ops == "1":
         assert rep["backend"] == "python-threads"
     code, filename, text = rep["create"]
@@ -462,8 +481,7 @@ def test_full_filesystem_gives_a_clear_error(tiny_tmpfs, impl):
 # The fallback, as a process without the C++ ops sees it
 
 
-def test_disabled_ops_use_the_python_fallback(tmp_path):
-    code = f"""
+DISABLED_CHILD = """
         import json, logging, torch
         records = []
         class Keep(logging.Handler):
@@ -474,17 +492,20 @@ def test_disabled_ops_use_the_python_fallback(tmp_path):
         from zerotune.memory.aio import SwapFile, aligned_empty, backend
         equal = []
         for i in range(2):
-            with SwapFile({str(tmp_path / "swap")!r}, 1 << 20, block_bytes=8192) as f:
+            with SwapFile(SWAP, 1 << 20, block_bytes=8192) as f:
                 t = aligned_empty(10_001, torch.float32).normal_()
                 f.write(t, 4096).wait()
                 out = aligned_empty(10_001, torch.float32)
                 f.read(out, 4096).wait()
                 equal.append(torch.equal(out.view(torch.int32), t.view(torch.int32)))
                 direct = f.direct
-        print(json.dumps({{"backend": backend(), "equal": equal, "direct": direct,
-                           "logs": [r for r in records if "Python threads" in r]}}))
-    """
-    rep = _run_python(code, ZEROTUNE_DISABLE_OPS="1")
+        print(json.dumps({"backend": backend(), "equal": equal, "direct": direct,
+                          "logs": [r for r in records if "Python threads" in r]}))
+"""
+
+
+def test_disabled_ops_use_the_python_fallback(children):
+    rep = _report(children[1]["disabled"])
     assert rep["backend"] == "python-threads"
     assert rep["equal"] == [True, True] and rep["direct"] is False
     assert len(rep["logs"]) == 1, rep["logs"]  # logged once
