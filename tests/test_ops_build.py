@@ -2,12 +2,12 @@
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import Started, start_for
 
 from zerotune.ops import build as ops_build
 from zerotune.ops import cpu_simd_level, load_op, op_status
@@ -58,34 +58,39 @@ CHILD = textwrap.dedent(
 )
 
 
-def _run_child(cache: Path, **env_over: str) -> subprocess.Popen:
+def _child_command(cache: Path, **env_over: str) -> tuple[list[str], dict]:
     env = dict(os.environ)
     env.pop("ZEROTUNE_DISABLE_OPS", None)
     env["ZEROTUNE_CACHE"] = str(cache)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.update(env_over)
-    return subprocess.Popen(
-        [sys.executable, "-c", CHILD],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return [sys.executable, "-c", CHILD], dict(cwd=ROOT, env=env)
 
 
-def _result(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err
-    return json.loads(out.strip().splitlines()[-1])
+def _result(child: Started) -> dict:
+    proc = child.result(timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def broken_compiler_child(request, tmp_path_factory):
+    """The child of ``test_broken_compiler_falls_back_with_one_warning``, started with the
+    module's first test (it needs no compiler time)."""
+    command, popen = _child_command(tmp_path_factory.mktemp("broken"), CXX="/bin/false")
+    child = start_for(request, "test_broken_compiler_falls_back_with_one_warning", command, **popen)
+    yield child
+    if child is not None:
+        child.stop()
 
 
 @pytest.fixture(scope="module")
 def built_cache(tmp_path_factory):
     """Two processes start at once on an empty cache; returns the cache and their reports."""
     cache = tmp_path_factory.mktemp("zt_cache")
-    procs = [_run_child(cache) for _ in range(2)]
-    return cache, [_result(p) for p in procs]
+    command, popen = _child_command(cache)
+    children = [Started(command, **popen) for _ in range(2)]
+    return cache, [_result(c) for c in children]
 
 
 def test_concurrent_build_both_succeed(built_cache):
@@ -120,8 +125,8 @@ def test_status_not_built(tmp_path, monkeypatch):
     assert st.state == "not built" and st.path.startswith(str(tmp_path))
 
 
-def test_broken_compiler_falls_back_with_one_warning(tmp_path):
-    rep = _result(_run_child(tmp_path, CXX="/bin/false"))
+def test_broken_compiler_falls_back_with_one_warning(broken_compiler_child):
+    rep = _result(broken_compiler_child)
     assert rep["close"], rep
     assert rep["backend"] == "torch-fallback"
     assert rep["state"] == "fallback"
