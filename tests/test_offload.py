@@ -971,6 +971,27 @@ def _train_carried(tmp_path, monkeypatch, carry: bool, steps: int = 6, config=No
     return losses, left, states, weights, previews, norms, held
 
 
+def _plain_scheduled(max_norm: float):
+    """Plain AdamW over 6 batches with the scheduler ``_train_carried`` uses, clipping the
+    gradient norm at ``max_norm`` (inf: the norm only): the model, losses and norms."""
+    import torch
+    from harness import LR, WD, batches, build, loss_of, no_decay_groups
+
+    model = build("gpt2")
+    opt = torch.optim.AdamW(no_decay_groups(model, WD), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
+    losses, norms = [], []
+    for ids in batches("gpt2", 6):
+        loss = loss_of(model, ids)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return model, losses, norms
+
+
 def test_a_step_carried_into_the_next_forward_matches_plain_adamw(tmp_path, monkeypatch):
     """``step()`` returns with updates still queued (the units backward finished last) and
     the next forward finishes each before gathering it: losses and weights are those of
@@ -979,20 +1000,8 @@ def test_a_step_carried_into_the_next_forward_matches_plain_adamw(tmp_path, monk
     that of steps finished in ``step()``."""
     import numpy as np
     import torch
-    from harness import LR, WD, batches, build, loss_of, no_decay_groups
 
-    model = build("gpt2")
-    opt = torch.optim.AdamW(no_decay_groups(model, WD), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
-    ref_losses, ref_norms = [], []
-    for ids in batches("gpt2", 6):
-        loss = loss_of(model, ids)
-        loss.backward()
-        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        ref_losses.append(float(loss.detach()))
+    model, ref_losses, ref_norms = _plain_scheduled(float("inf"))
 
     losses, left, states, weights, previews, norms, _ = _train_carried(
         tmp_path / "a", monkeypatch, carry=True
@@ -1022,23 +1031,11 @@ def test_a_clipped_overlapped_step_matches_plain_adamw_with_clipping(tmp_path, m
     and every update runs after ``step()``, carried into the next forward. Losses, norms
     and weights are those of plain AdamW clipping every step, with a scheduler."""
     import numpy as np
-    import torch
-    from harness import LR, MAX_NORM, WD, batches, build, loss_of, no_decay_groups
+    from harness import MAX_NORM, build
 
     from zerotune.estimate import estimate
 
-    model = build("gpt2")
-    opt = torch.optim.AdamW(no_decay_groups(model, WD), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
-    ref_losses, ref_norms = [], []
-    for ids in batches("gpt2", 6):
-        loss = loss_of(model, ids)
-        loss.backward()
-        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        ref_losses.append(float(loss.detach()))
+    model, ref_losses, ref_norms = _plain_scheduled(MAX_NORM)
     assert min(ref_norms) > MAX_NORM  # clipping clips every step
 
     config = dict(OVERLAP_CONFIGS[0], grad_host_bytes=2**16)
