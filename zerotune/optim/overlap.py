@@ -1,12 +1,13 @@
 """The units an optimizer updates during one overlapped backward, streamed through its
 state store's pipeline (see [Note: overlapped step], [Note: carrying the step into the
 next forward] and [Note: a clipped overlapped step] in zero_adam.py, [Note: reading ahead
-of backward] in state_store.py).
+of backward] in pipeline.py).
 
 The optimizer provides ``store`` (``chunks``, ``pipeline``), ``unit_segments``,
 ``count_step``, ``update_chunk(unit, c0, c1, master, state, grad)``, ``launch_order``
-(the units of its last overlapped step, in order) and ``_carry`` (the step carried into
-the forward, if any): ZeroAdamW and ZeroOptimizer with its state on NVMe.
+(the units of its last overlapped step, in order), ``owns`` and, with clipping,
+``norm_sq`` and ``add_unit_sum_of_squares``: ZeroAdamW and ZeroOptimizer with its state
+on NVMe.
 """
 
 from __future__ import annotations
@@ -67,18 +68,21 @@ class OverlappedStep:
         segs = opt.unit_segments.get(unit.index)
         if segs is None or unit.grad_is_zero or unit.index in self.launched:
             return
-        self.launched[unit.index] = None
-        self.unfinished[unit.index] = unit
-        unit.update_pending = True
-        opt.count_step(unit)
+        self._take(unit)
         if self.clipping:
-            for c0, c1, grad in opt.engine.grad_chunks(unit):
-                opt.add_sum_of_squares(opt.norm_sq, unit, c0, c1, grad)
+            opt.add_unit_sum_of_squares(opt.norm_sq, unit)
             if unit.index not in self.keep:
                 unit.spill_held_grad()
         else:
             self._queue(unit)
         self.pump()
+
+    def _take(self, unit) -> None:
+        """``unit``'s update is this step's: its step counts are taken now."""
+        self.launched[unit.index] = None
+        self.unfinished[unit.index] = unit
+        unit.update_pending = True
+        self.opt.count_step(unit)
 
     def _queue(self, unit) -> None:
         self.feed.items.extend((unit, c0, c1) for c0, c1 in self.opt.store.chunks(unit))
@@ -91,10 +95,7 @@ class OverlappedStep:
         in the order the next forward gathers them."""
         for unit in late:
             if unit.index not in self.launched:
-                self.launched[unit.index] = None
-                self.unfinished[unit.index] = unit
-                unit.update_pending = True
-                self.opt.count_step(unit)
+                self._take(unit)
         for unit in sorted(self.unfinished.values(), key=lambda u: u.index):
             self._queue(unit)
         self.pump()

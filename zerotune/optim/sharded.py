@@ -204,9 +204,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Sum over this rank's live segments of grad**2 (inf/nan if any gradient is)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
         for unit in self._live_units():
-            for c0, c1, grad in self.engine.grad_chunks(unit):
-                self.add_sum_of_squares(sq, unit, c0, c1, grad)
+            self.add_unit_sum_of_squares(sq, unit)
         return sq
+
+    def add_unit_sum_of_squares(self, sq: torch.Tensor, unit) -> None:
+        """``sq += grad**2`` summed over the unit's segments, its whole gradient shard."""
+        for c0, c1, grad in self.engine.grad_chunks(unit):
+            self.add_sum_of_squares(sq, unit, c0, c1, grad)
 
     def add_sum_of_squares(self, sq: torch.Tensor, unit, c0: int, c1: int, grad) -> None:
         """``sq += grad**2`` summed over the unit's segments within chunk ``[c0, c1)``."""
@@ -249,8 +253,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sq, self.norm_sq = self.norm_sq, None
         for unit in self._live_units():
             if unit.index not in overlap.launched:
-                for c0, c1, grad in self.engine.grad_chunks(unit):
-                    self.add_sum_of_squares(sq, unit, c0, c1, grad)
+                self.add_unit_sum_of_squares(sq, unit)
         zdist.all_reduce_sum(sq, self.engine.group)
         self._grad_norm = float(sq.sqrt())
         self.pending_grad_norm.fill_(self._grad_norm)

@@ -87,7 +87,7 @@ queues every update, in the order the next forward gathers the units, and carrie
 into that forward (see [Note: carrying the step into the next forward]), each unit updated
 just before its gather. Backward still does what does not depend on the norm: the pipeline
 reads ahead the first units' master and moments in every staging slot ([Note: reading
-ahead of backward] in state_store.py), and gradient shards bound for NVMe stay in memory
+ahead of backward] in pipeline.py), and gradient shards bound for NVMe stay in memory
 for the units updated first, within ``grad_host_bytes``
 (``plan.grads_kept_for_update``), the others being written as usual (held only until
 their share of the norm is summed). The updates are exactly the ones a step after
