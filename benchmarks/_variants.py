@@ -54,3 +54,13 @@ def run_variants(
         if keep_going:
             print(f"{name}: {line}", file=sys.stderr, flush=True)
     return results
+
+
+def page_cache_bytes() -> int:
+    """Cached + Buffers of /proc/meminfo (the whole machine's page cache)."""
+    total = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(("Cached:", "Buffers:")):
+                total += int(line.split()[1]) * 1024
+    return total

@@ -63,7 +63,7 @@ import statistics
 import sys
 import time
 
-from _variants import answer_as_variant, run_variants
+from _variants import answer_as_variant, page_cache_bytes, run_variants
 
 # Optimizers run through zerotune.ZeroOptimizer: (torch.optim class name, kwargs).
 GENERIC = {"adafactor": ("Adafactor", {"lr": 1e-3}), "sgd": ("SGD", {"lr": 1e-3, "momentum": 0.9})}
@@ -221,7 +221,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         args.overlap_step and args.variant not in ("plain", "zerotune-sequential")
     ) or args.variant == "zerotune-unclipped"
     io = psutil.Process().io_counters
-    cached0 = _page_cache_bytes()
+    cached0 = page_cache_bytes()
     cached_peak = 0
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
     times = {"forward": [], "backward": [], "optimizer": [], "total": []}
@@ -249,7 +249,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         opt.zero_grad()
         t3 = time.perf_counter()
         after = io()
-        cached_peak = max(cached_peak, _page_cache_bytes() - cached0)
+        cached_peak = max(cached_peak, page_cache_bytes() - cached0)
         losses.append(float(loss.detach()))
         if step >= args.warmup:
             for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
@@ -277,16 +277,6 @@ def run_variant(args: argparse.Namespace) -> dict:
             )
         runner.close()
     return result
-
-
-def _page_cache_bytes() -> int:
-    """Cached + Buffers of /proc/meminfo (the whole machine's page cache)."""
-    total = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(("Cached:", "Buffers:")):
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 def median_round(rounds: list[dict[str, dict]]) -> dict[str, dict]:
