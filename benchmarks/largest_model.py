@@ -100,10 +100,10 @@ def main() -> None:
     if args.prefetch_bytes is not None:
         zcfg["prefetch_bytes"] = parse_bytes(args.prefetch_bytes, name="--prefetch-bytes")
 
+    settings = {k: v for k, v in zcfg.items() if not k.startswith("offload")}
     plan = estimate(config, gpu_memory=None, seq_len=args.seq, micro_batch=args.batch,
                     device="cpu", dtype="fp32", grad_dtype=args.grad_dtype,
-                    optim_state_bits=args.state_bits,
-                    config={k: v for k, v in zcfg.items() if not k.startswith("offload")})  # fmt: skip
+                    optim_state_bits=args.state_bits, config=settings)  # fmt: skip
     option = next(
         o
         for o in plan.options
