@@ -39,7 +39,7 @@ def run_variant(variant: str, ckpt: str, out: str, dtype: str) -> dict:
     else:
         from safetensors.torch import save_file
 
-        from zerotune.checkpoint.io import RankFiles, open_checkpoint
+        from zerotune.checkpoint.load import RankFiles, open_checkpoint
 
         folder, manifest = open_checkpoint(ckpt)
         files = RankFiles(folder, manifest["world_size"])

@@ -318,7 +318,7 @@ def _build_ops_once() -> None:
 
 def _stopped_line(signal_name: str, output_dir) -> str:
     """What an interrupted run says: how to go on, if any checkpoint is complete."""
-    from zerotune.hf.trainer import TRAINER_MARKER
+    from zerotune.hf.checkpoints import TRAINER_MARKER
 
     if not list(Path(output_dir).glob(f"checkpoint-*/{TRAINER_MARKER}")):
         return f"zerotune finetune: stopped by {signal_name} before the first checkpoint"

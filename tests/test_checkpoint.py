@@ -392,7 +392,7 @@ def test_saving_again_under_a_name_replaces_the_checkpoint_whole(tmp_path, monke
     new one is (it used to be removed first): a save failing midway keeps the old one
     loadable, and one that completes replaces it, through the atomic exchange and through
     the fallback of two renames."""
-    from zerotune.checkpoint import files, io
+    from zerotune.checkpoint import files, save
 
     engine, opt, _ = make_engine(build("odd"))
     save_checkpoint(engine, tmp_path, step=1, name="last")
@@ -403,12 +403,12 @@ def test_saving_again_under_a_name_replaces_the_checkpoint_whole(tmp_path, monke
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(io, "_write_side_files", disk_full)
+    monkeypatch.setattr(save, "_write_side_files", disk_full)
     with pytest.raises(CheckpointError, match="last failed: No space left on device"):
         save_checkpoint(engine, tmp_path, step=2, name="last")
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "latest"]  # nothing staged
-    monkeypatch.setattr(io, "_write_rank_file", disk_full)  # in phase 2 this time
+    monkeypatch.setattr(save, "_write_rank_file", disk_full)  # in phase 2 this time
     with pytest.raises(CheckpointError, match="writing .*last failed: No space left on device"):
         save_checkpoint(engine, tmp_path, step=2, name="last")
     monkeypatch.undo()
@@ -418,7 +418,7 @@ def test_saving_again_under_a_name_replaces_the_checkpoint_whole(tmp_path, monke
     assert weights_equal(again, before)
     for exchange in (True, False):
         if not exchange:
-            monkeypatch.setattr(io, "exchange_paths", lambda a, b: False)
+            monkeypatch.setattr(save, "exchange_paths", lambda a, b: False)
         save_checkpoint(engine, tmp_path, step=2, name="last")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "latest"]
         again = fresh_odd()

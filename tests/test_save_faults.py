@@ -15,7 +15,7 @@ from harness import WD, batches, build, loss_of, no_decay_groups
 import zerotune
 from zerotune.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from zerotune.checkpoint import files as ckpt_files
-from zerotune.checkpoint import io as ckpt_io
+from zerotune.checkpoint import save as ckpt_save
 
 # (where, name): the calls a save makes that can fail with an OSError.
 CALLS = [
@@ -25,7 +25,7 @@ CALLS = [
     (os, "replace"),
     (os, "rename"),
     (ckpt_files.TensorFileWriter, "_put"),  # a rank file's bytes
-    (ckpt_io, "atomic_write_bytes"),  # manifest, marker, latest
+    (ckpt_save, "atomic_write_bytes"),  # manifest, marker, latest
 ]
 
 

@@ -130,13 +130,13 @@ def test_rotation_happens_once_the_new_checkpoint_is_complete(tmp_path, monkeypa
     from zerotune.hf import trainer as zt
 
     order = []
-    real_mark = zt._mark_complete
+    real_mark = zt.mark_complete
 
     def mark(folder, step):
         order.append(("marked", step, sorted(p.name for p in folder.parent.glob("checkpoint-*"))))
         return real_mark(folder, step)
 
-    monkeypatch.setattr(zt, "_mark_complete", mark)
+    monkeypatch.setattr(zt, "mark_complete", mark)
     out = tmp_path / "out"
     zero_run(str(out), save_total_limit=1, **SAVES).close()
     # When step 4 was marked complete, step 2 was still there; only the newest is left.

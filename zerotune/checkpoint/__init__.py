@@ -1,12 +1,13 @@
 """Sharded checkpoints that resume at any world size, and streaming export to an HF folder.
 
-See [Note: checkpoint layout] in manifest.py, [Note: saving a checkpoint] and
-[Note: loading at another world size] in io.py, [Note: streaming export] in export.py.
+See [Note: checkpoint layout] in manifest.py, [Note: saving a checkpoint] in save.py,
+[Note: loading at another world size] in load.py, [Note: streaming export] in export.py.
 """
 
 from .export import ExportError, export_hf, save_hf
-from .io import CheckpointInfo, load_checkpoint, save_checkpoint
+from .load import CheckpointInfo, load_checkpoint
 from .manifest import CheckpointError, latest_checkpoint, resolve_checkpoint
+from .save import save_checkpoint
 
 __all__ = [
     "CheckpointError",

@@ -49,8 +49,10 @@ from .files import (
     cannot_create,
     fsync_dir,
 )
-from .io import RankFiles, agree_on_failure, model_files, open_checkpoint, persistent_buffers
+from .load import RankFiles, open_checkpoint
 from .manifest import BUFFERS
+from .save import agree_on_failure
+from .state import model_files, persistent_buffers
 
 __all__ = ["CHUNK_ELEMENTS", "ExportError", "export_hf", "save_hf"]
 

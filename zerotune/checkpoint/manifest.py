@@ -19,7 +19,7 @@ numel, its optimizer step count, and ``ranges``: which rank file holds which par
 ``[rank, param_start, param_stop, slice_offset]`` (elements ``[param_start, param_stop)`` of
 the flattened parameter are elements ``[slice_offset, ...)`` of that rank's ``u{unit}.*``
 tensors). Loading at any world size reads, for each parameter part in its new slice, just
-those ranges (see io.py). Tiles of a tiled linear (sharding/tiling.py) are parameters of
+those ranges (see load.py). Tiles of a tiled linear (sharding/tiling.py) are parameters of
 their own; ``tiled`` lists each tiled weight's name, shape and tile blocks, so that export
 writes the untiled weight and loading refuses a model tiled otherwise. A folder without
 ``COMPLETE`` (or whose ``COMPLETE`` does not match its manifest) is not a checkpoint: a save

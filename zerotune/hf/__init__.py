@@ -14,7 +14,7 @@ _LAZY = {
     "ZeroTrainer": "trainer",
     "build_engine": "trainer",
     "ZeroTrainingArguments": "args",
-    "zero": "trainer",
+    "zero": "subclasses",
     "JobError": "job",
     "prepare_job": "prepare",
     "run_job": "finetune",

@@ -1,4 +1,5 @@
-"""zerotune config presets (``configs/*.yaml``) and reading config files before validation.
+"""zerotune config presets (``configs/*.yaml``), reading config files before validation, and
+a config described in one line.
 
 The flags of ``ZeroTrainingArguments`` and ``zerotune finetune`` are merged into a file's
 mapping first, and only the result is validated as a ``ZeroConfig``; this module reads the
@@ -15,7 +16,7 @@ from typing import Any
 
 from ..config import ConfigError
 
-__all__ = ["list_zero_presets", "read_zero_config_file"]
+__all__ = ["describe_config", "list_zero_presets", "read_zero_config_file"]
 
 
 def list_zero_presets() -> list[str]:
@@ -61,3 +62,17 @@ def read_zero_config_file(name_or_path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a zerotune config must be a mapping of keys to values")
     return data
+
+
+def describe_config(config) -> str:
+    """One line naming a ZeroConfig's stage, dtype, offload tiers and memory options."""
+    parts = [f"ZeRO-{config.stage}", config.dtype]
+    if config.offload_param != "none" or config.offload_optimizer != "none":
+        parts.append(f"offload param={config.offload_param} optimizer={config.offload_optimizer}")
+    if config.offload_activations != "none":
+        parts.append(f"activation checkpoints on {config.offload_activations}")
+    if config.optim_state_bits == 8:
+        parts.append("8-bit Adam states")
+    if config.tile_linear_bytes:
+        parts.append(f"linears tiled above {config.tile_linear_bytes:,} bytes")
+    return ", ".join(parts)

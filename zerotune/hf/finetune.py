@@ -230,7 +230,7 @@ class RunReport:
 
 def _finish(job: Job, trainer, result, eval_metrics, memory, elapsed: float, echo) -> RunReport:
     """Rank 0 after training: the loss curve and ``run_summary.json`` in the output folder."""
-    from .trainer import describe_config
+    from .configs import describe_config
 
     args = trainer.args
     out = Path(args.output_dir)

@@ -248,7 +248,7 @@ def check_resume(args) -> None:
     """The checkpoint a resume starts from is there and complete: --resume_from_checkpoint's,
     or the newest complete one in the output folder. Raises JobError."""
     from ..checkpoint import CheckpointError
-    from .trainer import check_resumable, latest_complete_checkpoint
+    from .checkpoints import check_resumable, latest_complete_checkpoint
 
     if args.resume_from_checkpoint:
         with as_job_error(CheckpointError):

@@ -51,17 +51,11 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import random
-import re
 import shutil
-from collections.abc import MutableMapping
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import PretrainedConfig, Trainer
@@ -69,15 +63,35 @@ from transformers import PretrainedConfig, Trainer
 from .. import dist as zdist
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_hf
 from ..checkpoint.export import export_dtype
-from ..checkpoint.files import atomic_write_bytes, sha256_file
-from ..checkpoint.manifest import MARKER, trainer_checkpoints
 from ..estimate import check_estimate
 from ..init import from_pretrained, load_weights, zero_init
-from ..optim import ZeroAdamW, ZeroOptimizer
+from ..memory.probes import accelerator_allocated, current_rss, peak_rss, reset_peak_rss
+from ..optim import ZeroAdamW
 from ..sharding import ZeroEngine
 from .args import ZeroTrainingArguments
+from .checkpoints import (
+    TRAINER_MARKER,
+    ZERO_DIR,
+    capture_rng,
+    check_resumable,
+    latest_complete_checkpoint,
+    mark_complete,
+    move_model_files,
+    restore_rng,
+)
+from .configs import describe_config
+from .optimizers import (
+    ModelGroup,
+    ModelParams,
+    TrainerAdamW,
+    TrainerOptimizer,
+    driven_by_trainer,
+    embeddings_in_32_bits,
+    rebuild_over_shards,
+)
 
 __all__ = [
+    "TRAINER_MARKER",
     "ZeroTrainer",
     "build_engine",
     "check_resumable",
@@ -88,14 +102,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 log.addFilter(zdist.RankFilter())
 
-TRAINER_STATE = "trainer_state.json"
-ZERO_DIR = "zero"  # the zerotune checkpoint inside a Trainer checkpoint folder
-# Written last into a Trainer checkpoint folder, once trainer_state.json is on disk: the
-# checksums of that file and of the zerotune checkpoint's marker (see check_resumable).
-TRAINER_MARKER = "TRAINER_COMPLETE"
 # Checkpoints of a model up to this size also hold its consolidated weights by default.
 GATHER_ON_SAVE_BYTES = 2**30
-_WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$|^model\.safetensors\.index\.json$")
 
 
 def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
@@ -135,161 +143,6 @@ def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
     )
 
 
-class _DrivenByTrainer:
-    """An optimizer over the shards as the Trainer drives it. Marked as prepared so
-    accelerate does not wrap it (see [Note: how ZeroTrainer plugs into Trainer]);
-    ``step_was_skipped`` is what ``accelerator.optimizer_step_was_skipped`` reads to hold the
-    scheduler back on fp16 overflow."""
-
-    _is_accelerate_prepared = True
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.last_info = None
-
-    def step(self, closure=None):
-        self.last_info = super().step(closure)
-        return self.last_info
-
-    @property
-    def step_was_skipped(self) -> bool:
-        return self.last_info is not None and self.last_info.skipped
-
-
-class _TrainerAdamW(_DrivenByTrainer, ZeroAdamW):
-    """ZeroAdamW as the Trainer drives it."""
-
-
-class _TrainerOptimizer(_DrivenByTrainer, ZeroOptimizer):
-    """ZeroOptimizer as the Trainer drives it."""
-
-
-def _driven_by_trainer(optimizer) -> None:
-    """Give an optimizer built over the engine (``optimizers=``) what the Trainer's own get
-    (``_DrivenByTrainer``): the same object, its class swapped for a subclass."""
-    cls = type(optimizer)
-    if not isinstance(optimizer, _DrivenByTrainer):
-        optimizer.__class__ = type(cls.__name__, (_DrivenByTrainer, cls), {})
-        optimizer.last_info = None
-
-
-def _rebuild_over_shards(engine, optimizer, scheduler) -> ZeroOptimizer:
-    """The same optimizer class over ``engine``'s shards, from an optimizer built over the
-    model's parameters: its groups (hyper-parameters, and parameters matched by identity)."""
-    cls = type(optimizer)
-    if isinstance(optimizer, (ZeroAdamW, ZeroOptimizer)):
-        raise ValueError(
-            "the optimizer given to ZeroTrainer runs over another engine; pass "
-            "optimizer_cls_and_kwargs=(cls, kwargs) and let ZeroTrainer build it"
-        )
-    how = "pass optimizer_cls_and_kwargs=(cls, kwargs) instead"
-    if any(len(st) for st in optimizer.state.values()):
-        raise ValueError(
-            f"the {cls.__name__} given to ZeroTrainer has stepped already (its state would be "
-            f"lost when it is rebuilt over the shards); {how}"
-        )
-    params = {id(s.param) for u in engine.units for s in u.slots}
-    params.update(engine.tiled_from)  # a weight the engine cut into tiles stands for them
-    groups = []
-    for g in optimizer.param_groups:
-        if any(id(p) not in params for p in g["params"]):
-            raise ValueError(
-                f"the {cls.__name__} given to ZeroTrainer holds tensors that are not the "
-                f"model's parameters, so it cannot be rebuilt over the shards; {how}"
-            )
-        groups.append(dict(g))
-    engine.detach_optimizer()  # the optimizer of the model's trainer before, if any
-    try:
-        rebuilt = _TrainerOptimizer(engine, cls, groups)
-    except TypeError as exc:
-        raise ValueError(
-            f"the {cls.__name__} given to ZeroTrainer cannot be rebuilt over the shards from "
-            f"its parameter groups ({exc}); {how}"
-        ) from None
-    extra = getattr(optimizer, "args", None)  # bitsandbytes keeps some settings there
-    if extra is not None and rebuilt.inner is not None:
-        rebuilt.inner.args = extra
-    if scheduler is not None:
-        scheduler.optimizer = rebuilt  # it reads the groups of the optimizer it steps
-        _mark_steps(rebuilt)
-    return rebuilt
-
-
-class _ModelParams(list):
-    """Parameters of one optimizer group; ``in`` compares by identity (a released stage-3
-    parameter is empty, and ``==`` between tensors compares values)."""
-
-    def __contains__(self, item) -> bool:
-        return any(p is item for p in self)
-
-
-class _ModelGroup(MutableMapping):
-    """One optimizer group seen with the model's parameters in ``params``; every other key
-    reads and writes the optimizer's group."""
-
-    def __init__(self, group: dict, params: _ModelParams):
-        self._group, self._params = group, params
-
-    def __getitem__(self, key):
-        return self._params if key == "params" else self._group[key]
-
-    def __setitem__(self, key, value) -> None:
-        if key == "params":
-            raise TypeError("the parameters of a ZeroTrainer optimizer group are fixed")
-        self._group[key] = value
-
-    def __delitem__(self, key) -> None:
-        del self._group[key]
-
-    def __iter__(self):
-        return iter(self._group)
-
-    def __len__(self) -> int:
-        return len(self._group)
-
-
-def _mark_steps(optimizer) -> None:
-    """Do to ``optimizer`` what a torch LR scheduler does to the one it is built with: its
-    ``step`` records that it ran, which the scheduler's ``step`` checks (and warns about
-    otherwise)."""
-    step = optimizer.step
-
-    def wrapper(*args, **kwargs):
-        optimizer._opt_called = True
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True
-    optimizer.step = wrapper
-
-
-def _embeddings_in_32_bits(engine, optimizer: ZeroOptimizer) -> None:
-    """As the plain Trainer does for bitsandbytes' 8-bit optimizers: embeddings keep 32-bit
-    state. Set on this optimizer alone: an override in bitsandbytes' process-wide manager
-    would make every later bitsandbytes optimizer read these (sharded) weights."""
-    for module in engine.module.modules():
-        if isinstance(module, nn.Embedding):
-            weight = module._parameters.get("weight")
-            if weight is not None:
-                optimizer.override_config(weight, {"optim_bits": 32})
-
-
-# [Note: any Trainer subclass]
-# ZeroTrainer changes the Trainer only through methods the Trainer calls on itself
-# (engine-building ``__init__``, ``_wrap_model``, ``create_optimizer``, the accelerator's
-# ``backward``, checkpoint saving and loading), each ending in ``super()``. A subclass such
-# as TRL's ``SFTTrainer`` prepares data and the model in its own ``__init__`` and computes
-# its loss in ``compute_loss``, then hands over to ``Trainer``. ``zero(cls)`` builds the
-# class ``(ZeroTrainer, cls)``: its method order is ZeroTrainer, then ``cls``, then
-# ``Trainer``, so the model is sharded before ``cls.__init__`` sees it (it gets the sharded
-# HF model, as with the plain Trainer), and every override of ``cls`` still runs, between
-# ZeroTrainer's and the Trainer's. Its arguments must be both: ``zero(SFTConfig)`` is the
-# dataclass ``(ZeroTrainingArguments, SFTConfig)``, with the fields of both, so that ``cls``
-# finds its own fields and ZeroTrainer its own. The model a subclass keeps beside the
-# trained one, TRL's reference model, is assigned to ``self.ref_model``: ZeroTrainer's
-# property shards it there with the same configuration, frozen and without optimizer, so
-# that it never sits whole in memory beside the shards of the model it is compared with.
-
-
 class ZeroTrainer(Trainer):
     """``transformers.Trainer`` with ZeRO-1/2/3 sharding and ZeRO-Infinity offload.
 
@@ -300,8 +153,6 @@ class ZeroTrainer(Trainer):
     ``train(resume_from_checkpoint=...)``, ``evaluate()``, ``predict()``, ``save_model()``.
     Call ``close()`` at the end to remove NVMe swap files early (they also go at exit).
     """
-
-    _overlap_backward = False  # the next accelerator.backward is a step's overlapped one
 
     def __init__(self, model=None, args: ZeroTrainingArguments | None = None, **kwargs):
         if args is None:
@@ -321,9 +172,10 @@ class ZeroTrainer(Trainer):
             )
         # Peaks are measured from here: check_estimate compares what the engine and the
         # training add with `zerotune estimate` after the first step.
-        _reset_peak_rss()
-        self._rss_base = _current_rss()
-        self._accel_base = _accelerator_allocated(args.device)
+        reset_peak_rss()
+        self._rss_base: int = current_rss()
+        self._accel_base: int | None = accelerator_allocated(args.device)
+        self._overlap_backward: bool = False  # the next accelerator.backward is a step's last
         self.engine: ZeroEngine | None = None  # with model_init: built by call_model_init
         self.ref_engine: ZeroEngine | None = None  # a reference model's (ref_model)
         self._resume_rng: dict | None = None
@@ -338,11 +190,11 @@ class ZeroTrainer(Trainer):
         if optimizer is None or self.engine is None:
             pass  # model_init with optimizers= is the Trainer's to refuse
         elif optimizer is self.engine.optimizer:
-            _driven_by_trainer(optimizer)  # built over this engine's shards already
+            driven_by_trainer(optimizer)  # built over this engine's shards already
         else:
             # Built over the model's parameters: the same class over the shards.
             kwargs["optimizers"] = (
-                _rebuild_over_shards(self.engine, optimizer, scheduler),
+                rebuild_over_shards(self.engine, optimizer, scheduler),
                 scheduler,
             )
         super().__init__(model=model, args=args, **kwargs)
@@ -356,8 +208,8 @@ class ZeroTrainer(Trainer):
     @property
     def ref_model(self) -> nn.Module | None:
         """The reference model of trainers that keep one (TRL's ``DPOTrainer``): sharded like
-        the trained model, and frozen, as it is assigned (see [Note: any Trainer
-        subclass]); None for trainers without one."""
+        the trained model, and frozen, as it is assigned (see [Note: any Trainer subclass]
+        in hf/subclasses.py); None for trainers without one."""
         return self.__dict__.get("_ref_model")
 
     @ref_model.setter
@@ -440,7 +292,7 @@ class ZeroTrainer(Trainer):
                 {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
             ]
             if self.optimizer_cls_and_kwargs is None and args.uses_zero_adamw:
-                self.optimizer = _TrainerAdamW(
+                self.optimizer = TrainerAdamW(
                     self.engine,
                     groups,
                     lr=args.learning_rate,
@@ -453,9 +305,9 @@ class ZeroTrainer(Trainer):
                     cls, kwargs = self.optimizer_cls_and_kwargs
                 else:
                     cls, kwargs = self.get_optimizer_cls_and_kwargs(args)
-                self.optimizer = _TrainerOptimizer(self.engine, cls, groups, **dict(kwargs))
+                self.optimizer = TrainerOptimizer(self.engine, cls, groups, **dict(kwargs))
                 if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
-                    _embeddings_in_32_bits(self.engine, self.optimizer)
+                    embeddings_in_32_bits(self.engine, self.optimizer)
         self._check_estimate_after_the_first_step()
         return self.optimizer
 
@@ -467,7 +319,7 @@ class ZeroTrainer(Trainer):
         if self.optimizer is None:
             return super().get_optimizer_group(param)
         opt = self.optimizer
-        groups = [_ModelParams(ps) for ps in opt.model_param_groups]
+        groups = [ModelParams(ps) for ps in opt.model_param_groups]
         if isinstance(param, str):
             param = dict(self.model.named_parameters()).get(param)
         if param is not None:
@@ -475,7 +327,7 @@ class ZeroTrainer(Trainer):
             wanted = tiles[0] if original is param else param
             for group, params in zip(opt.param_groups, groups):
                 if wanted in params:
-                    return _ModelGroup(group, params)
+                    return ModelGroup(group, params)
         return groups
 
     def _check_estimate_after_the_first_step(self) -> None:
@@ -560,10 +412,10 @@ class ZeroTrainer(Trainer):
         estimate` for this engine and these arguments; logs both, warns beyond 15% and
         returns the warnings. Called once after the first optimizer step."""
         measured = {
-            "host": max(_peak_rss() - self._rss_base, 0),
+            "host": max(peak_rss() - self._rss_base, 0),
             "nvme": self.engine.memory_report().get("nvme", 0),
         }
-        accel = _accelerator_allocated(self.engine.device, peak=True)
+        accel = accelerator_allocated(self.engine.device, peak=True)
         if accel is not None:
             measured["device"] = max(accel - (self._accel_base or 0), 0)
         seq_len, micro_batch = None, self.args.per_device_train_batch_size
@@ -632,7 +484,7 @@ class ZeroTrainer(Trainer):
                 bar.close()
         if self.engine.rank == 0:
             if not fresh:
-                _move_model_files(target, output)
+                move_model_files(target, output)
             (output / "training_args.json").write_text(self.args.to_json_string())
         zdist.barrier(self.engine.group)
         log.info("zerotune: saved the model to %s", output)
@@ -659,7 +511,7 @@ class ZeroTrainer(Trainer):
         try:
             super()._save_checkpoint(model, trial)
             if self.args.should_save:
-                _mark_complete(folder, self.state.global_step)
+                mark_complete(folder, self.state.global_step)
         except (OSError, CheckpointError) as exc:
             if self.args.should_save and folder.is_dir():
                 shutil.rmtree(folder, ignore_errors=True)  # nothing half-written stays
@@ -730,11 +582,11 @@ class ZeroTrainer(Trainer):
         )
         # The Trainer restores RNG states later (after skipping the trained batches); keep
         # what the checkpoint held for then.
-        self._resume_rng = _capture_rng()
+        self._resume_rng = capture_rng()
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if checkpoint is not None and self._resume_rng is not None:
-            _restore_rng(self._resume_rng)
+            restore_rng(self._resume_rng)
 
     def _load_best_model(self) -> None:
         best = Path(self.state.best_model_checkpoint)
@@ -758,7 +610,7 @@ class ZeroTrainer(Trainer):
             accel = torch.cuda.max_memory_allocated(self.engine.device)
         return {
             "accelerator_peak": accel,
-            "host_peak": _peak_rss(),
+            "host_peak": peak_rss(),
             "nvme": report.get("nvme", 0) + report.get("checkpoints_file", 0),
             **{f"engine_{k}": v for k, v in report.items()},
         }
@@ -768,195 +620,3 @@ class ZeroTrainer(Trainer):
         self.engine.close()
         if self.ref_engine is not None:
             self.ref_engine.close()
-
-
-# ------------------------------------------------------------------------------ helpers
-def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The newest ``checkpoint-N`` under ``output_dir`` whose save finished. One cut short
-    (no marker) is skipped with a warning; one whose files no longer match its marker was
-    complete once and has been changed since: an error, not a silent step back (as for
-    zerotune checkpoints, see checkpoint/manifest.py)."""
-    for p in reversed(trainer_checkpoints(output_dir)):
-        why = _incomplete(p)
-        if why is None:
-            return str(p)
-        if (p / TRAINER_MARKER).is_file():
-            raise CheckpointError(
-                f"{p} was changed after its save ({why}); resume from an earlier checkpoint "
-                "by naming it"
-            )
-        log.warning("zerotune: skipping %s: %s", p, why)
-    return None
-
-
-def _mark_complete(folder: Path, step: int) -> None:
-    """Write ``TRAINER_MARKER`` into a Trainer checkpoint whose files are all written."""
-    state = folder / TRAINER_STATE
-    with open(state, "rb") as f:
-        data = f.read()
-        os.fsync(f.fileno())  # the marker must never outlive the state it covers
-    json.loads(data)
-    zero = folder / ZERO_DIR / MARKER
-    record = {
-        "step": step,
-        "trainer_state_sha256": hashlib.sha256(data).hexdigest(),
-        "zero_marker_sha256": sha256_file(zero) if zero.is_file() else None,
-    }
-    atomic_write_bytes(folder / TRAINER_MARKER, json.dumps(record).encode())
-
-
-def _incomplete(folder: Path) -> str | None:
-    """Why ``folder`` is not a complete ZeroTrainer checkpoint, or None."""
-    marker = folder / TRAINER_MARKER
-    if not marker.is_file():
-        return f"no {TRAINER_MARKER} marker: its save was interrupted"
-    try:
-        record = json.loads(marker.read_text())
-        if not isinstance(record, dict):
-            raise ValueError
-    except (OSError, ValueError):
-        return f"its {TRAINER_MARKER} marker is unreadable (damaged after the save)"
-    state = folder / TRAINER_STATE
-    if not state.is_file() or sha256_file(state) != record.get("trainer_state_sha256"):
-        return f"{TRAINER_STATE} does not match its marker (lost or changed after the save)"
-    zero = folder / ZERO_DIR / MARKER
-    expected = record.get("zero_marker_sha256")
-    if expected is not None and (not zero.is_file() or sha256_file(zero) != expected):
-        return f"{ZERO_DIR}/{MARKER} does not match its marker (changed after the save)"
-    return None
-
-
-def check_resumable(folder: Path) -> None:
-    """Raise CheckpointError unless ``folder`` is a ZeroTrainer checkpoint that was completed
-    (its marker covers ``trainer_state.json`` and the zerotune checkpoint)."""
-    if not folder.is_dir():
-        raise CheckpointError(f"Can't find a valid checkpoint at {folder}")
-    if (folder / ZERO_DIR).is_dir():
-        why = _incomplete(folder)
-        if why is not None:
-            raise CheckpointError(f"{folder} cannot be resumed: {why}")
-        return
-    if any(_WEIGHT_FILES.match(p.name) for p in folder.iterdir()):
-        raise CheckpointError(
-            f"{folder} holds a model but no optimizer state (a saved model, or a "
-            "save_only_model checkpoint): train from it as the model instead of resuming"
-        )
-    raise CheckpointError(f"{folder} is not a ZeroTrainer checkpoint (no {ZERO_DIR}/ folder)")
-
-
-def _move_model_files(staged: Path, output: Path) -> None:
-    """Move a finished HF folder's files into ``output``, replacing the weight files of an
-    earlier save (one rename per file)."""
-    new = {p.name for p in staged.iterdir()}
-    for old in output.iterdir():
-        if old.is_file() and _WEIGHT_FILES.match(old.name) and old.name not in new:
-            old.unlink()
-    for p in staged.iterdir():
-        dest = output / p.name
-        if dest.is_dir():
-            shutil.rmtree(dest)
-        os.replace(p, dest)
-    staged.rmdir()
-
-
-def _capture_rng() -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _restore_rng(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _current_rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _reset_peak_rss() -> None:
-    """Start VmHWM again from the current RSS (Linux: clear_refs 5); elsewhere the peak
-    keeps what came before, so measured peaks may read high."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _accelerator_allocated(device, peak: bool = False) -> int | None:
-    """Bytes the CUDA allocator holds for tensors on ``device`` (its peak with ``peak``;
-    None on other devices). The peak counter is reset when ``peak`` is False."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    if peak:
-        return torch.cuda.max_memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def _peak_rss() -> int:
-    """Peak resident set size of this process (VmHWM), in bytes."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def describe_config(config) -> str:
-    """One line naming a ZeroConfig's stage, dtype, offload tiers and memory options."""
-    parts = [f"ZeRO-{config.stage}", config.dtype]
-    if config.offload_param != "none" or config.offload_optimizer != "none":
-        parts.append(f"offload param={config.offload_param} optimizer={config.offload_optimizer}")
-    if config.offload_activations != "none":
-        parts.append(f"activation checkpoints on {config.offload_activations}")
-    if config.optim_state_bits == 8:
-        parts.append("8-bit Adam states")
-    if config.tile_linear_bytes:
-        parts.append(f"linears tiled above {config.tile_linear_bytes:,} bytes")
-    return ", ".join(parts)
-
-
-# ------------------------------------------------------------- any Trainer subclass
-_ZERO_CLASSES: dict[type, type] = {}
-
-
-def zero(cls: type) -> type:
-    """ZeroTrainer's behaviour for a ``Trainer`` subclass, or ZeroTrainingArguments' fields
-    for a ``TrainingArguments`` subclass (e.g. TRL's ``SFTTrainer`` and ``SFTConfig``); see
-    [Note: any Trainer subclass]. The class made is the same on every call."""
-    from dataclasses import dataclass
-
-    from transformers import TrainingArguments
-
-    made = _ZERO_CLASSES.get(cls)
-    if made is not None or issubclass(cls, (ZeroTrainer, ZeroTrainingArguments)):
-        return made or cls
-    if issubclass(cls, Trainer):
-        bases = (ZeroTrainer, cls)
-    elif issubclass(cls, TrainingArguments):
-        bases = (ZeroTrainingArguments, cls)
-    else:
-        raise TypeError(
-            f"zero() takes a transformers Trainer or TrainingArguments subclass, not {cls!r}"
-        )
-    made = type(f"Zero{cls.__name__}", bases, {"__module__": __name__})
-    if issubclass(cls, TrainingArguments):
-        made = dataclass(made)
-    _ZERO_CLASSES[cls] = made
-    return made
