@@ -18,15 +18,37 @@ from collections import defaultdict, deque
 
 import torch
 
-__all__ = ["BufferPool", "ByteCounter", "GatherCache", "WriteQueue"]
+__all__ = [
+    "WRITES_IN_FLIGHT",
+    "WRITE_BYTES_IN_FLIGHT",
+    "BufferPool",
+    "ByteCounter",
+    "GatherCache",
+    "WriteQueue",
+    "buffers_writing",
+]
+
+WRITES_IN_FLIGHT = 2  # NVMe writes the engine's queue keeps in flight
+WRITE_BYTES_IN_FLIGHT = 128 * 2**20  # ... and the bytes they may hold beyond the newest
+
+
+def buffers_writing(
+    nbytes: int, limit: int = WRITES_IN_FLIGHT, limit_bytes: int = WRITE_BYTES_IN_FLIGHT
+) -> int:
+    """Buffers of ``nbytes`` alive at once when each goes to NVMe through a ``WriteQueue``
+    of ``limit`` and ``limit_bytes``: the writes it keeps in flight plus one filling."""
+    in_flight = 1
+    while in_flight < limit and (in_flight + 1) * nbytes <= limit_bytes:
+        in_flight += 1
+    return in_flight + 1
 
 
 class WriteQueue:
     """NVMe writes in flight: adding one finishes the oldest (waits for it and gives its
     buffer back) while more than ``limit`` are in flight or, beyond the newest, they hold
-    more than ``limit_bytes``. This bounds the buffers writes keep alive."""
+    more than ``limit_bytes``. This bounds the buffers writes keep alive (``buffers_writing``)."""
 
-    def __init__(self, limit: int = 2, limit_bytes: int = 128 * 2**20):
+    def __init__(self, limit: int = WRITES_IN_FLIGHT, limit_bytes: int = WRITE_BYTES_IN_FLIGHT):
         self.limit = limit
         self.limit_bytes = limit_bytes
         self._entries: deque = deque()
@@ -142,7 +164,7 @@ class BufferPool:
         # for the run); a buffer of another size is dropped. With offload the engine keeps
         # only the sizes several units share (the blocks), so that a size one unit uses
         # once a step (an embedding's gradient) does not stay resident through the whole
-        # step (see plan.pool_keep_sizes).
+        # step (see sharding/buffers.py pool_keep_sizes).
         self.keep_sizes: set[int] | None = None
         self.keep_per_size = 0  # with keep_sizes: at most this many free buffers per size
         self.free_bytes = 0
