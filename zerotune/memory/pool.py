@@ -170,6 +170,10 @@ class BufferPool:
         self.free_bytes = 0
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
+        # Per (numel, dtype): buffers in use now and at most at once (what the estimate
+        # plans, sharding/buffers.py pool_buffers).
+        self.in_use: dict[tuple[int, torch.dtype], int] = defaultdict(int)
+        self.most_in_use: dict[tuple[int, torch.dtype], int] = defaultdict(int)
 
     def keep_only(self, sizes: set[int] | None) -> None:
         """Set ``keep_sizes`` and drop the free buffers of other sizes (those released
@@ -207,11 +211,15 @@ class BufferPool:
             self.allocated_bytes += buf.numel() * buf.element_size()
         self.in_use_bytes += buf.numel() * buf.element_size()
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        key = (numel, dtype)
+        self.in_use[key] += 1
+        self.most_in_use[key] = max(self.most_in_use[key], self.in_use[key])
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
         nbytes = buf.numel() * buf.element_size()
         self.in_use_bytes -= nbytes
+        self.in_use[(buf.numel(), buf.dtype)] -= 1
         free = self._free[(buf.numel(), buf.dtype)]
         if self.keep_sizes is not None and (
             nbytes not in self.keep_sizes or len(free) >= self.keep_per_size
