@@ -222,13 +222,16 @@ def _gathered(
 
 def pool_buffers(
     units: list[UnitPlan], config: ZeroConfig, world: int, swap: SwapPlan | None, device: str
-) -> tuple[dict[PoolKey, int], dict[PoolKey, set[int]]]:
-    """The reduce pool's buffers: ``{(elements, itemsize, tier): most in use at once}``, and
-    for the sizes a gradient reduction (in backward) uses, the units that use them (the
-    other sizes serve the optimizer step, after backward). On a CPU every tier is
-    ``"device"``; on an accelerator, buffers that meet NVMe come from the pinned host pool."""
+) -> tuple[dict[PoolKey, int], dict[PoolKey, set[int]], set[PoolKey]]:
+    """The reduce pool's buffers: ``{(elements, itemsize, tier): most in use at once}``; for
+    the sizes a gradient reduction (in backward) uses, the units that use them (the other
+    sizes serve the optimizer step, after backward); and the sizes only the units' setup
+    uses (a shard put into its NVMe extent as the unit is built or a checkpoint loads). On
+    a CPU every tier is ``"device"``; on an accelerator, buffers that meet NVMe come from
+    the pinned host pool."""
     keys: dict[PoolKey, int] = {}
     users: dict[PoolKey, set[int]] = {}
+    in_step: set[PoolKey] = set()
     param_disk = swap.sizes.get("param", {}) if swap is not None else {}
     grads_disk = swap is not None and bool(swap.sizes.get("grad"))
 
@@ -238,12 +241,15 @@ def pool_buffers(
         count: int = 1,
         unit: UnitPlan | None = None,
         tier: str = "device",
+        setup: bool = False,
     ) -> None:
         if numel > 0:
             key = (numel, itemsize, "device" if device == "cpu" else tier)
             keys[key] = max(keys.get(key, 0), count)
             if unit is not None:
                 users.setdefault(key, set()).add(unit.index)
+            if not setup:
+                in_step.add(key)
 
     def same(predicate) -> int:
         return sum(1 for u in units if predicate(u))
@@ -267,6 +273,8 @@ def pool_buffers(
     for u in units:
         if u.persistent and world > 1 and u.numel:
             need(u.shard, e)  # refresh: the updated shard, all-gathered
+        if u.index in param_disk:
+            need(u.shard, e, tier="host", setup=True)  # NvmeParams.put: the first shard
         shared_master = (
             u.index in param_disk
             and u.index in swap.sizes.get("optim", {})
@@ -277,7 +285,7 @@ def pool_buffers(
             # fp32 master: the step writes it there itself).
             count = min(buffers_writing(u.shard * e), same(lambda v, n=u.shard: v.shard == n))
             need(u.shard, e, count, tier="host")
-    return keys, users
+    return keys, users, set(keys) - in_step
 
 
 def _pool(
@@ -286,11 +294,16 @@ def _pool(
     """``pool`` (buffers kept for the run, and one-off sizes that may meet the activation
     peak) and ``pool_late`` (one-off sizes in use only at the end of backward or after it)."""
     out: dict[str, dict[str, int]] = {}
-    keys, users = pool_buffers(units, config, world, swap, device)
-    held = {key: key[0] * key[1] * count for key, count in keys.items()}
+    keys, users, setup = pool_buffers(units, config, world, swap, device)
     kept = pool_keep_sizes(
         [(u.padded, u.shard) for u in units if u.trainable and u.numel], config, world, device
     )
+    # A setup-only size the pool does not keep is given back before the first step.
+    held = {
+        key: key[0] * key[1] * count
+        for key, count in keys.items()
+        if key not in setup or kept is None or key[0] * key[1] in kept
+    }
     if kept is None:
         for key, b in held.items():
             out.setdefault("pool", {}).setdefault(key[2], 0)
