@@ -325,7 +325,8 @@ def test_a_tied_embeddings_gradient_buffer_meets_no_activation_peak(tied):
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from zerotune.config import ZeroConfig
-    from zerotune.estimate import _rows, _working_buffers, activation_bytes, model_shape
+    from zerotune.estimate import _rows, activation_bytes, model_shape
+    from zerotune.sharding.buffers import working_buffers
     from zerotune.sharding.plan import plan_swap
 
     cfg = GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=3000, n_positions=64)
@@ -339,7 +340,7 @@ def test_a_tied_embeddings_gradient_buffer_meets_no_activation_peak(tied):
     units = plan_units(model, config, 1)
     swap = plan_swap(units, config, 1)
     act = activation_bytes(model_shape(model), 64, 4, torch.float32, device="cpu")
-    work = _working_buffers(units, config, 1, swap, device="cpu", act_total=act["total"])
+    work = working_buffers(units, config, 1, swap, device="cpu", act_total=act["total"])
     buffers = _rows(units, config, 1, 0, swap, act, "cpu")[0]["buffers"]["host"]
     every = sum(n for kind in work.values() for n in kind.values())
     wte = next(u for u in units if u.name.endswith("wte"))

@@ -209,15 +209,15 @@ def test_host_cache_bytes_config():
 def test_the_estimate_counts_the_budget_or_what_a_step_frees():
     from types import SimpleNamespace
 
-    from zerotune.estimate import _host_cache
+    from zerotune.sharding.buffers import host_cache_bytes
 
     units = [SimpleNamespace(numel=1000), SimpleNamespace(numel=250)]
     cfg = zerotune.ZeroConfig(offload_optimizer="cpu", host_cache_bytes="1MiB")
     # one unit's fp32 gradients and the activations, within the budget
-    assert _host_cache(units, cfg, "cpu", 10_000) == {"host_cache": {"host": 4000 + 10_000}}
-    assert _host_cache(units, cfg, "cpu", 10**9) == {"host_cache": {"host": MIB}}
-    assert _host_cache(units, cfg, "cuda", 10**9) == {}  # not installed with a GPU device
-    assert _host_cache(units, zerotune.ZeroConfig(), "cpu", 10**9) == {}  # nor without offload
+    assert host_cache_bytes(units, cfg, "cpu", 10_000) == {"host_cache": {"host": 4000 + 10_000}}
+    assert host_cache_bytes(units, cfg, "cpu", 10**9) == {"host_cache": {"host": MIB}}
+    assert host_cache_bytes(units, cfg, "cuda", 10**9) == {}  # not installed with a GPU device
+    assert host_cache_bytes(units, zerotune.ZeroConfig(), "cpu", 10**9) == {}  # nor without offload
 
 
 def test_a_dropped_engine_is_freed_and_gives_the_cache_back():

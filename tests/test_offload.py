@@ -296,7 +296,7 @@ def test_nvme_gathers_reuse_buffers_after_the_first_step(tmp_path):
     from conftest import tiny_gpt2
 
     import zerotune
-    from zerotune.sharding.plan import gather_cache_bytes
+    from zerotune.sharding.buffers import gather_cache_bytes
 
     model = tiny_gpt2(seed=0, layers=4)
     config = {"stage": 3, "offload_param": "nvme", "nvme_path": str(tmp_path)}

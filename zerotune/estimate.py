@@ -9,49 +9,13 @@ the weakest option that fits (stage 1 before 2 before 3; no offload before cpu b
 Model states come from the engine's own size rules (sharding/plan.py: units, padding,
 persistence, swap extents, staging slots, placement per tier), so ``estimate`` and
 ``ZeroEngine.memory_report()`` agree byte for byte (tests/test_estimate.py checks it on real
-engines at world sizes 1 and 3). Working buffers (gathered units and prefetch, the reduce-buffer
-pool, parameter gradients waiting for their reduction) follow the engine's code paths too, as
-upper bounds. Activations come from a formula ([Note: activation memory]): they depend on the
-model's code, so they are the least exact part.
-
-[Note: activation memory]
-Per transformer layer, for micro-batch b, sequence s, hidden h, MLP width f, a heads, element
-size e (2 for bf16/fp16, 4 for fp32) and dropout-mask size m (1 byte on GPUs; on CPUs torch's
-dropout keeps a mask of the input's dtype, m = e), the bytes autograd keeps are
-
-    s*b*(e*(8h + c_f*f) + n_d*m*h + n_norm*(r - e)*h) + a*s*s*b*c_s
-
-following Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-Models" (2022), whose GPT layer (f = 4h, fused GeLU, dropout everywhere, 16-bit) gives the
-familiar s*b*h*(34 + 5*a*s/h):
-  8h: the inputs of the two norms, of the QKV projection, Q, K and V (K and V narrower with
-      grouped-query attention: h + 2*kv_heads*head_dim instead of 3h), the input of the
-      attention output projection and of the MLP;
-  c_f*f: the MLP's hidden activations: 2 for a fused activation (its input and the second
-      projection's input), 4 for a gated MLP (gate, up, act(gate), their product), 5 for
-      GPT-2's gelu_new (written out in Python, it keeps four intermediates);
-  n_d*m*h: dropout masks after attention and MLP (n_d = 2 when dropout is on, else 0);
-  r: bytes a norm keeps per element: e for LayerNorm, 4 + e for RMSNorm written in Python
-      (it keeps an fp32 copy of its input);
-  c_s: attention scores. Eager attention keeps the softmax output (e) and, with attention
-      dropout, its mask (m) and output (e): c_s = e + p*(m + e). Fused attention (SDPA's
-      flash / memory-efficient kernels, flash-attention) keeps no s*s matrix, only the
-      log-sum-exp (4*a*s*b, added). On CPUs, SDPA with attention dropout falls back to its
-      math path (c_s = 3e).
-Outside the layers: the embedding's dropout mask, the final norm's and the head's inputs,
-and the loss, which for HF's causal-LM loss peaks at about s*b*V*(e + 4 + 8 (+4 for the fp32
-upcast when e < 4)) bytes: the logits, the fp32 log-probabilities kept for backward, and the
-two fp32 gradients of the loss's backward.
-With activation checkpointing (one checkpoint per layer) only each layer's input is kept
-(s*b*h*e per layer) plus one layer's activations while it is recomputed.
-The peak is the larger of two moments: the loss's backward (everything kept plus the loss
-term) and backward through the layers (everything kept, the fp32 gradient of the logits and,
-with checkpointing, the recomputed layer). The engine's transient buffers (gathered units,
-gradients waiting for their reduction, NVMe reads) exist only at the second moment, so they
-add to the peak only beyond the difference (see ``_rows``).
-Not counted: a model's own extras (attention masks built per batch, rotary caches), the
-fragmentation of the allocator, the CUDA context. ``headroom`` keeps a share of each tier
-free for them.
+engines at world sizes 1 and 3). Working buffers (gathered units and prefetch, the gather
+cache, the reduce pool, staging, gradient shards kept for an overlapped step, copies to the
+host) come from the functions the engine sizes them with (sharding/buffers.py, [Note: working
+buffers]; tests/test_sizing.py checks them on real engines); parameter gradients waiting for
+their reduction and NVMe read buffers are upper bounds. Activations come from a formula
+([Note: activation memory] in activation_memory.py): they depend on the model's code, so they
+are the least exact part.
 """
 
 from __future__ import annotations
@@ -61,25 +25,11 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import nn
-
+from .activation_memory import ModelShape, activation_bytes, model_shape
 from .config import ConfigError, ZeroConfig, parse_bytes
-from .memory.host import host_cache_used
-from .memory.tiers import GRAD_CHUNK, master_in_param_file
+from .sharding.buffers import host_cache_bytes, staging_resident, staging_slots, working_buffers
 from .sharding.engine import ZeroEngine
-from .sharding.plan import (
-    SwapPlan,
-    UnitPlan,
-    gather_cache_bytes,
-    grads_kept_for_update,
-    plan_swap,
-    plan_units,
-    pool_keep_sizes,
-    recurring_sizes,
-    resident_bytes,
-    size_unit,
-)
+from .sharding.plan import SwapPlan, UnitPlan, plan_swap, plan_units, resident_bytes, size_unit
 
 _MAX_PARAMS = 10**13  # ten trillion: far beyond any model, and a plan in ~15 s
 
@@ -101,120 +51,6 @@ TIERS = ("device", "host", "nvme")
 ROWS = ("params", "grads", "optimizer", "activations", "buffers", "staging")
 _OFFLOADS = ("none", "cpu", "nvme")
 _LEVEL = {"none": 0, "cpu": 1, "nvme": 2}
-_F32 = 4
-
-
-# ----------------------------------------------------------------------------- the model
-@dataclass(frozen=True)
-class ModelShape:
-    """What the activation formula needs from a transformer (see [Note: activation memory])."""
-
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int
-    intermediate: int
-    kv_heads: int
-    max_positions: int | None = None
-    mlp_factor: int = 2  # c_f
-    rms_norm: bool = False
-    dropout: bool = False  # hidden / residual dropout
-    attention_dropout: bool = False
-    attention: str = "sdpa"  # eager, sdpa, flash_attention_2, ...
-
-
-def model_shape(model: nn.Module) -> ModelShape | None:
-    """The shape of a Hugging Face-style decoder from ``model.config`` and its modules, or
-    None when the model does not say (then activations are not estimated)."""
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return None
-
-    def get(*names, default=None):
-        for n in names:
-            v = getattr(cfg, n, None)
-            if v is not None:
-                return v
-        return default
-
-    hidden = get("hidden_size", "n_embd", "d_model")
-    layers = get("num_hidden_layers", "n_layer", "num_layers")
-    heads = get("num_attention_heads", "n_head")
-    vocab = get("vocab_size")
-    if not all(isinstance(v, int) and v > 0 for v in (hidden, layers, heads, vocab)):
-        return None
-    names = {type(m).__name__ for m in model.modules()}
-    gated = any(n.endswith("gate_proj") for n, _ in model.named_modules())
-    act = str(get("hidden_act", "activation_function", default="gelu"))
-    mlp_factor = 4 if gated else 5 if act == "gelu_new" else 2
-    return ModelShape(
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        vocab=vocab,
-        intermediate=get("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
-        kv_heads=get("num_key_value_heads", default=heads),
-        max_positions=get("max_position_embeddings", "n_positions"),
-        mlp_factor=mlp_factor,
-        rms_norm=any("RMSNorm" in n for n in names),
-        dropout=bool(get("resid_pdrop", "hidden_dropout", "dropout", default=0.0)),
-        attention_dropout=bool(get("attn_pdrop", "attention_dropout", default=0.0)),
-        attention=getattr(cfg, "_attn_implementation", None) or "sdpa",
-    )
-
-
-def activation_bytes(
-    shape: ModelShape,
-    seq_len: int,
-    micro_batch: int,
-    dtype: torch.dtype,
-    *,
-    checkpointing: bool = False,
-    device: str = "cuda",
-) -> dict[str, int]:
-    """Activation bytes of one forward/backward (see [Note: activation memory]): ``layer``
-    (one layer's), ``held`` (kept from forward into backward: every layer's activations, or
-    with checkpointing the layers' inputs, plus what lies outside the layers), ``loss`` (the
-    loss's peak on top of ``held``), ``backward`` (the peak while backward runs through the
-    layers, without the engine's buffers), ``end`` (what is left when backward reaches the
-    input embedding) and ``total`` (the peak)."""
-    e = torch.finfo(dtype).bits // 8
-    s, b, h, f, a = seq_len, micro_batch, shape.hidden, shape.intermediate, shape.heads
-    m = 1 if device != "cpu" else e
-    head_dim = h // a
-    qkv = h + 2 * shape.kv_heads * head_dim  # Q, K, V
-    norm_extra = (4 if shape.rms_norm else 0) * h * 2  # RMSNorm's fp32 copies, two norms
-    per_token = e * (5 * h + qkv + shape.mlp_factor * f) + norm_extra
-    if shape.dropout:
-        per_token += 2 * m * h
-    fused = shape.attention != "eager"
-    if fused and device == "cpu" and shape.attention_dropout and shape.attention == "sdpa":
-        fused = False  # SDPA's math path
-    if fused:
-        scores = 4 * a * s * b  # log-sum-exp
-    else:
-        c_s = e + (m + e if shape.attention_dropout else 0)
-        if device == "cpu" and shape.attention == "sdpa":
-            c_s = 3 * e  # softmax, dropout mask (input dtype), dropout output
-        scores = a * s * s * b * c_s
-    layer = s * b * per_token + scores
-    outside = s * b * h * (2 * e + (m if shape.dropout else 0) + (4 if shape.rms_norm else 0))
-    held = outside + (shape.layers * s * b * h * e if checkpointing else shape.layers * layer)
-    loss = s * b * shape.vocab * (e + 4 + 8 + (4 if e < 4 else 0))
-    # Backward through the layers: the gradient of the logits (fp32) reaches the head, and
-    # with checkpointing one layer is recomputed at a time. The loss's own peak comes
-    # before that; the larger of the two is the activation peak.
-    backward = held + s * b * shape.vocab * 4 + (layer if checkpointing else 0)
-    return {
-        "layer": layer,
-        "held": held,
-        "loss": loss,
-        "backward": backward,
-        # At the end of backward (the input embedding's turn): what lies outside the
-        # layers and the fp32 gradient of the embedding's output.
-        "end": outside + s * b * h * 4,
-        "total": max(held + loss, backward),
-    }
 
 
 # ------------------------------------------------------------------- engine-side bytes
@@ -243,227 +79,8 @@ def engine_bytes(
     if swap is not None:
         out["nvme"] = {"nvme": swap.total_bytes}
         if "optim" in swap.sizes and with_optimizer:
-            # The step pipeline fills up to ``layout.slots`` staging slots (reads ahead,
-            # the update, writes).
-            chunks = sum(
-                len(swap.layout.chunks(u.numel, u.shard))
-                for u in units
-                if u.index in swap.sizes["optim"] and u.has_optimizer_state(rank)
-            )
-            out["staging"] = {"host": min(swap.layout.slots, max(chunks, 1)) * swap.slot_bytes}
+            out["staging"] = {"host": staging_slots(units, swap, rank) * swap.slot_bytes}
     out["padding_elements"] = {"count": sum(u.padded - u.numel for u in units)}
-    return out
-
-
-def _buffers_writing(nbytes: int) -> int:
-    """Buffers of ``nbytes`` alive at once when each goes to NVMe through the pool's write
-    queue: the writes it keeps in flight (memory/pool.py, WriteQueue) plus one filling."""
-    from .memory.pool import WriteQueue
-
-    queue = WriteQueue()
-    in_flight = 1
-    while in_flight < queue.limit and (in_flight + 1) * nbytes <= queue.limit_bytes:
-        in_flight += 1
-    return in_flight + 1
-
-
-def _host_cache(
-    units: list[UnitPlan], config: ZeroConfig, device: str, act_total: int
-) -> dict[str, dict[str, int]]:
-    """Freed tensors kept for reuse on a CPU device with offload (memory/host.py), held for
-    the run: at most the budget, and at most what a step frees and asks for again (one
-    unit's fp32 gradients and the activations)."""
-    if not host_cache_used(config, device):
-        return {}
-    freed = max((u.numel for u in units), default=0) * 4 + act_total
-    return {"host_cache": {"host": min(config.host_cache_bytes, freed)}}
-
-
-def _working_buffers(
-    units: list[UnitPlan],
-    config: ZeroConfig,
-    world: int,
-    swap: SwapPlan | None,
-    device: str = "cuda",
-    act_total: int = 0,
-) -> dict[str, dict[str, int]]:
-    """Upper bounds of the engine's working memory during a step, by kind and tier:
-    ``gathered`` (units gathered for use plus prefetch), ``pool`` (reduce and copy buffers,
-    kept for the run), ``param_grads`` (parameter gradients waiting for their reduction),
-    ``nvme_reads`` (host buffers of parameter reads from NVMe), ``host_cache`` (freed
-    tensors kept for reuse, see ``_host_cache``; ``act_total``: the activations' bytes)."""
-    out: dict[str, dict[str, int]] = _host_cache(units, config, device, act_total)
-    by_index = {u.index: u for u in units}
-    param_disk = swap.sizes.get("param", {}) if swap is not None else {}
-    grads_disk = swap is not None and bool(swap.sizes.get("grad"))
-
-    # Gathered parameters of sharded units: the unit in use with what it depends on, and
-    # the units gathered ahead within prefetch_bytes. At world size 1 a unit in memory is
-    # already whole (no copy); one on NVMe, or on the host for an accelerator, is copied
-    # into a fresh buffer.
-    host_shards = config.offload_param == "cpu" and device != "cpu"
-
-    def needs_copy(u: UnitPlan) -> bool:
-        return (
-            not u.persistent and u.numel > 0 and (world > 1 or u.index in param_disk or host_shards)
-        )
-
-    sharded = [u for u in units if needs_copy(u)]
-    if sharded:
-        # The unit in use with the units it depends on (a tied head with the embedding: the
-        # head lets go of it when its backward is done), and the prefetch window on top.
-        in_memory = {u.index for u in sharded}
-
-        def with_deps(u: UnitPlan) -> int:
-            return u.gathered_bytes + sum(
-                by_index[d].gathered_bytes for d in u.deps if d in in_memory
-            )
-
-        current = max(with_deps(u) for u in units if u.index in in_memory or u.deps)
-        others = sum(u.gathered_bytes for u in sharded) - current
-        ahead = min(config.prefetch_bytes, max(others, 0)) if config.stage == 3 else 0
-        gathered = current + ahead
-        if config.max_live_bytes > 0:
-            gathered = min(gathered, max(config.max_live_bytes, current))
-        out["gathered"] = {"device": gathered}
-        if param_disk and (world > 1 or device != "cpu"):
-            # Reads land in a host buffer of the shard's size, freed once the unit is used
-            # (at world size 1 on a CPU they land in the gather buffer itself).
-            largest = max(u.shard * u.itemsize for u in sharded)
-            out["nvme_reads"] = {"host": largest + ahead // world}
-        mapped = world == 1 and config.map_param_file  # NVMe gathers map the file's pages
-        if device == "cpu" and not mapped:
-            # Emptied gather buffers kept for reuse (memory/pool.py GatherCache).
-            keep = gather_cache_bytes(
-                [u.gathered_bytes for u in sharded],
-                config.prefetch_bytes if config.stage == 3 else 0,
-            )
-            out["gather_cache"] = {"host": keep}
-
-    # The pools: buffers are keyed by (elements, dtype) and kept for the run. On an
-    # accelerator, buffers that meet NVMe come from the engine's pinned host pool.
-    keys: dict[tuple[int, int, str], int] = {}
-    # The units whose gradient reduction (in backward) uses a size; the other sizes serve
-    # the optimizer step, after backward.
-    users: dict[tuple[int, int, str], set[int]] = {}
-
-    def need(
-        numel: int,
-        itemsize: int,
-        count: int = 1,
-        unit: UnitPlan | None = None,
-        tier: str = "device",
-    ) -> None:
-        if numel > 0:
-            key = (numel, itemsize, "device" if device == "cpu" else tier)
-            keys[key] = max(keys.get(key, 0), count)
-            if unit is not None:
-                users.setdefault(key, set()).add(unit.index)
-
-    def same(predicate) -> int:
-        return sum(1 for u in units if predicate(u))
-
-    e = units[0].itemsize if units else 4
-    for u in units:
-        if not u.trainable or u.numel == 0:
-            continue
-        if world > 1:
-            need(u.padded, _F32, unit=u)  # the whole fp32 gradient, reduce-scattered
-            queued = _buffers_writing(u.shard * _F32) if grads_disk else 1
-            same_shard = same(lambda v, n=u.shard: v.shard == n)
-            need(u.shard, _F32, min(queued, same_shard), u)
-            if grads_disk and device != "cpu":
-                need(u.shard, _F32, min(queued, same_shard), u, tier="host")  # for the file
-        elif grads_disk:
-            count = _buffers_writing(u.padded * _F32)
-            need(u.padded, _F32, min(count, same(lambda v, n=u.padded: v.padded == n)), u, "host")
-        if grads_disk:
-            need(min(GRAD_CHUNK, u.shard), _F32, tier="host")  # gradients read for the step
-    for u in units:
-        if u.persistent and world > 1 and u.numel:
-            need(u.shard, e)  # refresh: the updated shard, all-gathered
-        shared_master = (
-            u.index in param_disk
-            and u.index in swap.sizes.get("optim", {})
-            and master_in_param_file(True, e)
-        )
-        if u.index in param_disk and not shared_master:
-            # Updated shards on their way to NVMe (none when the parameter file holds the
-            # fp32 master: the step writes it there itself).
-            count = min(_buffers_writing(u.shard * e), same(lambda v, n=u.shard: v.shard == n))
-            need(u.shard, e, count, tier="host")
-    held = {key: key[0] * key[1] * count for key, count in keys.items()}
-    kept = pool_keep_sizes(
-        [(u.padded, u.shard) for u in units if u.trainable and u.numel], config, world, device
-    )
-    if kept is not None:
-        # The engine's host pool keeps only these sizes; a one-off size (an embedding's
-        # gradient) exists only while in use, so at most the largest adds to the kept ones.
-        # A one-off size that only units ahead of the repeated blocks reduce with (a tied
-        # input embedding), or only the optimizer step uses, is in use at the end of
-        # backward or after it, when the activations are gone ("pool_late", set against
-        # them in _rows); others may meet the activation peak.
-        blocks = [u.index for u in units if u.padded * _F32 in kept]
-        first_block = min(blocks, default=-1)
-
-        def late(key) -> bool:  # the root unit (index 0) may reduce as backward starts
-            return all(0 < i < first_block for i in users.get(key, ()))
-
-        one_off = {key: b for key, b in held.items() if key[0] * key[1] not in kept}
-        early = max((b for key, b in one_off.items() if not late(key)), default=0)
-        pool = sum(held.values()) - sum(one_off.values()) + early
-        if max(one_off.values(), default=0) > early:
-            out["pool_late"] = {"device": max(one_off.values()) - early}
-        if pool:
-            out["pool"] = {"device": pool}
-    else:
-        for key, b in held.items():
-            out.setdefault("pool", {}).setdefault(key[2], 0)
-            out["pool"][key[2]] += b
-    if grads_disk and config.stage >= 2:
-        # ZeroTrainer's clipped overlapped step keeps the first units' final gradient
-        # shards in memory, from their backward to their update in the next forward.
-        trained = [(u.index, u.shard * _F32) for u in units if u.trainable and u.numel]
-        kept = grads_kept_for_update(trained, config.grad_host_bytes)
-        nbytes = sum(n for i, n in trained if i in kept)
-        if nbytes:
-            out["grads_kept"] = {"host": nbytes}
-    lowp = config.torch_dtype != torch.float32
-    grads_to_host = config.offload_optimizer != "none" or (not lowp and host_shards)
-    if device != "cpu" and grads_to_host:
-        # Gradients on their way to the host, in buffers the pools keep for the run, one per
-        # size and two units in flight at world size 1 (Unit._gradients_to_host): an fp32
-        # shard in memory through fp32 device buffers (two per unit with accumulation: the
-        # shard is brought over and added on the device); an NVMe file or a low-precision
-        # shard through pinned buffers in the compute dtype (the fp32 ones for the file are
-        # the pool's, above). Beyond world size 1, this rank's fp32 shard, pinned.
-        trained = [u for u in units if u.trainable and u.numel]
-        direct = not grads_disk and config.torch_grad_dtype == torch.float32
-        copies: dict[str, int] = {}
-        if world == 1 and direct:
-            fp32 = [u.padded * _F32 for u in trained]
-            copies["device"] = 2 * (sum(set(fp32)) + max(recurring_sizes(fp32), default=0))
-        elif world == 1:
-            staged = [u.padded * e for u in trained]
-            copies["host"] = sum(set(staged)) + max(recurring_sizes(staged), default=0)
-        elif not grads_disk:
-            copies["host"] = sum({u.shard * _F32 for u in trained})
-        if copies:
-            out["host_copies"] = copies
-
-    # Parameter gradients between backward and their reduction (stages 2-3; stage 1 keeps
-    # them all, see full_grads): one unit at a time, except a parameter used by several
-    # units (tied embeddings), whose gradient waits for its last use.
-    if config.stage >= 2:
-        shared = {d for u in units for d in u.deps}
-
-        def grad_numel(u: UnitPlan) -> int:
-            return sum(s.numel for s in u.slots if s.trainable)
-
-        waiting = sum(grad_numel(by_index[i]) for i in shared)
-        single = max((grad_numel(u) for u in units if u.index not in shared), default=0)
-        if waiting + single:
-            out["param_grads"] = {"device": (waiting + single) * e}
     return out
 
 
@@ -691,7 +308,8 @@ def estimate(
     checked). ``config`` holds further engine settings (prefetch_bytes, staging_bytes, ...;
     stage and offload keys are set per option). ``device="cpu"`` estimates a CPU run
     (activation rules of CPU kernels; device and host are one memory). ``headroom`` is the
-    share of every tier left free for what is not counted (see [Note: activation memory]).
+    share of every tier left free for what is not counted (see [Note: activation memory]
+    in activation_memory.py).
     ``optim_state_bits`` (32 or 8; default: the config's) keeps Adam moments in fp32 or
     8-bit (see optim/quant8.py).
     """
@@ -817,29 +435,6 @@ def estimate(
     )
 
 
-def _staging_resident(units: list[UnitPlan], swap: SwapPlan, rank: int) -> int:
-    """Host bytes the staging slots really occupy: slots are made with ``aligned_empty``
-    (not pinned), so only the pages a transfer writes become resident: per slot, one chunk
-    of each streamed kind of the largest unit. (8-bit moments are updated in one pass per
-    block of 256 by the C++ op: no fp32 moments of a whole chunk.)"""
-    live = [u for u in units if u.index in swap.sizes.get("optim", {})]
-    live = [u for u in live if u.has_optimizer_state(rank)]
-    if not live:
-        return 0
-    layout = swap.layout
-    chunks = sum(len(layout.chunks(u.numel, u.shard)) for u in live)
-    params = swap.sizes.get("param", {})
-    per_slot = max(
-        layout.touched_bytes(
-            u.numel,
-            u.shard,
-            not master_in_param_file(u.index in params, u.itemsize),
-        )
-        for u in live
-    )
-    return min(layout.slots, chunks) * min(per_slot, swap.slot_bytes)
-
-
 def _rows(
     units: list[UnitPlan],
     config: ZeroConfig,
@@ -863,13 +458,13 @@ def _rows(
     kinds.pop("padding_elements")
     act_total = act["total"] if act is not None else 0
     if known_units:
-        work = _working_buffers(units, config, world, swap, device, act_total)
+        work = working_buffers(units, config, world, swap, device, act_total)
     else:
         # Unit sizes unknown (a bare parameter count): prefetch_bytes stands for the units
         # gathered at once (copies exist at stage 3 across ranks, or read from NVMe).
         copies = config.stage == 3 and (world > 1 or config.offload_param == "nvme")
         work = {"gathered": {"device": config.prefetch_bytes}} if copies else {}
-        work.update(_host_cache(units, config, device, act_total))
+        work.update(host_cache_bytes(units, config, device, act_total))
     rows: dict[str, dict[str, int]] = {r: {} for r in ROWS}
 
     def add(row: str, tier: str, n: int) -> None:
@@ -889,7 +484,7 @@ def _rows(
     if swap is not None:
         for k, row in (("param", "params"), ("optim", "optimizer"), ("grad", "grads")):
             add(row, "nvme", swap.file_bytes(k))
-        add("staging", "host", _staging_resident(units, swap, rank))
+        add("staging", "host", staging_resident(units, swap, rank))
     if act is not None:
         add("activations", "device", act["total"])
     slack = act["total"] - act["backward"] if act is not None else 0

@@ -18,15 +18,37 @@ from collections import defaultdict, deque
 
 import torch
 
-__all__ = ["BufferPool", "ByteCounter", "GatherCache", "WriteQueue"]
+__all__ = [
+    "WRITES_IN_FLIGHT",
+    "WRITE_BYTES_IN_FLIGHT",
+    "BufferPool",
+    "ByteCounter",
+    "GatherCache",
+    "WriteQueue",
+    "buffers_writing",
+]
+
+WRITES_IN_FLIGHT = 2  # NVMe writes the engine's queue keeps in flight
+WRITE_BYTES_IN_FLIGHT = 128 * 2**20  # ... and the bytes they may hold beyond the newest
+
+
+def buffers_writing(
+    nbytes: int, limit: int = WRITES_IN_FLIGHT, limit_bytes: int = WRITE_BYTES_IN_FLIGHT
+) -> int:
+    """Buffers of ``nbytes`` alive at once when each goes to NVMe through a ``WriteQueue``
+    of ``limit`` and ``limit_bytes``: the writes it keeps in flight plus one filling."""
+    in_flight = 1
+    while in_flight < limit and (in_flight + 1) * nbytes <= limit_bytes:
+        in_flight += 1
+    return in_flight + 1
 
 
 class WriteQueue:
     """NVMe writes in flight: adding one finishes the oldest (waits for it and gives its
     buffer back) while more than ``limit`` are in flight or, beyond the newest, they hold
-    more than ``limit_bytes``. This bounds the buffers writes keep alive."""
+    more than ``limit_bytes``. This bounds the buffers writes keep alive (``buffers_writing``)."""
 
-    def __init__(self, limit: int = 2, limit_bytes: int = 128 * 2**20):
+    def __init__(self, limit: int = WRITES_IN_FLIGHT, limit_bytes: int = WRITE_BYTES_IN_FLIGHT):
         self.limit = limit
         self.limit_bytes = limit_bytes
         self._entries: deque = deque()
@@ -142,12 +164,16 @@ class BufferPool:
         # for the run); a buffer of another size is dropped. With offload the engine keeps
         # only the sizes several units share (the blocks), so that a size one unit uses
         # once a step (an embedding's gradient) does not stay resident through the whole
-        # step (see plan.pool_keep_sizes).
+        # step (see sharding/buffers.py pool_keep_sizes).
         self.keep_sizes: set[int] | None = None
         self.keep_per_size = 0  # with keep_sizes: at most this many free buffers per size
         self.free_bytes = 0
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
+        # Per (numel, dtype): buffers in use now and at most at once (what the estimate
+        # plans, sharding/buffers.py pool_buffers).
+        self.in_use: dict[tuple[int, torch.dtype], int] = defaultdict(int)
+        self.most_in_use: dict[tuple[int, torch.dtype], int] = defaultdict(int)
 
     def keep_only(self, sizes: set[int] | None) -> None:
         """Set ``keep_sizes`` and drop the free buffers of other sizes (those released
@@ -185,11 +211,15 @@ class BufferPool:
             self.allocated_bytes += buf.numel() * buf.element_size()
         self.in_use_bytes += buf.numel() * buf.element_size()
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        key = (numel, dtype)
+        self.in_use[key] += 1
+        self.most_in_use[key] = max(self.most_in_use[key], self.in_use[key])
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
         nbytes = buf.numel() * buf.element_size()
         self.in_use_bytes -= nbytes
+        self.in_use[(buf.numel(), buf.dtype)] -= 1
         free = self._free[(buf.numel(), buf.dtype)]
         if self.keep_sizes is not None and (
             nbytes not in self.keep_sizes or len(free) >= self.keep_per_size

@@ -43,12 +43,19 @@ __all__ = [
     "NvmeGrads",
     "NvmeParams",
     "Placement",
+    "grad_read_numel",
     "master_in_param_file",
     "placement",
 ]
 
 GRAD_CHUNK = 1 << 22  # elements per read of a gradient shard on NVMe by ``NvmeGrads.chunks``
 _F32 = 4
+
+
+def grad_read_numel(shard_numel: int) -> int:
+    """Elements of the host buffer ``NvmeGrads.chunks`` reads a gradient shard of
+    ``shard_numel`` elements through (``GRAD_CHUNK`` at a time)."""
+    return min(GRAD_CHUNK, shard_numel)
 
 
 def master_in_param_file(param_on_disk: bool, itemsize: int) -> bool:
@@ -382,7 +389,7 @@ class NvmeGrads:
             yield 0, unit.shard_numel, unit.held_grad
             return
         unit.wait_writes()
-        buf = unit.host_pool.acquire(min(GRAD_CHUNK, unit.shard_numel), torch.float32)
+        buf = unit.host_pool.acquire(grad_read_numel(unit.shard_numel), torch.float32)
         try:
             for c0 in range(0, unit.shard_numel, GRAD_CHUNK):
                 c1 = min(c0 + GRAD_CHUNK, unit.shard_numel)

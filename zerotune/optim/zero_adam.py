@@ -88,9 +88,9 @@ into that forward (see [Note: carrying the step into the next forward]), each un
 just before its gather. Backward still does what does not depend on the norm: the pipeline
 reads ahead the first units' master and moments in every staging slot ([Note: reading
 ahead of backward] in pipeline.py), and gradient shards bound for NVMe stay in memory
-for the units updated first, within ``grad_host_bytes``
-(``plan.grads_kept_for_update``), the others being written as usual (held only until
-their share of the norm is summed). The updates are exactly the ones a step after
+for the units updated first, within ``grad_host_bytes`` (``grads_kept_for_update`` in
+sharding/buffers.py), the others being written as usual (held only until their share of
+the norm is summed). The updates are exactly the ones a step after
 ``clip_grad_norm_`` makes: same chunks, kernel, step counts and factor (frozen with the
 carried hyper-parameters, and applied to the rows an embedding lookup previews). ZeroTrainer
 uses it by default whenever the optimizer state is on NVMe and ``max_grad_norm`` > 0.

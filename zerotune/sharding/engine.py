@@ -38,18 +38,16 @@ from ..memory.tiers import (
     placement,
 )
 from ..optim.scaling import DynamicLossScaler
+from .buffers import (
+    gather_cache_bytes,
+    gathers_into_cache,
+    grads_kept_for_update,
+    pool_keep_sizes,
+    prefetch_budget,
+)
 from .external import ExternalParams, ShardedParameterError
 from .hooks import in_backward, install_hooks, params_reached
-from .plan import (
-    UnitPlan,
-    assign_params,
-    gather_cache_bytes,
-    grads_kept_for_update,
-    plan_swap,
-    pool_keep_sizes,
-    size_unit,
-    unit_deps,
-)
+from .plan import UnitPlan, assign_params, plan_swap, size_unit, unit_deps
 from .prefetch import Prefetcher
 from .tiling import apply_tiling, merge_tiles, tiled_weights
 from .unit import Unit, UnitState
@@ -178,7 +176,7 @@ class ZeroEngine(nn.Module):
         # offloaded optimizer): the same pool on a CPU device, pinned host memory otherwise,
         # kept for the run at every size (pinning is slow; one buffer per unit size).
         self.host_pool = self.pool if self.device.type == "cpu" else BufferPool("cpu", pin=True)
-        self.prefetcher = Prefetcher(config.prefetch_bytes if config.stage == 3 else 0)
+        self.prefetcher = Prefetcher(prefetch_budget(config))
         self.scaler = (
             DynamicLossScaler(
                 config.loss_scale_init, config.loss_scale_window, config.loss_scale_min
@@ -196,10 +194,13 @@ class ZeroEngine(nn.Module):
                 [
                     u.gathered_bytes
                     for u in self.units
-                    if not u.persistent
-                    and u.numel > 0
-                    and u.params.lends_storage(u)
-                    and not u.params.mapped
+                    if gathers_into_cache(
+                        persistent=u.persistent,
+                        numel=u.numel,
+                        lends_storage=u.params.lends_storage(u),
+                        mapped=u.params.mapped,
+                        cache=True,
+                    )
                 ],
                 self.prefetcher.budget,
             )
@@ -880,7 +881,7 @@ class ZeroEngine(nn.Module):
 
     def grads_kept_for_update(self, units: list[Unit]) -> set[int]:
         """The indices of ``units`` (in update order) whose final gradient shards stay in
-        memory for a clipped overlapped step (``plan.grads_kept_for_update``)."""
+        memory for a clipped overlapped step (``buffers.grads_kept_for_update``)."""
         shards = [(u.index, u.shard_numel * 4 if u.grads.on_disk else 0) for u in units]
         return grads_kept_for_update(shards, self.config.grad_host_bytes)
 

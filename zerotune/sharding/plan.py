@@ -25,7 +25,8 @@ and the config, so that ``zerotune estimate`` and the engine cannot disagree:
   optimizer's store report, and on which tier (device, host, nvme) ``ZeroEngine._place``
   puts it.
 
-Everything here works on meta-device models: only shapes and ``requires_grad`` are read.
+Everything here works on meta-device models: only shapes and ``requires_grad`` are read. The
+working buffers (gathered units, the reduce pool, staging) are sized in buffers.py.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ __all__ = [
     "SwapPlan",
     "UnitPlan",
     "assign_params",
-    "grads_kept_for_update",
     "plan_swap",
     "plan_units",
     "resident_bytes",
@@ -317,56 +317,3 @@ def resident_bytes(
         else:
             add("optimizer", master_tier, 2 * unit.shard * _F32)  # exp_avg, exp_avg_sq
     return out
-
-
-def gather_cache_bytes(gathered_sizes: list[int], prefetch_bytes: int) -> int:
-    """How many bytes of emptied gather buffers the engine keeps for reuse (host memory;
-    memory/pool.py GatherCache), given the gathered sizes of the units whose storage is
-    filled on each gather: the prefetch budget, or two of the largest size shared by at
-    least two units (the blocks of a transformer: one being released while the next is
-    gathered), whichever is larger, and never more than all those units together. A size
-    only one unit has (an embedding) is not kept for its own sake: its buffer would stay
-    resident through the whole step for one reuse."""
-    recurring = max(recurring_sizes(gathered_sizes), default=0)
-    return min(max(prefetch_bytes, 2 * recurring), sum(gathered_sizes))
-
-
-def grads_kept_for_update(shards: list[tuple[int, int]], budget: int) -> set[int]:
-    """For a clipped overlapped step (see [Note: a clipped overlapped step] in
-    optim/zero_adam.py): of ``(unit index, gradient shard bytes bound for NVMe)`` in update
-    order, the units whose final shards stay in memory, the first ones within ``budget``
-    (``grad_host_bytes``). A shard in memory anyway is given as 0 bytes."""
-    keep = set()
-    for index, nbytes in shards:
-        if nbytes > budget:
-            break
-        budget -= nbytes
-        keep.add(index)
-    return keep
-
-
-def recurring_sizes(sizes: list[int]) -> set[int]:
-    """The sizes that at least two entries share."""
-    counts: dict[int, int] = {}
-    for n in sizes:
-        counts[n] = counts.get(n, 0) + 1
-    return {n for n, c in counts.items() if c >= 2}
-
-
-def pool_keep_sizes(
-    trainable: list[tuple[int, int]], config: ZeroConfig, world: int, device_type: str
-) -> set[int] | None:
-    """The buffer sizes (bytes) the engine's reduce/copy pool keeps once released
-    (memory/pool.py BufferPool.keep_sizes), given the (padded, shard) element counts of the
-    trainable units; None: every size. With CPU or NVMe offload on a CPU device, where host
-    memory is the budget, only the fp32 gradient sizes (and at world size > 1 the fp32
-    shard sizes) that several units share: the blocks of a transformer reuse their buffers
-    step after step (as many as can be busy at once: the NVMe writes in flight plus the one
-    filling), while a size only one unit has (an embedding's gradient) is given back after
-    use rather than held through the whole step."""
-    if device_type != "cpu" or config.offload_param == config.offload_optimizer == "none":
-        return None
-    kept = recurring_sizes([padded * _F32 for padded, _ in trainable])
-    if world > 1:
-        kept |= recurring_sizes([shard * _F32 for _, shard in trainable])
-    return kept
