@@ -59,7 +59,7 @@ class OverlappedStep:
         self.progress[unit.index] = c1
         if c1 == unit.shard_numel:
             self.unfinished.pop(unit.index, None)
-            unit.update_pending = False
+            unit.update_done()
 
     def launch(self, unit) -> None:
         """``unit``'s gradient shard is final: queue its update and start what can start
@@ -81,7 +81,7 @@ class OverlappedStep:
         """``unit``'s update is this step's: its step counts are taken now."""
         self.launched[unit.index] = None
         self.unfinished[unit.index] = unit
-        unit.update_pending = True
+        unit.queue_update()
         self.opt.count_step(unit)
 
     def _queue(self, unit) -> None:
@@ -145,7 +145,7 @@ class OverlappedStep:
         """Forget the updates a failure left undone (their units' state is about to be
         replaced); the pipeline gave its staging slots back when it failed."""
         for unit in self.unfinished.values():
-            unit.update_pending = False
+            unit.update_done()
             unit.drop_held_grad()
         self.unfinished.clear()
         self.feed.items.clear()

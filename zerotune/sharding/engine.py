@@ -118,11 +118,6 @@ def _fingerprint(h: int, unit: Unit) -> int:
     return (h * 1_000_003 + unit.index + 1) % (1 << 61)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy, pinned when an accelerator exists (fast, asynchronous copies)."""
-    return t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
-
-
 class ZeroEngine(nn.Module):
     """Wraps a model whose parameters are sharded; calling it calls the model."""
 
@@ -217,7 +212,7 @@ class ZeroEngine(nn.Module):
         if self.device.type != "cpu" and hasattr(dm, "Stream"):
             copy_stream = dm.Stream(device=self.device)
             for unit in self.units:
-                unit.copy_stream = copy_stream
+                unit.use_copy_stream(copy_stream)
         self._final_callback_queued = False
         # A fingerprint of the units reduced during this backward, in order (world size >
         # 1): the ranks compare it at the end (see _pending_units).
@@ -234,7 +229,7 @@ class ZeroEngine(nn.Module):
         self._gathered_in_forward = 0
         if self.finds_unused:
             for unit in self.units:
-                unit.on_gather = self._note_gather
+                unit.report_gathers_to(self._note_gather)
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
         self.activations = None  # see [Note: activation checkpoint offload] in activations.py
@@ -290,34 +285,13 @@ class ZeroEngine(nn.Module):
                 group=self.group,
                 fill=fill,
             )
-            unit.n_trainable = sum(1 for s in unit.slots if s.trainable)
-            for s in unit.slots:
-                s.watched = s.trainable  # its gradient has a hook (stages 2 and 3)
-            unit.grads_ready = 0
-            unit.pins = 0
-            unit.backward_active = False
-            unit.deps = []
-            # An embedding's backward reads only the indices and the gradient, never the
-            # weight: such a unit is not gathered for backward (see pre_backward).
-            unit.weightless_backward = (
-                isinstance(module, nn.Embedding)
-                and type(module).forward is nn.Embedding.forward
-                and len(unit.slots) == 1
-            )
-            # A unit owning frozen parameters (a tied head owns none that train) is done
-            # with its weights only once the gradients of its inputs exist too: a frozen
-            # weight's backward node may run after the trainable gradients are complete
-            # (see inputs_backward_done); ``input_waits`` counts those still to come this
-            # pass; ``grads_final`` / ``inputs_final``: each is complete.
-            unit.waits_for_inputs = unit.n_trainable < len(unit.slots) or unit.n_trainable == 0
-            unit.input_waits = 0
-            unit.grads_final = unit.inputs_final = False
             self._place(unit)  # to its tiers now: the next unit's construction needs the room
             units.append(unit)
         # Dependencies: parameters that a unit's modules hold but another unit owns (tied
         # weights), found at wrap time; see external.py for those found while running.
         for unit, unit_deps_ in zip(units, deps):
-            unit.deps = [units[j] for j in unit_deps_]
+            for j in unit_deps_:
+                unit.add_dep(units[j])
             for dep in unit.deps:
                 log.info("zerotune: unit %s uses parameters of unit %s", unit.name, dep.name)
         return units
@@ -356,17 +330,7 @@ class ZeroEngine(nn.Module):
             device_type=self.device.type,
         )
         on_host = self.device.type != "cpu"  # else host and device are one memory
-        if where.params == "host" and on_host:
-            shared = unit.master is unit.shard
-            unit.shard = _to_host(unit.shard)
-            unit.master = unit.shard if shared else unit.master
-            if unit.world == 1:
-                # The flat buffer was the shard; now its storage exists only while gathered.
-                unit.flat = torch.empty(unit.padded_numel, dtype=unit.dtype, device=self.device)
-                unit.flat.untyped_storage().resize_(0)
-        if where.master == "host" and unit.master.device != host:
-            # With fp32 the master was the device shard itself: now a host copy.
-            unit.master = _to_host(unit.master.float())
+        unit.keep_on_host(params=where.params == "host" and on_host, master=where.master == "host")
         if where.params == "nvme":
             extent = self.swap.extent("param", unit.index)
             mapped = (
@@ -519,7 +483,7 @@ class ZeroEngine(nn.Module):
             user = self._unit_of_module(user)
         if owner is user or owner in user.deps:
             return
-        user.deps.append(owner)
+        user.add_dep(owner)
         if pin:
             self._pin(owner)
 
@@ -616,14 +580,13 @@ class ZeroEngine(nn.Module):
         """Pin and gather ``unit``; ``lookup``: the indices an embedding unit is about to
         look up, whose rows may come from the carried step's preview (see [Note: looked-up
         rows before their update] in optim/zero_adam.py) instead of its whole update."""
-        unit.pins += 1
+        unit.pin()
         self._make_room(unit)
         if unit.update_pending:
             opt = self.optimizer
             alone = unit.pins == 1 and unit.state is UnitState.SHARDED
             if lookup is not None and alone and opt.can_preview(unit):
-                unit.gather()
-                unit.previewed = True
+                unit.gather_for_preview()
                 opt.preview_rows(unit, lookup, unit.slots[0].param)
                 return
             self.settle_optimizer(unit)
@@ -632,9 +595,7 @@ class ZeroEngine(nn.Module):
         unit.gather()
 
     def _unpin(self, unit: Unit) -> None:
-        unit.pins = max(unit.pins - 1, 0)
-        if unit.pins == 0:
-            unit.release()
+        unit.unpin()
 
     def _make_room(self, unit: Unit) -> None:
         limit = self.config.max_live_bytes
@@ -676,6 +637,7 @@ class ZeroEngine(nn.Module):
         if self._carrying:
             self.optimizer.pump()  # the last step's updates, between this forward's layers
         self._use("forward", unit)
+        unit.begin_forward()
         lookup = None
         if unit.update_pending and args and isinstance(args[0], torch.Tensor):
             lookup = args[0]  # an embedding's indices (see can_preview)
@@ -684,6 +646,7 @@ class ZeroEngine(nn.Module):
             self._pin(dep)
 
     def post_forward(self, unit: Unit) -> None:
+        unit.end_forward()
         self._unpin(unit)
         for dep in unit.deps:
             self._unpin(dep)
@@ -692,12 +655,12 @@ class ZeroEngine(nn.Module):
 
     def forward_in_backward_done(self, unit: Unit) -> None:
         """A forward re-run inside backward (activation checkpointing) just finished."""
-        if unit.backward_active:
+        if unit.in_backward:
             self._unpin(unit)
             for dep in unit.deps:
                 self._unpin(dep)
         else:
-            unit.backward_active = True  # the forward pins become the backward pins
+            unit.begin_backward()  # the forward pins become the backward pins
 
     def begin_backward(self) -> bool:
         """Called by every pre-backward hook: True for the first of a backward pass (the
@@ -730,7 +693,7 @@ class ZeroEngine(nn.Module):
             self._overlap.check_second_backward()
 
     def pre_backward(self, unit: Unit) -> None:
-        if unit.backward_active:
+        if unit.in_backward:
             return
         if unit.index == 0:
             self.prefetcher.start_pass("backward")
@@ -740,7 +703,7 @@ class ZeroEngine(nn.Module):
             # its gradient is stored under.
             unit.keep_shapes()
             return
-        unit.backward_active = True
+        unit.begin_backward()
         self._use("backward", unit)
         self._pin(unit)
         for dep in unit.deps:
@@ -818,12 +781,13 @@ class ZeroEngine(nn.Module):
         self._gathered_in_forward = _fingerprint(self._gathered_in_forward, unit)
 
     def post_backward(self, unit: Unit) -> None:
-        unit.grads_ready = 0
+        """Every trainable parameter of ``unit`` has its gradient (``Unit.count_grad_ready``):
+        reduce them into its gradient shard."""
         if self._sync and unit.index in self._deferred:
             # Not complete on every rank: kept here and reduced at the end of backward,
             # with the ranks that never complete it (see [Note: find unused parameters]).
             unit.reduce_grads(sync=False)
-            unit.grads_final = True
+            unit.grads_done()
             self._end_backward_if_done(unit)
             return
         unit.reduce_grads(sync=self._sync, hold=self._hold_grads(unit))
@@ -835,7 +799,7 @@ class ZeroEngine(nn.Module):
             if self._copying is not None and self._copying is not unit:
                 self._copying.finish_host_copy()
             self._copying = unit
-        unit.grads_final = True
+        unit.grads_done()
         # Released first, when nothing else holds it: an update writing the parameter file
         # under a gathered unit that maps it would make it copy its weights (keep_private).
         self._end_backward_if_done(unit)
@@ -848,17 +812,12 @@ class ZeroEngine(nn.Module):
         frozen parameters wait for this as well as for their trainable gradients before
         they let go of their weights: a tied head (nothing of its own trains) releases
         the embedding's whole matrix here instead of holding it to the end of backward."""
-        unit.inputs_final = True
+        unit.inputs_done()
         self._end_backward_if_done(unit)
 
     def _end_backward_if_done(self, unit: Unit) -> None:
-        grads = unit.grads_final or unit.n_trainable == 0
-        if grads and (unit.inputs_final or not unit.waits_for_inputs):
-            self._end_backward_pins(unit)
-
-    def _end_backward_pins(self, unit: Unit) -> None:
-        if unit.backward_active:
-            unit.backward_active = False
+        """Let go of ``unit``'s backward pins once its backward is complete."""
+        if unit.backward_complete and unit.end_backward():
             self._unpin(unit)
             for dep in unit.deps:
                 self._unpin(dep)
@@ -907,12 +866,7 @@ class ZeroEngine(nn.Module):
         self._reduced_during_backward = 0
         self._deferred.clear()
         for unit in self.units:
-            unit.grads_ready = 0
-            unit.input_waits = 0
-            unit.grads_final = unit.inputs_final = False
-            unit.backward_active = False
-            unit.pins = 0
-            unit.release()
+            unit.end_pass()
 
     def _pending_units(self, pending, sync: bool) -> list[Unit]:
         """The units ``pending`` picks (gradients not reduced yet), in order. At world size
