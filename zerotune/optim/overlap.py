@@ -66,13 +66,13 @@ class OverlappedStep:
         (clipping: add its share of the norm, and keep its gradient for ``release``)."""
         opt = self.opt
         segs = opt.unit_segments.get(unit.index)
-        if segs is None or unit.grad_is_zero or unit.index in self.launched:
+        if segs is None or unit.accumulator.is_zero or unit.index in self.launched:
             return
         self._take(unit)
         if self.clipping:
             opt.add_unit_sum_of_squares(opt.norm_sq, unit)
             if unit.index not in self.keep:
-                unit.spill_held_grad()
+                unit.accumulator.spill_held()
         else:
             self._queue(unit)
         self.pump()
@@ -146,7 +146,7 @@ class OverlappedStep:
         replaced); the pipeline gave its staging slots back when it failed."""
         for unit in self.unfinished.values():
             unit.update_done()
-            unit.drop_held_grad()
+            unit.accumulator.drop_held()
         self.unfinished.clear()
         self.feed.items.clear()
         self.feed.todo.clear()

@@ -212,7 +212,7 @@ class ZeroEngine(nn.Module):
         if self.device.type != "cpu" and hasattr(dm, "Stream"):
             copy_stream = dm.Stream(device=self.device)
             for unit in self.units:
-                unit.use_copy_stream(copy_stream)
+                unit.accumulator.use_copy_stream(copy_stream)
         self._final_callback_queued = False
         # A fingerprint of the units reduced during this backward, in order (world size >
         # 1): the ranks compare it at the end (see _pending_units).
@@ -726,7 +726,7 @@ class ZeroEngine(nn.Module):
         taken backward one after the other, defer what their own forwards found. Deferred
         units are reduced at the end of that backward with the other pending ones, in unit
         order on every rank (``_pending_units``; a rank that got none of their gradients
-        adds zeros); their gradients wait in full meanwhile (``Unit.unreduced``, as under
+        adds zeros); their gradients wait in full meanwhile (``GradAccumulator.unreduced``, as under
         ``no_sync()``). Forwards under ``no_sync()`` reduce nothing and are not walked.
 
         A reentrant activation checkpoint hides the parameters it runs until backward
@@ -786,25 +786,25 @@ class ZeroEngine(nn.Module):
         if self._sync and unit.index in self._deferred:
             # Not complete on every rank: kept here and reduced at the end of backward,
             # with the ranks that never complete it (see [Note: find unused parameters]).
-            unit.reduce_grads(sync=False)
+            unit.accumulator.reduce(sync=False)
             unit.grads_done()
             self._end_backward_if_done(unit)
             return
-        unit.reduce_grads(sync=self._sync, hold=self._hold_grads(unit))
+        unit.accumulator.reduce(sync=self._sync, hold=self._hold_grads(unit))
         if self._sync and self.world > 1:
             self._reduced_during_backward = _fingerprint(self._reduced_during_backward, unit)
-        if unit.copying_to_host:
+        if unit.accumulator.copying_to_host:
             # Its gradients are on their way to the host: finish the previous unit's now
             # (its copies ran while this unit's backward did), this one's after the next.
             if self._copying is not None and self._copying is not unit:
-                self._copying.finish_host_copy()
+                self._copying.accumulator.finish_host_copy()
             self._copying = unit
         unit.grads_done()
         # Released first, when nothing else holds it: an update writing the parameter file
         # under a gathered unit that maps it would make it copy its weights (keep_private).
         self._end_backward_if_done(unit)
         if self._overlap is not None and self._sync:
-            unit.finish_host_copy()
+            unit.accumulator.finish_host_copy()
             self._overlap.launch(unit)  # its gradient shard is final: update it now
 
     def inputs_backward_done(self, unit: Unit) -> None:
@@ -850,12 +850,12 @@ class ZeroEngine(nn.Module):
                 deferred = self._deferred if self._sync else set()
 
                 def pending(u: Unit) -> bool:
-                    return u.has_pending_grads() or (
-                        u.index in deferred and u.unreduced is not None
+                    return u.accumulator.has_pending() or (
+                        u.index in deferred and u.accumulator.unreduced is not None
                     )
 
                 for unit in self._pending_units(pending, self._sync):
-                    unit.reduce_grads(sync=self._sync)
+                    unit.accumulator.reduce(sync=self._sync)
             self._finish_host_copies()
         finally:
             self._reset_backward_state()  # also after an error: the next pass starts clean
@@ -875,8 +875,8 @@ class ZeroEngine(nn.Module):
         collectives pair up, and each parameter counts as having got a gradient when it
         got one on any rank (see [Note: parameters without a gradient])."""
         for unit in self.units:
-            if not unit.trainable and unit.has_pending_grads():
-                unit.reduce_grads()  # frozen when the engine was built: dropped, here only
+            if not unit.trainable and unit.accumulator.has_pending():
+                unit.accumulator.reduce()  # frozen when the engine was built: dropped, here only
         picked = [1 if u.trainable and pending(u) else 0 for u in self.units]
         if self.world == 1 or not sync:
             return [u for u, p in zip(self.units, picked) if p]
@@ -908,7 +908,7 @@ class ZeroEngine(nn.Module):
     def _finish_host_copies(self) -> None:
         self._copying = None
         for unit in self.units:
-            unit.finish_host_copy()
+            unit.accumulator.finish_host_copy()
 
     def finalize_grads(self) -> None:
         """Make every gradient shard final before clipping or the optimizer step."""
@@ -916,10 +916,10 @@ class ZeroEngine(nn.Module):
         for unit in self.units:
             unit.wait_writes()
         pending = self._pending_units(
-            lambda u: u.has_pending_grads() or u.unreduced is not None, sync=True
+            lambda u: u.accumulator.has_pending() or u.accumulator.unreduced is not None, sync=True
         )
         for unit in pending:
-            unit.reduce_grads(sync=True)
+            unit.accumulator.reduce(sync=True)
         # Stage 1 reduces here, after backward: those copies to the host finish now too.
         self._finish_host_copies()
 
@@ -933,7 +933,7 @@ class ZeroEngine(nn.Module):
 
     def zero_grad(self) -> None:
         for unit in self.units:
-            unit.zero_grad()
+            unit.accumulator.zero()
 
     # ---------------------------------------------------------------------- shard state
     def unit_state(self, unit: Unit) -> dict[str, torch.Tensor]:

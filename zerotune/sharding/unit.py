@@ -32,6 +32,7 @@ from .. import dist as zdist
 from ..memory.aio import aligned_empty
 from ..memory.pool import BufferPool
 from ..memory.tiers import DeviceParams, MemoryGrads, NvmeGrads, NvmeParams, Placement
+from .grads import GradAccumulator
 
 __all__ = ["PassState", "Slot", "TrainingState", "Unit", "UnitState"]
 
@@ -194,11 +195,9 @@ class Unit:
         self.placement: Placement = Placement("device", "device", "device", dtype != torch.float32)
         self.params: DeviceParams | NvmeParams = DeviceParams()  # or HostParams
         self.grads: MemoryGrads | NvmeGrads = MemoryGrads(device)
-        self.grad_is_zero: bool = True  # the gradient shard holds no gradient yet (contents stale)
-        self.unreduced: torch.Tensor | None = None  # full-size grads kept under no_sync()
+        self.accumulator: GradAccumulator = GradAccumulator(self)
         # Called with the unit as its all-gather is issued (world > 1; report_gathers_to).
         self.on_gather = None
-
         # The life cycle (see [Note: unit life cycle]): what its parameters hold, what it
         # does in this pass, the pins keeping it gathered, this backward's counters.
         self.state: UnitState = UnitState.SHARDED
@@ -207,21 +206,13 @@ class Unit:
         self.pass_state: PassState = PassState()
         self._placeholders: bool = False  # released parameters keep their shapes (keep_shapes)
         self._fetch = None  # the parameter tier's fetch in flight (GATHERING)
-        # The final gradient shard kept in memory for an overlapped update instead of a
-        # round trip through the gradient file (see [Note: overlapped step] in zero_adam.py).
-        self.held_grad: torch.Tensor | None = None
         # An overlapped step's update of this unit is queued or running (it may run on
         # into the next forward): its gradient stays until the update is done.
         self.update_pending: bool = False
         # Gathered for a lookup with only the looked-up rows new (see [Note: looked-up rows
         # before their update] in optim/zero_adam.py); cleared on release.
         self.previewed: bool = False
-        self._held_pooled: bool = True  # it came from host_pool (else: a parameter's own .grad)
         self._mapped: bool = False  # flat's storage is a mapping of the parameter file now
-        # Gradients on their way to the host: (buffer, event, straight into the shard)
-        # until finish_host_copy.
-        self._host_copy = None
-        self.copy_stream = None  # the side stream of those copies (use_copy_stream)
         self._lent = None  # the GatherCache buffer behind flat's storage while gathered
         self.pending_writes: list = []  # this unit's entries of pool.writes
         # The optimizer store's writes of the fp32 master into the parameter extent (the
@@ -324,10 +315,6 @@ class Unit:
     def add_dep(self, owner: Unit) -> None:
         """Its modules use parameters ``owner`` owns: gather ``owner`` with it."""
         self.deps.append(owner)
-
-    def use_copy_stream(self, stream) -> None:
-        """Copy gradients to the host on ``stream`` (a side stream of the device)."""
-        self.copy_stream = stream
 
     def report_gathers_to(self, callback) -> None:
         """Call ``callback(unit)`` as each all-gather of it is issued (world size > 1)."""
@@ -530,202 +517,17 @@ class Unit:
         self._placeholders = False
 
     # ------------------------------------------------------------------------------ grads
-    def has_pending_grads(self) -> bool:
-        return any(s.param.grad is not None for s in self.slots)
-
-    def reduce_grads(self, sync: bool = True, hold: bool = False) -> None:
-        """Move the parameters' gradients into this rank's gradient shard (averaged over ranks).
-
-        With ``sync=False`` (inside ``no_sync()``) the full gradient is accumulated locally and
-        reduced together with the next synchronized backward. With ``hold`` a gradient shard
-        bound for NVMe stays in memory (``held_grad``) for an update that follows at once.
-        """
-        if not self.trainable:
-            for s in self.slots:
-                s.param.grad = None
-            return
-        for s in self.slots:
-            if s.trainable and s.param.grad is not None:
-                s.got_grad = True
-        if self.world == 1 and sync and self.unreduced is None:
-            self._add_into_shard_directly(hold)
-            return
-        flat = self.take_grads(self.pool)
-        if not sync:
-            if self.unreduced is None:
-                self.unreduced = flat.clone()
-            else:
-                self.unreduced.add_(flat)
-            self.pool.release(flat)
-            return
-        if self.unreduced is not None:
-            flat.add_(self.unreduced)
-            self.unreduced = None
-        out = self.pool.acquire(self.shard_numel, torch.float32)
-        zdist.reduce_scatter_avg(out, flat, group=self.group)
-        self.pool.release(flat)
-        self.grads.add(self, out, self.pool, hold)
-
-    def take_grads(self, pool: BufferPool) -> torch.Tensor:
-        """Every parameter's gradient in its region of an fp32 buffer from ``pool`` (zeros
-        where there is none and in the padding); the parameters' gradients are dropped."""
-        flat = pool.acquire(self.padded_numel, torch.float32)
-        for s in self.slots:
-            g = s.param.grad
-            region = flat[s.offset : s.offset + s.numel]
-            region.copy_(g.reshape(-1)) if g is not None and s.trainable else region.zero_()
-            s.param.grad = None
-        flat[self.numel :].zero_()
-        return flat
-
+    # Reduction and accumulation: ``accumulator`` (see [Note: gradient accumulation]).
     @property
     def one_parameter(self) -> bool:
         """One parameter fills the flat buffer (an embedding at world size 1)."""
         return len(self.slots) == 1 and self.padded_numel == self.numel
-
-    def whole_grad(self) -> torch.Tensor | None:
-        """The gradient of a ``one_parameter`` unit, taken as the flat gradient itself when
-        it is a contiguous fp32 host tensor: no copy, and no second buffer of the largest
-        size at the end of backward."""
-        if not self.one_parameter:
-            return None
-        s = self.slots[0]
-        g = s.param.grad
-        if (
-            not s.trainable
-            or g is None
-            or g.dtype != torch.float32
-            or g.device.type != "cpu"
-            or not g.is_contiguous()
-        ):
-            return None
-        s.param.grad = None
-        return g.view(-1)
 
     @property
     def grad_shard(self) -> torch.Tensor | None:
         """The gradient shard when it is in memory (None before the first gradient, or on
         NVMe)."""
         return None if self.grads.on_disk else self.grads.shard
-
-    def _add_into_shard_directly(self, hold: bool = False) -> None:
-        # World 1: the shard is the whole flat buffer; no collective and no staging copy on
-        # the device. Gradients bound for the host (NVMe, or an optimizer on the host) are
-        # copied parameter by parameter into a (pinned) host buffer.
-        if self.device.type != "cpu" and (self.grads.on_disk or self.grads.device != self.device):
-            self._gradients_to_host()
-            return
-        self.grads.add_params(self, hold)
-
-    def _gradients_to_host(self) -> None:
-        """World size 1 on an accelerator, gradients bound for the host: every parameter's
-        gradient is queued for a copy into one pinned buffer in the compute dtype (half
-        the bytes of fp32 with bf16), on the side stream ``copy_stream`` so that backward
-        goes on meanwhile; ``finish_host_copy`` (the engine calls it once the next unit's
-        copies are queued, and at the end of backward) waits for them, and the host
-        converts and adds them into the fp32 gradient shard (or its NVMe extent). An fp32
-        shard in memory needs no host work: the device converts the gradients into one
-        fp32 buffer, copied straight into the (pinned) shard; a later micro-batch brings
-        the shard over, adds on the device and copies the sum back (ZeRO-Offload's
-        accumulation: PCIe bytes instead of host arithmetic)."""
-        self.finish_host_copy()
-        dm = getattr(torch, self.device.type)
-        current = dm.current_stream(self.device)
-        stream = self.copy_stream or current
-        if not self.grads.on_disk and self.grad_dtype == torch.float32:
-            flat = self.take_grads(self.pool)
-            shard = self.grads.buffer(self)
-            held = [flat]  # back to the pool once the copies are done
-            if not self.grad_is_zero:
-                held.append(self.pool.acquire(self.padded_numel, torch.float32))
-            stream.wait_stream(current)
-            with dm.stream(stream):
-                if self.grad_is_zero:
-                    shard.copy_(flat, non_blocking=True)
-                else:
-                    total = held[1]
-                    total.copy_(shard, non_blocking=True)
-                    total.add_(flat)
-                    shard.copy_(total, non_blocking=True)
-                event = stream.record_event()
-            self._host_copy = (held, event, True)
-            return
-        staged = self.host_pool.acquire(self.padded_numel, self.dtype)
-        stream.wait_stream(current)  # the gradients are computed
-        with dm.stream(stream):
-            for s in self.slots:
-                g = s.param.grad
-                region = staged[s.offset : s.offset + s.numel]
-                if g is not None and s.trainable:
-                    region.copy_(g.reshape(-1), non_blocking=True)
-                    # Its memory is not handed out again before the copy is done.
-                    g.record_stream(stream)
-                else:
-                    region.zero_()
-                s.param.grad = None
-            event = stream.record_event()
-        staged[self.numel :].zero_()
-        self._host_copy = (staged, event, False)
-
-    @property
-    def copying_to_host(self) -> bool:
-        """Whether gradients are on their way to the host (``_gradients_to_host``)."""
-        return self._host_copy is not None
-
-    def finish_host_copy(self) -> None:
-        """Wait for this unit's gradients on their way to the host and add them in."""
-        if self._host_copy is None:
-            return
-        staged, event, direct = self._host_copy
-        self._host_copy = None
-        event.synchronize()
-        if direct:
-            for buf in staged:  # the device buffers the shard was copied from and to
-                self.pool.release(buf)
-            self.grad_is_zero = False
-            return
-        if staged.dtype == torch.float32 or not self.grads.on_disk:
-            self.grads.add(self, staged, self.host_pool)
-            return
-        flat = self.host_pool.acquire(self.padded_numel, torch.float32)
-        flat.copy_(staged)
-        self.host_pool.release(staged)
-        self.grads.add(self, flat, self.host_pool)
-
-    def hold_grad(self, values: torch.Tensor, pooled: bool) -> None:
-        """Keep the final gradient shard in memory for an overlapped update (``pooled``: a
-        host_pool buffer, else a parameter's own gradient)."""
-        self.held_grad = values
-        self._held_pooled = pooled
-        self.host_pool.held_grads.add(values.numel() * values.element_size())
-
-    def spill_held_grad(self) -> None:
-        """Write the held gradient shard to its file after all (the update that was to read
-        it from memory comes later); the buffer goes back once written."""
-        held, self.held_grad = self.held_grad, None
-        if held is None:
-            return
-        self.host_pool.held_grads.sub(held.numel() * held.element_size())
-        give_back = self.host_pool.release if self._held_pooled else None
-        self.grads.write(self, held, give_back)
-
-    def drop_held_grad(self) -> None:
-        """Give back the gradient shard held for an overlapped update (once it is done)."""
-        held, self.held_grad = self.held_grad, None
-        if held is not None:
-            self.host_pool.held_grads.sub(held.numel() * held.element_size())
-            if self._held_pooled:
-                self.host_pool.release(held)
-
-    def zero_grad(self) -> None:
-        self.finish_host_copy()  # its buffer goes back only once the copy is done
-        if not self.update_pending:  # else the update drops it once done
-            self.drop_held_grad()
-        self.grad_is_zero = True
-        self.unreduced = None
-        for s in self.slots:
-            s.param.grad = None
-            s.got_grad = False
 
     # ------------------------------------------------------------------------- accounting
     def memory_bytes(self) -> dict[str, int]:
