@@ -2,8 +2,9 @@
 
 ``shard(model, config)`` cuts the model into units (see policy.py), moves every parameter into
 its unit's flat shard (see [Note: flat layout] in unit.py), and installs the hooks of
-[Note: unit life cycle] in hooks.py. The model keeps working as before: the same
-``nn.Parameter`` objects, ``model.parameters()``, forward and ``loss.backward()``.
+[Note: pins and hooks] in hooks.py, which move each unit through [Note: unit life cycle] in
+unit.py. The model keeps working as before: the same ``nn.Parameter`` objects,
+``model.parameters()``, forward and ``loss.backward()``.
 Stages: 3 shards parameters, gradients and optimizer state; 2 keeps parameters gathered;
 1 also keeps whole gradients until the optimizer step.
 """
@@ -564,7 +565,7 @@ class ZeroEngine(nn.Module):
         self._carrying = carrying
 
     # ------------------------------------------------------------------ unit life cycle
-    # See [Note: unit life cycle] in hooks.py.
+    # See [Note: pins and hooks] in hooks.py and [Note: unit life cycle] in unit.py.
     def settle_optimizer(self, unit: Unit | None = None, overwrite: bool = False) -> None:
         """Finish the optimizer updates the last step carried into this forward: ``unit``'s,
         or all of them (see [Note: carrying the step into the next forward] in

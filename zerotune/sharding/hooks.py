@@ -1,6 +1,6 @@
 """Forward and backward hooks that gather, release and reduce units.
 
-[Note: unit life cycle]
+[Note: pins and hooks]
 Every unit has a pin count: it stays gathered while pinned and is released when the count
 falls to zero (persistent units never release).
 

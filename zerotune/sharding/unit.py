@@ -17,6 +17,27 @@ Each unit keeps, for its shard: the compute-dtype copy (``shard``), the fp32 mas
 (``master``; the same tensor as ``shard`` when the compute dtype is fp32), and the accumulated
 gradient (``grad_shard``). Units that stay gathered (stages 1-2, or small units under the
 persistence threshold) keep the whole flat buffer (``full``) and ``shard`` is a view into it.
+
+[Note: unit life cycle]
+A unit has two states. ``state`` (UnitState) is what its parameters hold: SHARDED,
+GATHERING, GATHERED; ``gather`` and ``release`` move it, pins decide when (see [Note: pins
+and hooks] in hooks.py). ``training_state`` (TrainingState) is what the unit does in the
+current pass; the engine's hooks move it, always through the unit's verbs:
+
+    IDLE -begin_forward-> FORWARD -end_forward-> IDLE
+    IDLE -begin_backward-> BACKWARD -end_backward-> POST_BACKWARD -end_pass-> IDLE
+
+``begin_backward`` runs at the unit's pre-backward, or when a forward re-run inside backward
+(activation checkpointing) ends: its pins become backward pins, held until ``end_backward``
+(a forward re-run while BACKWARD leaves it BACKWARD). ``end_backward`` comes once
+``backward_complete``: every trainable gradient accumulated (``count_grad_ready``) and
+reduced (``grads_done``), and for a unit that waits for them its inputs' gradients too
+(``inputs_done``). An embedding's unit, not gathered for its backward, goes from IDLE to
+POST_BACKWARD. ``end_pass`` (the end-of-backward callback, or the next forward after a
+backward that failed) resets the pass's counters (``PassState``) and pins and releases the
+unit. Each micro-batch runs this cycle once; the optimizer step moves no training state.
+Apart from it, ``update_pending`` (``queue_update`` to ``update_done``) marks an overlapped
+step's update still to run, possibly into the next forward.
 """
 
 from __future__ import annotations
