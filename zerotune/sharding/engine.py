@@ -656,7 +656,7 @@ class ZeroEngine(nn.Module):
 
     def forward_in_backward_done(self, unit: Unit) -> None:
         """A forward re-run inside backward (activation checkpointing) just finished."""
-        if unit.in_backward:
+        if unit.holds_backward_pins:
             self._unpin(unit)
             for dep in unit.deps:
                 self._unpin(dep)
@@ -694,7 +694,7 @@ class ZeroEngine(nn.Module):
             self._overlap.check_second_backward()
 
     def pre_backward(self, unit: Unit) -> None:
-        if unit.in_backward:
+        if unit.holds_backward_pins:
             return
         if unit.index == 0:
             self.prefetcher.start_pass("backward")

@@ -259,8 +259,8 @@ class Unit:
             self.training_state = TrainingState.IDLE
 
     @property
-    def in_backward(self) -> bool:
-        """Whether it holds its backward pins (its backward runs)."""
+    def holds_backward_pins(self) -> bool:
+        """Whether its backward runs (BACKWARD): it holds its backward pins."""
         return self.training_state is TrainingState.BACKWARD
 
     def begin_backward(self) -> None:
