@@ -257,14 +257,6 @@ class NvmeParams:
 
 
 # ------------------------------------------------------------------------- gradient tiers
-def _add(unit, dst: torch.Tensor, src: torch.Tensor) -> None:
-    if unit.grad_is_zero:
-        dst.copy_(src)
-        unit.grad_is_zero = False
-    else:
-        dst.add_(src)
-
-
 class MemoryGrads:
     """The gradient shard in memory on ``device`` (the host when the optimizer runs there),
     allocated on the first gradient: building or evaluating a model holds none."""
@@ -292,10 +284,10 @@ class MemoryGrads:
             # Device to host (optimizer offload): through a pinned buffer, a blocking copy.
             host = unit.host_pool.acquire(values.numel(), values.dtype)
             host.copy_(values)
-            _add(unit, dst, host)
+            unit.accumulator.add_into(dst, host)
             unit.host_pool.release(host)
         else:
-            _add(unit, dst, values)
+            unit.accumulator.add_into(dst, values)
         if pool is not None:
             pool.release(values)
 
@@ -303,7 +295,7 @@ class MemoryGrads:
         """World size 1, the shard in the gradients' memory: each parameter's gradient is
         added into its region, with no staging buffer."""
         shard = self.buffer(unit)
-        first = unit.grad_is_zero
+        first = unit.accumulator.is_zero
         for s in unit.slots:
             view = shard[s.offset : s.offset + s.numel].view(s.shape)
             g = s.param.grad
@@ -312,7 +304,7 @@ class MemoryGrads:
             elif first:
                 view.zero_()
             s.param.grad = None
-        unit.grad_is_zero = False
+        unit.accumulator.mark_added()
 
     def view(self, unit, c0: int, c1: int) -> torch.Tensor:
         return self.shard[c0:c1]
@@ -328,7 +320,7 @@ class MemoryGrads:
 class NvmeGrads:
     """The gradient shard (fp32) in an extent of the gradient file. The first micro-batch is
     written while backward goes on; later ones read, add and write. An overlapped update
-    takes the final shard from memory (``unit.held_grad``) instead of a round trip."""
+    takes the final shard from memory (``unit.accumulator.held``) instead of a round trip."""
 
     on_disk = True
 
@@ -338,7 +330,7 @@ class NvmeGrads:
     def add(self, unit, values: torch.Tensor, pool, hold: bool = False) -> None:
         """Add ``values`` (fp32; a buffer of ``pool``, or with ``hold`` and ``pool`` None a
         parameter's own gradient) to the shard; with ``hold`` the sum stays in memory as
-        ``unit.held_grad`` instead of being written."""
+        ``unit.accumulator.held`` instead of being written."""
         if unit.grad_dtype != torch.float32:
             raise RuntimeError("gradient shards on NVMe are fp32")
         if values.device.type != "cpu":
@@ -346,15 +338,15 @@ class NvmeGrads:
             host.copy_(values)  # device to host, blocking
             pool.release(values)
             values, pool = host, unit.host_pool
-        if not unit.grad_is_zero:
+        if not unit.accumulator.is_zero:
             unit.wait_writes()
             old = unit.host_pool.acquire(unit.shard_numel, torch.float32)
             self.extent.file.read(old, self.extent.offset).wait()
             values.add_(old)
             unit.host_pool.release(old)
-        unit.grad_is_zero = False
+        unit.accumulator.mark_added()
         if hold:
-            unit.hold_grad(values, pooled=pool is not None)
+            unit.accumulator.hold(values, pooled=pool is not None)
             return
         self.write(unit, values, pool.release)
 
@@ -367,15 +359,15 @@ class NvmeGrads:
     def add_params(self, unit, hold: bool = False) -> None:
         """World size 1: the parameters' gradients in one host buffer (or, held for an
         overlapped update, a lone parameter's own gradient: no copy) added to the shard."""
-        whole = unit.whole_grad() if hold else None
+        whole = unit.accumulator.whole() if hold else None
         if whole is not None:
             self.add(unit, whole, None, hold=True)
         else:
-            self.add(unit, unit.take_grads(unit.host_pool), unit.host_pool, hold)
+            self.add(unit, unit.accumulator.take(unit.host_pool), unit.host_pool, hold)
 
     def view(self, unit, c0: int, c1: int) -> torch.Tensor | None:
         """The range in memory (a held shard), or None: ``read`` it."""
-        return None if unit.held_grad is None else unit.held_grad[c0:c1]
+        return None if unit.accumulator.held is None else unit.accumulator.held[c0:c1]
 
     def read(self, unit, c0: int, c1: int, dst: torch.Tensor):
         """Start reading elements ``[c0, c1)`` into ``dst``; returns the I/O handle. The
@@ -385,8 +377,8 @@ class NvmeGrads:
     def chunks(self, unit):
         """(start, stop, values) over the shard, read ``GRAD_CHUNK`` elements at a time
         into one host buffer (valid until the next chunk)."""
-        if unit.held_grad is not None:
-            yield 0, unit.shard_numel, unit.held_grad
+        if unit.accumulator.held is not None:
+            yield 0, unit.shard_numel, unit.accumulator.held
             return
         unit.wait_writes()
         buf = unit.host_pool.acquire(grad_read_numel(unit.shard_numel), torch.float32)

@@ -330,7 +330,7 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def _step_by_owners(self) -> None:
         """Whole layout at world size > 1 (see [Note: any torch optimizer over the shards])."""
-        units = [u for u in self._units if not u.grad_is_zero]
+        units = [u for u in self._units if not u.accumulator.is_zero]
         for unit in units:
             self._point(unit, unit.master, unit.grad_shard, 0, owners=True)
         self._inner_step()
@@ -345,7 +345,7 @@ class ZeroOptimizer(ShardedOptimizer):
         generic_nvme.py)."""
         nv = self._nvme
         owners = self.layout == "whole" and self.engine.world > 1
-        units = [u for u in self._units if not u.grad_is_zero] if owners else live
+        units = [u for u in self._units if not u.accumulator.is_zero] if owners else live
         if not nv.in_step:  # overlapped() began it before backward
             nv.begin_step()
         items = [(u, c0, c1) for u in units for c0, c1 in nv.chunks(u)]

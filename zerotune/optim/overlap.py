@@ -59,20 +59,20 @@ class OverlappedStep:
         self.progress[unit.index] = c1
         if c1 == unit.shard_numel:
             self.unfinished.pop(unit.index, None)
-            unit.update_pending = False
+            unit.update_done()
 
     def launch(self, unit) -> None:
         """``unit``'s gradient shard is final: queue its update and start what can start
         (clipping: add its share of the norm, and keep its gradient for ``release``)."""
         opt = self.opt
         segs = opt.unit_segments.get(unit.index)
-        if segs is None or unit.grad_is_zero or unit.index in self.launched:
+        if segs is None or unit.accumulator.is_zero or unit.index in self.launched:
             return
         self._take(unit)
         if self.clipping:
             opt.add_unit_sum_of_squares(opt.norm_sq, unit)
             if unit.index not in self.keep:
-                unit.spill_held_grad()
+                unit.accumulator.spill_held()
         else:
             self._queue(unit)
         self.pump()
@@ -81,7 +81,7 @@ class OverlappedStep:
         """``unit``'s update is this step's: its step counts are taken now."""
         self.launched[unit.index] = None
         self.unfinished[unit.index] = unit
-        unit.update_pending = True
+        unit.queue_update()
         self.opt.count_step(unit)
 
     def _queue(self, unit) -> None:
@@ -145,8 +145,8 @@ class OverlappedStep:
         """Forget the updates a failure left undone (their units' state is about to be
         replaced); the pipeline gave its staging slots back when it failed."""
         for unit in self.unfinished.values():
-            unit.update_pending = False
-            unit.drop_held_grad()
+            unit.update_done()
+            unit.accumulator.drop_held()
         self.unfinished.clear()
         self.feed.items.clear()
         self.feed.todo.clear()

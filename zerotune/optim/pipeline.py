@@ -206,7 +206,7 @@ class StepPipeline:
             self.update(unit, c0, c1, master, state, entry.grad)
         entry.grad = None
         if c1 == unit.shard_numel:
-            unit.drop_held_grad()  # its last chunk is updated
+            unit.accumulator.drop_held()  # its last chunk is updated
         copied_master = in_param_file and not entry.in_place
         if copied_master:
             unit.keep_private()  # a unit mapping that file must not see the change

@@ -197,7 +197,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ gradients and norms
     def _live_units(self):
         return [
-            u for u in self.engine.units if u.index in self.unit_segments and not u.grad_is_zero
+            u
+            for u in self.engine.units
+            if u.index in self.unit_segments and not u.accumulator.is_zero
         ]
 
     def _grad_sum_of_squares(self) -> torch.Tensor:

@@ -429,7 +429,7 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
         for file, off in locations[1:]:
             file.write(buf, off).wait()
         staging.release(held)
-    unit.master = None
+    unit.drop_master()
 
 
 class NvmeStore:

@@ -17,11 +17,11 @@ torch's AdamW skips a parameter whose ``.grad`` is None at the step: no update, 
 decay, no step counted (a branch the batch did not take, an expert no token was routed
 to). The flat gradient shard cannot tell such a parameter from one whose gradient is zero,
 so the engine keeps a flag per parameter (``Slot.got_grad``): set when a gradient of it is
-taken into the shard (``Unit.reduce_grads``, any micro-batch), cleared by ``zero_grad``.
+taken into the shard (``GradAccumulator.reduce``, any micro-batch), cleared by ``zero_grad``.
 The update skips the segments of parameters without it and counts a step only for the
 others (``count_step`` reads the flag once, as the unit is launched; the update follows
 that reading, ``Segment.counted``); a unit none of whose parameters got one is skipped
-whole (``grad_is_zero``). With 8-bit moments a block of 256 that no updated segment
+whole (``GradAccumulator.is_zero``). With 8-bit moments a block of 256 that no updated segment
 reaches keeps its codes (a round trip through the codes is not exact); a block shared
 with an updated parameter is quantized again whole, which moves the skipped part's
 moments by the codes' rounding, as padding's. The flags follow the parameters that were
@@ -69,7 +69,7 @@ with NVMe the chunks of the units the last overlapped step launched next are rea
 their gradients exist, from the moment ``overlapped()`` is entered (see [Note: reading
 ahead of backward] in state_store.py). A
 gradient shard bound for NVMe is not written and read back when its update follows:
-the engine keeps it in memory (``Unit.held_grad``) when no other shard is held, or when
+the engine keeps it in memory (``GradAccumulator.held``) when no other shard is held, or when
 it is a one-parameter unit's (an embedding's) own ``.grad``, and the update reads it
 there (``_hold_grads`` in engine.py).
 It needs what an early update cannot undo or rescale: no global-norm clipping (the norm needs
@@ -444,7 +444,7 @@ class ZeroAdamW(ShardedOptimizer):
             and getattr(self.store, "previews", False)
             and unit.placement.master_in_param_file
             and not self.store.is_quantized(unit)
-            and (unit.held_grad is not None or not unit.grads.on_disk)
+            and (unit.accumulator.held is not None or not unit.grads.on_disk)
         )
 
     @torch.no_grad()

@@ -2,8 +2,9 @@
 
 ``shard(model, config)`` cuts the model into units (see policy.py), moves every parameter into
 its unit's flat shard (see [Note: flat layout] in unit.py), and installs the hooks of
-[Note: unit life cycle] in hooks.py. The model keeps working as before: the same
-``nn.Parameter`` objects, ``model.parameters()``, forward and ``loss.backward()``.
+[Note: pins and hooks] in hooks.py, which move each unit through [Note: unit life cycle] in
+unit.py. The model keeps working as before: the same ``nn.Parameter`` objects,
+``model.parameters()``, forward and ``loss.backward()``.
 Stages: 3 shards parameters, gradients and optimizer state; 2 keeps parameters gathered;
 1 also keeps whole gradients until the optimizer step.
 """
@@ -116,11 +117,6 @@ def _fingerprint(h: int, unit: Unit) -> int:
     return (h * 1_000_003 + unit.index + 1) % (1 << 61)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy, pinned when an accelerator exists (fast, asynchronous copies)."""
-    return t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
-
-
 class ZeroEngine(nn.Module):
     """Wraps a model whose parameters are sharded; calling it calls the model."""
 
@@ -218,7 +214,7 @@ class ZeroEngine(nn.Module):
         if self.device.type != "cpu" and hasattr(dm, "Stream"):
             copy_stream = dm.Stream(device=self.device)
             for unit in self.units:
-                unit.copy_stream = copy_stream
+                unit.accumulator.use_copy_stream(copy_stream)
         self._final_callback_queued = False
         # A fingerprint of the units reduced during this backward, in order (world size >
         # 1): the ranks compare it at the end (see _pending_units).
@@ -235,7 +231,7 @@ class ZeroEngine(nn.Module):
         self._gathered_in_forward = 0
         if self.finds_unused:
             for unit in self.units:
-                unit.on_gather = self._note_gather
+                unit.report_gathers_to(self._note_gather)
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
         self.activations = None  # see [Note: activation checkpoint offload] in activations.py
@@ -291,34 +287,13 @@ class ZeroEngine(nn.Module):
                 group=self.group,
                 fill=fill,
             )
-            unit.n_trainable = sum(1 for s in unit.slots if s.trainable)
-            for s in unit.slots:
-                s.watched = s.trainable  # its gradient has a hook (stages 2 and 3)
-            unit.grads_ready = 0
-            unit.pins = 0
-            unit.backward_active = False
-            unit.deps = []
-            # An embedding's backward reads only the indices and the gradient, never the
-            # weight: such a unit is not gathered for backward (see pre_backward).
-            unit.weightless_backward = (
-                isinstance(module, nn.Embedding)
-                and type(module).forward is nn.Embedding.forward
-                and len(unit.slots) == 1
-            )
-            # A unit owning frozen parameters (a tied head owns none that train) is done
-            # with its weights only once the gradients of its inputs exist too: a frozen
-            # weight's backward node may run after the trainable gradients are complete
-            # (see inputs_backward_done); ``input_waits`` counts those still to come this
-            # pass; ``grads_final`` / ``inputs_final``: each is complete.
-            unit.waits_for_inputs = unit.n_trainable < len(unit.slots) or unit.n_trainable == 0
-            unit.input_waits = 0
-            unit.grads_final = unit.inputs_final = False
             self._place(unit)  # to its tiers now: the next unit's construction needs the room
             units.append(unit)
         # Dependencies: parameters that a unit's modules hold but another unit owns (tied
         # weights), found at wrap time; see external.py for those found while running.
         for unit, unit_deps_ in zip(units, deps):
-            unit.deps = [units[j] for j in unit_deps_]
+            for j in unit_deps_:
+                unit.add_dep(units[j])
             for dep in unit.deps:
                 log.info("zerotune: unit %s uses parameters of unit %s", unit.name, dep.name)
         return units
@@ -357,17 +332,7 @@ class ZeroEngine(nn.Module):
             device_type=self.device.type,
         )
         on_host = self.device.type != "cpu"  # else host and device are one memory
-        if where.params == "host" and on_host:
-            shared = unit.master is unit.shard
-            unit.shard = _to_host(unit.shard)
-            unit.master = unit.shard if shared else unit.master
-            if unit.world == 1:
-                # The flat buffer was the shard; now its storage exists only while gathered.
-                unit.flat = torch.empty(unit.padded_numel, dtype=unit.dtype, device=self.device)
-                unit.flat.untyped_storage().resize_(0)
-        if where.master == "host" and unit.master.device != host:
-            # With fp32 the master was the device shard itself: now a host copy.
-            unit.master = _to_host(unit.master.float())
+        unit.keep_on_host(params=where.params == "host" and on_host, master=where.master == "host")
         if where.params == "nvme":
             extent = self.swap.extent("param", unit.index)
             mapped = (
@@ -520,7 +485,7 @@ class ZeroEngine(nn.Module):
             user = self._unit_of_module(user)
         if owner is user or owner in user.deps:
             return
-        user.deps.append(owner)
+        user.add_dep(owner)
         if pin:
             self._pin(owner)
 
@@ -601,7 +566,7 @@ class ZeroEngine(nn.Module):
         self._carrying = carrying
 
     # ------------------------------------------------------------------ unit life cycle
-    # See [Note: unit life cycle] in hooks.py.
+    # See [Note: pins and hooks] in hooks.py and [Note: unit life cycle] in unit.py.
     def settle_optimizer(self, unit: Unit | None = None, overwrite: bool = False) -> None:
         """Finish the optimizer updates the last step carried into this forward: ``unit``'s,
         or all of them (see [Note: carrying the step into the next forward] in
@@ -617,14 +582,13 @@ class ZeroEngine(nn.Module):
         """Pin and gather ``unit``; ``lookup``: the indices an embedding unit is about to
         look up, whose rows may come from the carried step's preview (see [Note: looked-up
         rows before their update] in optim/zero_adam.py) instead of its whole update."""
-        unit.pins += 1
+        unit.pin()
         self._make_room(unit)
         if unit.update_pending:
             opt = self.optimizer
             alone = unit.pins == 1 and unit.state is UnitState.SHARDED
             if lookup is not None and alone and opt.can_preview(unit):
-                unit.gather()
-                unit.previewed = True
+                unit.gather_for_preview()
                 opt.preview_rows(unit, lookup, unit.slots[0].param)
                 return
             self.settle_optimizer(unit)
@@ -633,9 +597,7 @@ class ZeroEngine(nn.Module):
         unit.gather()
 
     def _unpin(self, unit: Unit) -> None:
-        unit.pins = max(unit.pins - 1, 0)
-        if unit.pins == 0:
-            unit.release()
+        unit.unpin()
 
     def _make_room(self, unit: Unit) -> None:
         limit = self.config.max_live_bytes
@@ -677,6 +639,7 @@ class ZeroEngine(nn.Module):
         if self._carrying:
             self.optimizer.pump()  # the last step's updates, between this forward's layers
         self._use("forward", unit)
+        unit.begin_forward()
         lookup = None
         if unit.update_pending and args and isinstance(args[0], torch.Tensor):
             lookup = args[0]  # an embedding's indices (see can_preview)
@@ -685,6 +648,7 @@ class ZeroEngine(nn.Module):
             self._pin(dep)
 
     def post_forward(self, unit: Unit) -> None:
+        unit.end_forward()
         self._unpin(unit)
         for dep in unit.deps:
             self._unpin(dep)
@@ -693,12 +657,12 @@ class ZeroEngine(nn.Module):
 
     def forward_in_backward_done(self, unit: Unit) -> None:
         """A forward re-run inside backward (activation checkpointing) just finished."""
-        if unit.backward_active:
+        if unit.holds_backward_pins:
             self._unpin(unit)
             for dep in unit.deps:
                 self._unpin(dep)
         else:
-            unit.backward_active = True  # the forward pins become the backward pins
+            unit.begin_backward()  # the forward pins become the backward pins
 
     def begin_backward(self) -> bool:
         """Called by every pre-backward hook: True for the first of a backward pass (the
@@ -731,7 +695,7 @@ class ZeroEngine(nn.Module):
             self._overlap.check_second_backward()
 
     def pre_backward(self, unit: Unit) -> None:
-        if unit.backward_active:
+        if unit.holds_backward_pins:
             return
         if unit.index == 0:
             self.prefetcher.start_pass("backward")
@@ -741,7 +705,7 @@ class ZeroEngine(nn.Module):
             # its gradient is stored under.
             unit.keep_shapes()
             return
-        unit.backward_active = True
+        unit.begin_backward()
         self._use("backward", unit)
         self._pin(unit)
         for dep in unit.deps:
@@ -764,7 +728,7 @@ class ZeroEngine(nn.Module):
         taken backward one after the other, defer what their own forwards found. Deferred
         units are reduced at the end of that backward with the other pending ones, in unit
         order on every rank (``_pending_units``; a rank that got none of their gradients
-        adds zeros); their gradients wait in full meanwhile (``Unit.unreduced``, as under
+        adds zeros); their gradients wait in full meanwhile (``GradAccumulator.unreduced``, as under
         ``no_sync()``). Forwards under ``no_sync()`` reduce nothing and are not walked.
 
         A reentrant activation checkpoint hides the parameters it runs until backward
@@ -819,29 +783,30 @@ class ZeroEngine(nn.Module):
         self._gathered_in_forward = _fingerprint(self._gathered_in_forward, unit)
 
     def post_backward(self, unit: Unit) -> None:
-        unit.grads_ready = 0
+        """Every trainable parameter of ``unit`` has its gradient (``Unit.count_grad_ready``):
+        reduce them into its gradient shard."""
         if self._sync and unit.index in self._deferred:
             # Not complete on every rank: kept here and reduced at the end of backward,
             # with the ranks that never complete it (see [Note: find unused parameters]).
-            unit.reduce_grads(sync=False)
-            unit.grads_final = True
+            unit.accumulator.reduce(sync=False)
+            unit.grads_done()
             self._end_backward_if_done(unit)
             return
-        unit.reduce_grads(sync=self._sync, hold=self._hold_grads(unit))
+        unit.accumulator.reduce(sync=self._sync, hold=self._hold_grads(unit))
         if self._sync and self.world > 1:
             self._reduced_during_backward = _fingerprint(self._reduced_during_backward, unit)
-        if unit.copying_to_host:
+        if unit.accumulator.copying_to_host:
             # Its gradients are on their way to the host: finish the previous unit's now
             # (its copies ran while this unit's backward did), this one's after the next.
             if self._copying is not None and self._copying is not unit:
-                self._copying.finish_host_copy()
+                self._copying.accumulator.finish_host_copy()
             self._copying = unit
-        unit.grads_final = True
+        unit.grads_done()
         # Released first, when nothing else holds it: an update writing the parameter file
         # under a gathered unit that maps it would make it copy its weights (keep_private).
         self._end_backward_if_done(unit)
         if self._overlap is not None and self._sync:
-            unit.finish_host_copy()
+            unit.accumulator.finish_host_copy()
             self._overlap.launch(unit)  # its gradient shard is final: update it now
 
     def inputs_backward_done(self, unit: Unit) -> None:
@@ -849,17 +814,12 @@ class ZeroEngine(nn.Module):
         frozen parameters wait for this as well as for their trainable gradients before
         they let go of their weights: a tied head (nothing of its own trains) releases
         the embedding's whole matrix here instead of holding it to the end of backward."""
-        unit.inputs_final = True
+        unit.inputs_done()
         self._end_backward_if_done(unit)
 
     def _end_backward_if_done(self, unit: Unit) -> None:
-        grads = unit.grads_final or unit.n_trainable == 0
-        if grads and (unit.inputs_final or not unit.waits_for_inputs):
-            self._end_backward_pins(unit)
-
-    def _end_backward_pins(self, unit: Unit) -> None:
-        if unit.backward_active:
-            unit.backward_active = False
+        """Let go of ``unit``'s backward pins once its backward is complete."""
+        if unit.backward_complete and unit.end_backward():
             self._unpin(unit)
             for dep in unit.deps:
                 self._unpin(dep)
@@ -892,12 +852,12 @@ class ZeroEngine(nn.Module):
                 deferred = self._deferred if self._sync else set()
 
                 def pending(u: Unit) -> bool:
-                    return u.has_pending_grads() or (
-                        u.index in deferred and u.unreduced is not None
+                    return u.accumulator.has_pending() or (
+                        u.index in deferred and u.accumulator.unreduced is not None
                     )
 
                 for unit in self._pending_units(pending, self._sync):
-                    unit.reduce_grads(sync=self._sync)
+                    unit.accumulator.reduce(sync=self._sync)
             self._finish_host_copies()
         finally:
             self._reset_backward_state()  # also after an error: the next pass starts clean
@@ -908,12 +868,7 @@ class ZeroEngine(nn.Module):
         self._reduced_during_backward = 0
         self._deferred.clear()
         for unit in self.units:
-            unit.grads_ready = 0
-            unit.input_waits = 0
-            unit.grads_final = unit.inputs_final = False
-            unit.backward_active = False
-            unit.pins = 0
-            unit.release()
+            unit.end_pass()
 
     def _pending_units(self, pending, sync: bool) -> list[Unit]:
         """The units ``pending`` picks (gradients not reduced yet), in order. At world size
@@ -922,8 +877,8 @@ class ZeroEngine(nn.Module):
         collectives pair up, and each parameter counts as having got a gradient when it
         got one on any rank (see [Note: parameters without a gradient])."""
         for unit in self.units:
-            if not unit.trainable and unit.has_pending_grads():
-                unit.reduce_grads()  # frozen when the engine was built: dropped, here only
+            if not unit.trainable and unit.accumulator.has_pending():
+                unit.accumulator.reduce()  # frozen when the engine was built: dropped, here only
         picked = [1 if u.trainable and pending(u) else 0 for u in self.units]
         if self.world == 1 or not sync:
             return [u for u, p in zip(self.units, picked) if p]
@@ -955,7 +910,7 @@ class ZeroEngine(nn.Module):
     def _finish_host_copies(self) -> None:
         self._copying = None
         for unit in self.units:
-            unit.finish_host_copy()
+            unit.accumulator.finish_host_copy()
 
     def finalize_grads(self) -> None:
         """Make every gradient shard final before clipping or the optimizer step."""
@@ -963,10 +918,10 @@ class ZeroEngine(nn.Module):
         for unit in self.units:
             unit.wait_writes()
         pending = self._pending_units(
-            lambda u: u.has_pending_grads() or u.unreduced is not None, sync=True
+            lambda u: u.accumulator.has_pending() or u.accumulator.unreduced is not None, sync=True
         )
         for unit in pending:
-            unit.reduce_grads(sync=True)
+            unit.accumulator.reduce(sync=True)
         # Stage 1 reduces here, after backward: those copies to the host finish now too.
         self._finish_host_copies()
 
@@ -980,7 +935,7 @@ class ZeroEngine(nn.Module):
 
     def zero_grad(self) -> None:
         for unit in self.units:
-            unit.zero_grad()
+            unit.accumulator.zero()
 
     # ---------------------------------------------------------------------- shard state
     def unit_state(self, unit: Unit) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Forward and backward hooks that gather, release and reduce units.
 
-[Note: unit life cycle]
+[Note: pins and hooks]
 Every unit has a pin count: it stays gathered while pinned and is released when the count
 falls to zero (persistent units never release).
 
@@ -168,13 +168,12 @@ def _wait_for_input_grads(engine: ZeroEngine, unit: Unit, inputs: list[torch.Ten
     the pass), keeps one wait open: the unit then ends with the backward pass."""
     waiting = [t for t in inputs if t.requires_grad]
     if not waiting or any(t.grad_fn is None for t in waiting):
-        unit.input_waits += 1  # never met this pass
+        unit.expect_input_grads(1)  # never met this pass
         return
-    unit.input_waits += len(waiting)
+    unit.expect_input_grads(len(waiting))
 
     def hook(grad):
-        unit.input_waits -= 1
-        if unit.input_waits == 0:
+        if unit.input_grad_arrived():
             engine.inputs_backward_done(unit)
         return None
 
@@ -202,8 +201,7 @@ def _grad_ready_hook(engine: ZeroEngine, unit: Unit):
         engine, unit = engine_ref(), unit_ref()
         if engine is None or unit is None:
             return
-        unit.grads_ready += 1
-        if unit.grads_ready == unit.n_trainable:
+        if unit.count_grad_ready():
             engine.post_backward(unit)
         else:
             engine.pump_overlapped_step()

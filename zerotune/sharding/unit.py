@@ -17,6 +17,27 @@ Each unit keeps, for its shard: the compute-dtype copy (``shard``), the fp32 mas
 (``master``; the same tensor as ``shard`` when the compute dtype is fp32), and the accumulated
 gradient (``grad_shard``). Units that stay gathered (stages 1-2, or small units under the
 persistence threshold) keep the whole flat buffer (``full``) and ``shard`` is a view into it.
+
+[Note: unit life cycle]
+A unit has two states. ``state`` (UnitState) is what its parameters hold: SHARDED,
+GATHERING, GATHERED; ``gather`` and ``release`` move it, pins decide when (see [Note: pins
+and hooks] in hooks.py). ``training_state`` (TrainingState) is what the unit does in the
+current pass; the engine's hooks move it, always through the unit's verbs:
+
+    IDLE -begin_forward-> FORWARD -end_forward-> IDLE
+    IDLE -begin_backward-> BACKWARD -end_backward-> POST_BACKWARD -end_pass-> IDLE
+
+``begin_backward`` runs at the unit's pre-backward, or when a forward re-run inside backward
+(activation checkpointing) ends: its pins become backward pins, held until ``end_backward``
+(a forward re-run while BACKWARD leaves it BACKWARD). ``end_backward`` comes once
+``backward_complete``: every trainable gradient accumulated (``count_grad_ready``) and
+reduced (``grads_done``), and for a unit that waits for them its inputs' gradients too
+(``inputs_done``). An embedding's unit, not gathered for its backward, goes from IDLE to
+POST_BACKWARD. ``end_pass`` (the end-of-backward callback, or the next forward after a
+backward that failed) resets the pass's counters (``PassState``) and pins and releases the
+unit. Each micro-batch runs this cycle once; the optimizer step moves no training state.
+Apart from it, ``update_pending`` (``queue_update`` to ``update_done``) marks an overlapped
+step's update still to run, possibly into the next forward.
 """
 
 from __future__ import annotations
@@ -31,15 +52,41 @@ from torch import nn
 from .. import dist as zdist
 from ..memory.aio import aligned_empty
 from ..memory.pool import BufferPool
-from ..memory.tiers import DeviceParams, MemoryGrads, NvmeParams, Placement
+from ..memory.tiers import DeviceParams, MemoryGrads, NvmeGrads, NvmeParams, Placement
+from .grads import GradAccumulator
 
-__all__ = ["Slot", "Unit", "UnitState"]
+__all__ = ["PassState", "Slot", "TrainingState", "Unit", "UnitState"]
 
 
 class UnitState(enum.Enum):
+    """What the unit's parameters hold."""
+
     SHARDED = "sharded"  # parameters are empty; only this rank's shard exists
     GATHERING = "gathering"  # an asynchronous all-gather is in flight
     GATHERED = "gathered"  # parameters are views of the whole flat buffer
+
+
+class TrainingState(enum.Enum):
+    """What the unit is doing in the current pass (see [Note: unit life cycle])."""
+
+    IDLE = "idle"  # no forward or backward of it is running
+    FORWARD = "forward"  # its forward runs (pinned by it)
+    BACKWARD = "backward"  # its backward runs: it holds its backward pins
+    POST_BACKWARD = "post_backward"  # its backward is done for this pass
+
+
+@dataclass
+class PassState:
+    """The counters and flags of one backward pass (``reset`` at its end)."""
+
+    grads_ready: int = 0  # trainable parameters whose gradient has accumulated
+    input_waits: int = 0  # gradients of forward inputs still to come (waits_for_inputs)
+    grads_final: bool = False  # its gradient shard is final for this pass
+    inputs_final: bool = False  # the gradients of its forward inputs all exist
+
+    def reset(self) -> None:
+        self.grads_ready = self.input_waits = 0
+        self.grads_final = self.inputs_final = False
 
 
 @dataclass
@@ -59,6 +106,11 @@ class Slot:
     @property
     def trainable(self) -> bool:
         return self.param.requires_grad
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy, pinned when an accelerator exists (fast, asynchronous copies)."""
+    return t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
 
 
 class Unit:
@@ -83,24 +135,47 @@ class Unit:
         buffers on ``device``; ``host_pool`` (the same pool on a CPU device, else pinned
         host memory) those that meet the host: NVMe reads and writes, gradient shards
         kept on the host."""
-        self.index, self.name, self.module = index, name, module
-        self.dtype, self.grad_dtype, self.device = dtype, grad_dtype, device
-        self.pool, self.group = pool, group
-        self.host_pool = pool if host_pool is None else host_pool
-        self.rank, self.world = zdist.get_rank(group), zdist.get_world_size(group)
+        self.index: int = index
+        self.name: str = name
+        self.module: nn.Module = module
+        self.dtype: torch.dtype = dtype
+        self.grad_dtype: torch.dtype = grad_dtype
+        self.device: torch.device = device
+        self.pool: BufferPool = pool
+        self.group = group
+        self.host_pool: BufferPool = pool if host_pool is None else host_pool
+        self.rank: int = zdist.get_rank(group)
+        self.world: int = zdist.get_world_size(group)
 
         self.slots: list[Slot] = []
         offset = 0
         for pname, p in named_params:
-            self.slots.append(Slot(pname, p, offset, p.numel(), p.shape))
+            # Watched: its gradient has a hook (stages 2 and 3) when trainable now.
+            self.slots.append(Slot(pname, p, offset, p.numel(), p.shape, watched=p.requires_grad))
             offset += p.numel()
-        self.numel = offset
-        self.padded_numel = math.ceil(offset / self.world) * self.world
-        self.shard_numel = self.padded_numel // self.world
-        self.shard_start = self.rank * self.shard_numel
-        self.trainable = any(s.trainable for s in self.slots)
-        self.persistent = persistent
-        self.gathered_bytes = self.padded_numel * (torch.finfo(dtype).bits // 8)
+        self.numel: int = offset
+        self.padded_numel: int = math.ceil(offset / self.world) * self.world
+        self.shard_numel: int = self.padded_numel // self.world
+        self.shard_start: int = self.rank * self.shard_numel
+        self.trainable: bool = any(s.trainable for s in self.slots)
+        self.n_trainable: int = sum(1 for s in self.slots if s.trainable)
+        self.persistent: bool = persistent
+        self.gathered_bytes: int = self.padded_numel * (torch.finfo(dtype).bits // 8)
+        # Units whose parameters this unit's modules use (tied or external weights): gathered
+        # with it (``add_dep``; see external.py).
+        self.deps: list[Unit] = []
+        # An embedding's backward reads only the indices and the gradient, never the
+        # weight: such a unit is not gathered for backward (see ZeroEngine.pre_backward).
+        self.weightless_backward: bool = (
+            isinstance(module, nn.Embedding)
+            and type(module).forward is nn.Embedding.forward
+            and len(self.slots) == 1
+        )
+        # A unit owning frozen parameters (a tied head owns none that train) is done with
+        # its weights only once the gradients of its inputs exist too: a frozen weight's
+        # backward node may run after the trainable gradients are complete (see
+        # ZeroEngine.inputs_backward_done).
+        self.waits_for_inputs: bool = self.n_trainable < len(self.slots) or self.n_trainable == 0
 
         own = slice(self.shard_start, self.shard_start + self.shard_numel)
         # This rank's slice in fp32 first: it becomes the master weights, so a bf16/fp16
@@ -125,43 +200,40 @@ class Unit:
             if self.world > 1:
                 flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
                 zdist.all_gather_into(flat, shard, group=group)
-            self.flat = flat
-            self.shard = flat[own]
+            self.flat: torch.Tensor = flat
+            self.shard: torch.Tensor | None = flat[own]
         else:
             # A tensor of padded_numel elements over a storage (re)allocated on each gather.
             self.shard = shard
             self.flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
             self.flat.untyped_storage().resize_(0)
-        self.full = self.flat if persistent else None
-        self.master = self.shard if dtype == torch.float32 else master
+        self.full: torch.Tensor | None = self.flat if persistent else None
+        # None once the optimizer's files hold it (drop_master).
+        self.master: torch.Tensor | None = self.shard if dtype == torch.float32 else master
         del master, shard
         # Where the shards live (see [Note: memory tiers] in memory/tiers.py): in memory on
         # the device until the engine places the unit.
-        self.placement = Placement("device", "device", "device", dtype != torch.float32)
-        self.params = DeviceParams()
-        self.grads = MemoryGrads(device)
-        self.grad_is_zero = True  # the gradient shard holds no gradient yet (contents stale)
-        self.unreduced: torch.Tensor | None = None  # full-size grads kept under no_sync()
-        self.on_gather = None  # called with the unit as its all-gather is issued (world > 1)
-
-        self.state = UnitState.SHARDED
-        self._placeholders = False  # released parameters keep their shapes (keep_shapes)
+        self.placement: Placement = Placement("device", "device", "device", dtype != torch.float32)
+        self.params: DeviceParams | NvmeParams = DeviceParams()  # or HostParams
+        self.grads: MemoryGrads | NvmeGrads = MemoryGrads(device)
+        self.accumulator: GradAccumulator = GradAccumulator(self)
+        # Called with the unit as its all-gather is issued (world > 1; report_gathers_to).
+        self.on_gather = None
+        # The life cycle (see [Note: unit life cycle]): what its parameters hold, what it
+        # does in this pass, the pins keeping it gathered, this backward's counters.
+        self.state: UnitState = UnitState.SHARDED
+        self.training_state: TrainingState = TrainingState.IDLE
+        self.pins: int = 0
+        self.pass_state: PassState = PassState()
+        self._placeholders: bool = False  # released parameters keep their shapes (keep_shapes)
         self._fetch = None  # the parameter tier's fetch in flight (GATHERING)
-        # The final gradient shard kept in memory for an overlapped update instead of a
-        # round trip through the gradient file (see [Note: overlapped step] in zero_adam.py).
-        self.held_grad: torch.Tensor | None = None
         # An overlapped step's update of this unit is queued or running (it may run on
         # into the next forward): its gradient stays until the update is done.
-        self.update_pending = False
+        self.update_pending: bool = False
         # Gathered for a lookup with only the looked-up rows new (see [Note: looked-up rows
         # before their update] in optim/zero_adam.py); cleared on release.
-        self.previewed = False
-        self._held_pooled = True  # it came from host_pool (else: a parameter's own .grad)
-        self._mapped = False  # flat's storage is a mapping of the parameter file now
-        # Gradients on their way to the host: (buffer, event, straight into the shard)
-        # until finish_host_copy.
-        self._host_copy = None
-        self.copy_stream = None  # the side stream of those copies (the engine sets it)
+        self.previewed: bool = False
+        self._mapped: bool = False  # flat's storage is a mapping of the parameter file now
         self._lent = None  # the GatherCache buffer behind flat's storage while gathered
         self.pending_writes: list = []  # this unit's entries of pool.writes
         # The optimizer store's writes of the fp32 master into the parameter extent (the
@@ -173,6 +245,101 @@ class Unit:
             self.state = UnitState.GATHERED
         else:
             self._empty_params()
+
+    # ------------------------------------------------------------------------- life cycle
+    # See [Note: unit life cycle].
+    def begin_forward(self) -> None:
+        """Its forward starts (a forward re-run inside its backward leaves it BACKWARD)."""
+        if self.training_state is not TrainingState.BACKWARD:
+            self.training_state = TrainingState.FORWARD
+
+    def end_forward(self) -> None:
+        """Its forward is done (outside backward)."""
+        if self.training_state is TrainingState.FORWARD:
+            self.training_state = TrainingState.IDLE
+
+    @property
+    def holds_backward_pins(self) -> bool:
+        """Whether its backward runs (BACKWARD): it holds its backward pins."""
+        return self.training_state is TrainingState.BACKWARD
+
+    def begin_backward(self) -> None:
+        """Its backward starts: the pins taken now stay until ``end_backward``."""
+        self.training_state = TrainingState.BACKWARD
+
+    def count_grad_ready(self) -> bool:
+        """One trainable parameter's gradient has accumulated: True when that completes
+        the unit's (the count then starts over)."""
+        self.pass_state.grads_ready += 1
+        if self.pass_state.grads_ready != self.n_trainable:
+            return False
+        self.pass_state.grads_ready = 0
+        return True
+
+    def expect_input_grads(self, n: int) -> None:
+        """``n`` more gradients of forward inputs to wait for in this pass."""
+        self.pass_state.input_waits += n
+
+    def input_grad_arrived(self) -> bool:
+        """One awaited input gradient exists: True when none is left to wait for."""
+        self.pass_state.input_waits -= 1
+        return self.pass_state.input_waits == 0
+
+    def grads_done(self) -> None:
+        """Its gradient shard is final for this pass."""
+        self.pass_state.grads_final = True
+
+    def inputs_done(self) -> None:
+        """The gradients of its forward inputs all exist."""
+        self.pass_state.inputs_final = True
+
+    @property
+    def backward_complete(self) -> bool:
+        """Whether its gradients (if it has trainable parameters) and, where it waits for
+        them, its inputs' gradients are final: it may let go of its weights."""
+        grads = self.pass_state.grads_final or self.n_trainable == 0
+        return grads and (self.pass_state.inputs_final or not self.waits_for_inputs)
+
+    def end_backward(self) -> bool:
+        """Its backward is done for this pass (POST_BACKWARD): whether it held backward
+        pins, which the caller lets go."""
+        held = self.training_state is TrainingState.BACKWARD
+        self.training_state = TrainingState.POST_BACKWARD
+        return held
+
+    def end_pass(self) -> None:
+        """The backward pass is over (or failed): state, pins and counters start over, and
+        the unit is released."""
+        self.pass_state.reset()
+        self.training_state = TrainingState.IDLE
+        self.pins = 0
+        self.release()
+
+    def pin(self) -> None:
+        """One more holder keeps it gathered (the caller gathers it)."""
+        self.pins += 1
+
+    def unpin(self) -> None:
+        """One holder less; released when none is left."""
+        self.pins = max(self.pins - 1, 0)
+        if self.pins == 0:
+            self.release()
+
+    def queue_update(self) -> None:
+        """An overlapped step's update of it is queued: its gradient stays until done."""
+        self.update_pending = True
+
+    def update_done(self) -> None:
+        """Its queued update is done (or abandoned)."""
+        self.update_pending = False
+
+    def add_dep(self, owner: Unit) -> None:
+        """Its modules use parameters ``owner`` owns: gather ``owner`` with it."""
+        self.deps.append(owner)
+
+    def report_gathers_to(self, callback) -> None:
+        """Call ``callback(unit)`` as each all-gather of it is issued (world size > 1)."""
+        self.on_gather = callback
 
     # ----------------------------------------------------------------------------- gather
 
@@ -227,6 +394,13 @@ class Unit:
         self.pool.gather_cache.lend_unmanaged(self.flat, own)  # the mapping goes
         self._mapped = False
 
+    def gather_for_preview(self) -> None:
+        """Gather it for a lookup whose rows alone are brought up to date (see [Note:
+        looked-up rows before their update] in optim/zero_adam.py); ``reread`` or
+        ``release`` ends that."""
+        self.gather()
+        self.previewed = True
+
     def reread(self) -> None:
         """Read the gathered buffer again from the parameter file (world size 1): it was
         gathered with some rows computed ahead of an update that has now been written."""
@@ -265,6 +439,25 @@ class Unit:
             self.shard = None  # with fp32, self.master keeps the tensor
         self.params = params
 
+    def keep_on_host(self, params: bool, master: bool) -> None:
+        """Move the compute-dtype shard (``params``) and the fp32 master (``master``) to host
+        memory, pinned when an accelerator exists (the engine, once, while placing it)."""
+        if params:
+            shared = self.master is self.shard
+            self.shard = _to_host(self.shard)
+            self.master = self.shard if shared else self.master
+            if self.world == 1:
+                # The flat buffer was the shard; now its storage exists only while gathered.
+                self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+                self.flat.untyped_storage().resize_(0)
+        if master and self.master.device != torch.device("cpu"):
+            # With fp32 the master was the device shard itself: now a host copy.
+            self.master = _to_host(self.master.float())
+
+    def drop_master(self) -> None:
+        """The optimizer's files hold the fp32 master from now on: no copy in memory."""
+        self.master = None
+
     def store_shard(self, values: torch.Tensor, give_back=None) -> None:
         """After an optimizer step: the new compute-dtype shard, written to NVMe (async;
         ``give_back(values)`` runs once the write is done) or copied into memory."""
@@ -285,7 +478,7 @@ class Unit:
 
     def release(self) -> None:
         """Drop the gathered parameters (no-op for persistent units); placeholders left by
-        ``keep_shapes`` go too."""
+        ``keep_shapes`` and a preview (``gather_for_preview``) go too."""
         self.previewed = False
         if self.persistent:
             return
@@ -345,202 +538,17 @@ class Unit:
         self._placeholders = False
 
     # ------------------------------------------------------------------------------ grads
-    def has_pending_grads(self) -> bool:
-        return any(s.param.grad is not None for s in self.slots)
-
-    def reduce_grads(self, sync: bool = True, hold: bool = False) -> None:
-        """Move the parameters' gradients into this rank's gradient shard (averaged over ranks).
-
-        With ``sync=False`` (inside ``no_sync()``) the full gradient is accumulated locally and
-        reduced together with the next synchronized backward. With ``hold`` a gradient shard
-        bound for NVMe stays in memory (``held_grad``) for an update that follows at once.
-        """
-        if not self.trainable:
-            for s in self.slots:
-                s.param.grad = None
-            return
-        for s in self.slots:
-            if s.trainable and s.param.grad is not None:
-                s.got_grad = True
-        if self.world == 1 and sync and self.unreduced is None:
-            self._add_into_shard_directly(hold)
-            return
-        flat = self.take_grads(self.pool)
-        if not sync:
-            if self.unreduced is None:
-                self.unreduced = flat.clone()
-            else:
-                self.unreduced.add_(flat)
-            self.pool.release(flat)
-            return
-        if self.unreduced is not None:
-            flat.add_(self.unreduced)
-            self.unreduced = None
-        out = self.pool.acquire(self.shard_numel, torch.float32)
-        zdist.reduce_scatter_avg(out, flat, group=self.group)
-        self.pool.release(flat)
-        self.grads.add(self, out, self.pool, hold)
-
-    def take_grads(self, pool: BufferPool) -> torch.Tensor:
-        """Every parameter's gradient in its region of an fp32 buffer from ``pool`` (zeros
-        where there is none and in the padding); the parameters' gradients are dropped."""
-        flat = pool.acquire(self.padded_numel, torch.float32)
-        for s in self.slots:
-            g = s.param.grad
-            region = flat[s.offset : s.offset + s.numel]
-            region.copy_(g.reshape(-1)) if g is not None and s.trainable else region.zero_()
-            s.param.grad = None
-        flat[self.numel :].zero_()
-        return flat
-
+    # Reduction and accumulation: ``accumulator`` (see [Note: gradient accumulation]).
     @property
     def one_parameter(self) -> bool:
         """One parameter fills the flat buffer (an embedding at world size 1)."""
         return len(self.slots) == 1 and self.padded_numel == self.numel
-
-    def whole_grad(self) -> torch.Tensor | None:
-        """The gradient of a ``one_parameter`` unit, taken as the flat gradient itself when
-        it is a contiguous fp32 host tensor: no copy, and no second buffer of the largest
-        size at the end of backward."""
-        if not self.one_parameter:
-            return None
-        s = self.slots[0]
-        g = s.param.grad
-        if (
-            not s.trainable
-            or g is None
-            or g.dtype != torch.float32
-            or g.device.type != "cpu"
-            or not g.is_contiguous()
-        ):
-            return None
-        s.param.grad = None
-        return g.view(-1)
 
     @property
     def grad_shard(self) -> torch.Tensor | None:
         """The gradient shard when it is in memory (None before the first gradient, or on
         NVMe)."""
         return None if self.grads.on_disk else self.grads.shard
-
-    def _add_into_shard_directly(self, hold: bool = False) -> None:
-        # World 1: the shard is the whole flat buffer; no collective and no staging copy on
-        # the device. Gradients bound for the host (NVMe, or an optimizer on the host) are
-        # copied parameter by parameter into a (pinned) host buffer.
-        if self.device.type != "cpu" and (self.grads.on_disk or self.grads.device != self.device):
-            self._gradients_to_host()
-            return
-        self.grads.add_params(self, hold)
-
-    def _gradients_to_host(self) -> None:
-        """World size 1 on an accelerator, gradients bound for the host: every parameter's
-        gradient is queued for a copy into one pinned buffer in the compute dtype (half
-        the bytes of fp32 with bf16), on the side stream ``copy_stream`` so that backward
-        goes on meanwhile; ``finish_host_copy`` (the engine calls it once the next unit's
-        copies are queued, and at the end of backward) waits for them, and the host
-        converts and adds them into the fp32 gradient shard (or its NVMe extent). An fp32
-        shard in memory needs no host work: the device converts the gradients into one
-        fp32 buffer, copied straight into the (pinned) shard; a later micro-batch brings
-        the shard over, adds on the device and copies the sum back (ZeRO-Offload's
-        accumulation: PCIe bytes instead of host arithmetic)."""
-        self.finish_host_copy()
-        dm = getattr(torch, self.device.type)
-        current = dm.current_stream(self.device)
-        stream = self.copy_stream or current
-        if not self.grads.on_disk and self.grad_dtype == torch.float32:
-            flat = self.take_grads(self.pool)
-            shard = self.grads.buffer(self)
-            held = [flat]  # back to the pool once the copies are done
-            if not self.grad_is_zero:
-                held.append(self.pool.acquire(self.padded_numel, torch.float32))
-            stream.wait_stream(current)
-            with dm.stream(stream):
-                if self.grad_is_zero:
-                    shard.copy_(flat, non_blocking=True)
-                else:
-                    total = held[1]
-                    total.copy_(shard, non_blocking=True)
-                    total.add_(flat)
-                    shard.copy_(total, non_blocking=True)
-                event = stream.record_event()
-            self._host_copy = (held, event, True)
-            return
-        staged = self.host_pool.acquire(self.padded_numel, self.dtype)
-        stream.wait_stream(current)  # the gradients are computed
-        with dm.stream(stream):
-            for s in self.slots:
-                g = s.param.grad
-                region = staged[s.offset : s.offset + s.numel]
-                if g is not None and s.trainable:
-                    region.copy_(g.reshape(-1), non_blocking=True)
-                    # Its memory is not handed out again before the copy is done.
-                    g.record_stream(stream)
-                else:
-                    region.zero_()
-                s.param.grad = None
-            event = stream.record_event()
-        staged[self.numel :].zero_()
-        self._host_copy = (staged, event, False)
-
-    @property
-    def copying_to_host(self) -> bool:
-        """Whether gradients are on their way to the host (``_gradients_to_host``)."""
-        return self._host_copy is not None
-
-    def finish_host_copy(self) -> None:
-        """Wait for this unit's gradients on their way to the host and add them in."""
-        if self._host_copy is None:
-            return
-        staged, event, direct = self._host_copy
-        self._host_copy = None
-        event.synchronize()
-        if direct:
-            for buf in staged:  # the device buffers the shard was copied from and to
-                self.pool.release(buf)
-            self.grad_is_zero = False
-            return
-        if staged.dtype == torch.float32 or not self.grads.on_disk:
-            self.grads.add(self, staged, self.host_pool)
-            return
-        flat = self.host_pool.acquire(self.padded_numel, torch.float32)
-        flat.copy_(staged)
-        self.host_pool.release(staged)
-        self.grads.add(self, flat, self.host_pool)
-
-    def hold_grad(self, values: torch.Tensor, pooled: bool) -> None:
-        """Keep the final gradient shard in memory for an overlapped update (``pooled``: a
-        host_pool buffer, else a parameter's own gradient)."""
-        self.held_grad = values
-        self._held_pooled = pooled
-        self.host_pool.held_grads.add(values.numel() * values.element_size())
-
-    def spill_held_grad(self) -> None:
-        """Write the held gradient shard to its file after all (the update that was to read
-        it from memory comes later); the buffer goes back once written."""
-        held, self.held_grad = self.held_grad, None
-        if held is None:
-            return
-        self.host_pool.held_grads.sub(held.numel() * held.element_size())
-        give_back = self.host_pool.release if self._held_pooled else None
-        self.grads.write(self, held, give_back)
-
-    def drop_held_grad(self) -> None:
-        """Give back the gradient shard held for an overlapped update (once it is done)."""
-        held, self.held_grad = self.held_grad, None
-        if held is not None:
-            self.host_pool.held_grads.sub(held.numel() * held.element_size())
-            if self._held_pooled:
-                self.host_pool.release(held)
-
-    def zero_grad(self) -> None:
-        self.finish_host_copy()  # its buffer goes back only once the copy is done
-        if not self.update_pending:  # else the update drops it once done
-            self.drop_held_grad()
-        self.grad_is_zero = True
-        self.unreduced = None
-        for s in self.slots:
-            s.param.grad = None
-            s.got_grad = False
 
     # ------------------------------------------------------------------------- accounting
     def memory_bytes(self) -> dict[str, int]:
