@@ -57,6 +57,11 @@ SIZING_CASES = [
     ("gpt2", {"stage": 3, "dtype": "bf16", "offload_param": "nvme", "offload_optimizer": "cpu"}),
     ("odd", {"stage": 3, "dtype": "bf16", "offload_param": "nvme", "offload_optimizer": "cpu"}),
     ("gpt2", {"stage": 2, "dtype": "bf16", "offload_optimizer": "nvme", "grad_host_bytes": 0}),
+    (
+        "gpt2",
+        {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "grad_dtype": "bf16"}
+        | {"grad_host_bytes": 0},
+    ),
 ]
 TIERS = ("offload_param", "offload_optimizer")
 

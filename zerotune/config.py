@@ -88,8 +88,8 @@ class ZeroConfig:
     dtype: the compute dtype of parameters (fp32, bf16, fp16); master weights and Adam
         moments are always fp32.
     grad_dtype: dtype of the accumulated gradient shards (fp32 by default; bf16/fp16 halve
-        their memory, as in the ZeRO paper's 2+2+12 bytes per parameter). Reductions always
-        sum in fp32.
+        their memory or their NVMe file and its traffic, as in the ZeRO paper's 2+2+12 bytes
+        per parameter). Reductions and accumulation always sum in fp32, then round.
     prefetch_bytes: how many bytes of parameters may be gathered ahead of use (stage 3).
     max_live_bytes: bound on gathered parameter bytes held at once, prefetch included;
         on-demand gathers wait for room (0 = no bound beyond the units in use).

@@ -318,9 +318,12 @@ class MemoryGrads:
 
 
 class NvmeGrads:
-    """The gradient shard (fp32) in an extent of the gradient file. The first micro-batch is
-    written while backward goes on; later ones read, add and write. An overlapped update
-    takes the final shard from memory (``unit.accumulator.held``) instead of a round trip."""
+    """The gradient shard in an extent of the gradient file, in the unit's gradient dtype
+    (fp32, or bf16/fp16 at half the bytes on disk and in every transfer). The first
+    micro-batch is written while backward goes on; later ones read, add in fp32, round and
+    write, as a low-precision shard in memory adds. An overlapped update takes the final
+    shard from memory (``unit.accumulator.held``, in the same dtype) instead of a round
+    trip."""
 
     on_disk = True
 
@@ -331,8 +334,6 @@ class NvmeGrads:
         """Add ``values`` (fp32; a buffer of ``pool``, or with ``hold`` and ``pool`` None a
         parameter's own gradient) to the shard; with ``hold`` the sum stays in memory as
         ``unit.accumulator.held`` instead of being written."""
-        if unit.grad_dtype != torch.float32:
-            raise RuntimeError("gradient shards on NVMe are fp32")
         if values.device.type != "cpu":
             host = unit.host_pool.acquire(values.numel(), torch.float32)
             host.copy_(values)  # device to host, blocking
@@ -340,19 +341,27 @@ class NvmeGrads:
             values, pool = host, unit.host_pool
         if not unit.accumulator.is_zero:
             unit.wait_writes()
-            old = unit.host_pool.acquire(unit.shard_numel, torch.float32)
+            old = unit.host_pool.acquire(unit.shard_numel, unit.grad_dtype)
             self.extent.file.read(old, self.extent.offset).wait()
             values.add_(old)
             unit.host_pool.release(old)
         unit.accumulator.mark_added()
+        if unit.grad_dtype != values.dtype:
+            rounded = unit.host_pool.acquire(values.numel(), unit.grad_dtype)
+            rounded.copy_(values)
+            if pool is not None:
+                pool.release(values)
+            values, pool = rounded, unit.host_pool
         if hold:
             unit.accumulator.hold(values, pooled=pool is not None)
             return
         self.write(unit, values, pool.release)
 
     def write(self, unit, values: torch.Tensor, give_back) -> None:
-        """Start writing the whole shard ``values``; ``give_back(values)`` once written
-        (None: nothing to give back)."""
+        """Start writing the whole shard ``values`` (in the gradient dtype);
+        ``give_back(values)`` once written (None: nothing to give back)."""
+        if values.dtype != unit.grad_dtype:
+            raise TypeError(f"a {unit.grad_dtype} gradient file, given {values.dtype} values")
         handle = self.extent.file.write(values, self.extent.offset)
         unit.pool.writes.add(unit.pending_writes, handle, values, give_back)
 
@@ -370,9 +379,10 @@ class NvmeGrads:
         return None if unit.accumulator.held is None else unit.accumulator.held[c0:c1]
 
     def read(self, unit, c0: int, c1: int, dst: torch.Tensor):
-        """Start reading elements ``[c0, c1)`` into ``dst``; returns the I/O handle. The
-        caller has waited for the unit's writes in flight (``unit.wait_writes``)."""
-        return self.extent.file.read(dst, self.extent.offset + c0 * _F32)
+        """Start reading elements ``[c0, c1)`` into ``dst`` (in the gradient dtype); returns
+        the I/O handle. The caller has waited for the unit's writes in flight
+        (``unit.wait_writes``)."""
+        return self.extent.file.read(dst, self.extent.offset + c0 * unit.grad_dtype.itemsize)
 
     def chunks(self, unit):
         """(start, stop, values) over the shard, read ``GRAD_CHUNK`` elements at a time
@@ -381,7 +391,7 @@ class NvmeGrads:
             yield 0, unit.shard_numel, unit.accumulator.held
             return
         unit.wait_writes()
-        buf = unit.host_pool.acquire(grad_read_numel(unit.shard_numel), torch.float32)
+        buf = unit.host_pool.acquire(grad_read_numel(unit.shard_numel), unit.grad_dtype)
         try:
             for c0 in range(0, unit.shard_numel, GRAD_CHUNK):
                 c1 = min(c0 + GRAD_CHUNK, unit.shard_numel)

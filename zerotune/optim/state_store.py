@@ -516,7 +516,7 @@ class NvmeStore:
         unit, c0, c1 = item
         n = c1 - c0
         state_bytes = self._state_bytes(unit, c0, c1)
-        grad_room = n * _F32 if unit.grads.on_disk else 0
+        grad_room = n * unit.grad_dtype.itemsize if unit.grads.on_disk else 0
         buf = self.acquire(state_bytes + grad_room)
         in_place = self.updates_in_place(unit)
         pieces = self._pieces(unit, c0, c1, buf, in_place)
@@ -597,11 +597,11 @@ class NvmeStore:
         unit, c0, c1 = entry.item
         entry.grad = unit.grads.view(unit, c0, c1)
         if entry.grad is None:
-            n = c1 - c0
-            dst = entry.buf[entry.state_bytes : entry.state_bytes + n * _F32]
+            nbytes = (c1 - c0) * unit.grad_dtype.itemsize
+            dst = entry.buf[entry.state_bytes : entry.state_bytes + nbytes].view(unit.grad_dtype)
             entry.handles.append(unit.grads.read(unit, c0, c1, dst))
-            self.bytes_read += n * _F32
-            entry.grad = dst.view(torch.float32)
+            self.bytes_read += nbytes
+            entry.grad = dst
 
     def run(self, items, update) -> None:
         for handle in self.pipeline(items, update):

@@ -255,21 +255,28 @@ def pool_buffers(
         return sum(1 for u in units if predicate(u))
 
     e = units[0].itemsize if units else 4
+    # Gradient shards bound for the file go there in the gradient dtype: a low-precision one
+    # is rounded into a buffer of its own and the fp32 sum goes back at once.
+    g = config.torch_grad_dtype.itemsize if grads_disk else _F32
     for u in units:
         if not u.trainable or u.numel == 0:
             continue
         if world > 1:
             need(u.padded, _F32, unit=u)  # the whole fp32 gradient, reduce-scattered
-            queued = buffers_writing(u.shard * _F32) if grads_disk else 1
+            queued = buffers_writing(u.shard * g) if grads_disk else 1
             same_shard = same(lambda v, n=u.shard: v.shard == n)
-            need(u.shard, _F32, min(queued, same_shard), u)
+            need(u.shard, _F32, min(queued, same_shard) if g == _F32 else 1, u)
+            if g != _F32:
+                need(u.shard, g, min(queued, same_shard), u)
             if grads_disk and device != "cpu":
                 need(u.shard, _F32, min(queued, same_shard), u, tier="host")  # for the file
         elif grads_disk:
-            count = buffers_writing(u.padded * _F32)
-            need(u.padded, _F32, min(count, same(lambda v, n=u.padded: v.padded == n)), u, "host")
+            count = min(buffers_writing(u.padded * g), same(lambda v, n=u.padded: v.padded == n))
+            need(u.padded, _F32, count if g == _F32 else 1, u, "host")
+            if g != _F32:
+                need(u.padded, g, count, u, "host")
         if grads_disk:
-            need(grad_read_numel(u.shard), _F32, tier="host")  # gradients read for the step
+            need(grad_read_numel(u.shard), g, tier="host")  # gradients read for the step
     for u in units:
         if u.persistent and world > 1 and u.numel:
             need(u.shard, e)  # refresh: the updated shard, all-gathered
@@ -339,7 +346,8 @@ def _grads_kept(
     grads_disk = swap is not None and bool(swap.sizes.get("grad"))
     if not grads_disk or config.stage < 2:
         return {}
-    trained = [(u.index, u.shard * _F32) for u in units if u.trainable and u.numel]
+    g = config.torch_grad_dtype.itemsize
+    trained = [(u.index, u.shard * g) for u in units if u.trainable and u.numel]
     kept = grads_kept_for_update(trained, config.grad_host_bytes)
     nbytes = sum(n for i, n in trained if i in kept)
     return {"grads_kept": {"host": nbytes}} if nbytes else {}

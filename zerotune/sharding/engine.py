@@ -842,7 +842,10 @@ class ZeroEngine(nn.Module):
     def grads_kept_for_update(self, units: list[Unit]) -> set[int]:
         """The indices of ``units`` (in update order) whose final gradient shards stay in
         memory for a clipped overlapped step (``buffers.grads_kept_for_update``)."""
-        shards = [(u.index, u.shard_numel * 4 if u.grads.on_disk else 0) for u in units]
+        shards = [
+            (u.index, u.shard_numel * u.grad_dtype.itemsize if u.grads.on_disk else 0)
+            for u in units
+        ]
         return grads_kept_for_update(shards, self.config.grad_host_bytes)
 
     def post_backward_final(self) -> None:

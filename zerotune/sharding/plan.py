@@ -16,7 +16,7 @@ and the config, so that ``zerotune estimate`` and the engine cannot disagree:
   exp_avg, exp_avg_sq; two when fp32 compute keeps the master in the param extent) for
   trainable units with ``offload_optimizer="nvme"`` (with 8-bit moments, chunk records of
   about 6 bytes per element, 2 when the param extent holds the master: ``OptimLayout`` in
-  optim/state_store.py); fp32 gradient extents
+  optim/state_store.py); gradient extents (in the gradient dtype)
   when the gradient shards exceed ``grad_host_bytes``. Staging slots hold one chunk of each
   streamed kind (see [Note: optimizer state stores] in optim/state_store.py).
 * optimizer state per unit: two fp32 moments, or with ``optim_state_bits=8`` for units of
@@ -236,8 +236,9 @@ def plan_swap(units: list[UnitPlan], config: ZeroConfig, world: int) -> SwapPlan
     itemsize = _itemsize(config.torch_dtype)
     plan = SwapPlan(sizes={"param": {}, "grad": {}, "optim": {}})
     grads_on_disk = False
+    grad_itemsize = _itemsize(config.torch_grad_dtype)
     if config.offload_optimizer == "nvme":
-        grad_bytes = sum(u.shard * _F32 for u in units if u.trainable)
+        grad_bytes = sum(u.shard * grad_itemsize for u in units if u.trainable)
         grads_on_disk = grad_bytes > config.grad_host_bytes
     layout = OptimLayout.plan(config.staging_bytes, grads_on_disk, config.optim_state_bits)
     for u in units:
@@ -250,7 +251,7 @@ def plan_swap(units: list[UnitPlan], config: ZeroConfig, world: int) -> SwapPlan
             plan.sizes["optim"][u.index] = layout.extent_bytes(u.numel, u.shard, not shared)
     plan.grads_on_disk = grads_on_disk
     if grads_on_disk:
-        plan.sizes["grad"] = {u.index: u.shard * _F32 for u in units if u.trainable}
+        plan.sizes["grad"] = {u.index: u.shard * grad_itemsize for u in units if u.trainable}
     plan.sizes = {k: v for k, v in plan.sizes.items() if v}
     plan.layout = layout
     plan.chunk = layout.chunk
