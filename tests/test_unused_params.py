@@ -602,8 +602,8 @@ def record_deferred():
     original = ZeroEngine.post_backward_final
 
     def recording(self):
-        if self._sync:
-            seen.append(sorted(self.units[i].name for i in self._deferred))
+        if self.reducer.syncing:
+            seen.append(sorted(self.units[i].name for i in self.reducer._deferred))
         original(self)
 
     ZeroEngine.post_backward_final = recording

@@ -274,11 +274,11 @@ class ZeroOptimizer(ShardedOptimizer):
         self._start_overlap(track_norm)
         self._nvme.begin_step()
         self._overlap = OverlappedStep(self)
-        engine.begin_overlapped_step(self._overlap)
+        engine.reducer.begin_overlapped_step(self._overlap)
         try:
             yield
         finally:
-            engine.end_overlapped_step()
+            engine.reducer.end_overlapped_step()
 
     def _check_per_element(self) -> None:
         """Flat layout: every state tensor of a segment is per element or a scalar (else

@@ -35,7 +35,7 @@ class OverlappedStep:
             # Released in the order the next forward gathers them; the first ones, up to
             # the engine's budget, keep their final gradient in memory.
             order = [u.index for u in units if opt.owns(u)]
-            self.keep = opt.engine.grads_kept_for_update([units[i] for i in order])
+            self.keep = opt.engine.reducer.grads_kept_for_update([units[i] for i in order])
         else:
             # Expected to launch as the last overlapped step did.
             order, self.keep = opt.launch_order, set()

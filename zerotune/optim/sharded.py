@@ -6,11 +6,11 @@ The engine and an optimizer over its shards meet through a few named methods, ne
 each other's private fields. The engine hands gradients over as shards (``finalize_grads``,
 ``grad_chunks``), takes the compute-dtype copy of an updated shard back through
 ``lowp_target`` / ``lowp_done``, and offers an optimizer that starts early the hooks of
-backward and forward: ``attach_optimizer``, ``syncing``, ``begin_overlapped_step`` /
-``end_overlapped_step`` (backward then calls ``launch(unit)`` on the step as each unit's
-gradient is final, and ``pump()`` between layers) and ``carry_into_forward`` (forward then
-pumps the optimizer and settles a unit's update before gathering it). The optimizer answers,
-for each unit:
+backward and forward: ``attach_optimizer``, its gradient reducer's (``engine.reducer``)
+``syncing``, ``overlapping`` and ``begin_overlapped_step`` / ``end_overlapped_step``
+(backward then calls ``launch(unit)`` on the step as each unit's gradient is final, and
+``pump()`` between layers) and ``carry_into_forward`` (forward then pumps the optimizer and
+settles a unit's update before gathering it). The optimizer answers, for each unit:
 - ``owns(unit)``: it updates parameters of the unit (it keeps state for it);
 - ``state_specs`` / ``state_numels`` / ``read_unit`` / ``write_unit``: the unit's state as
   flat tensors of this rank's shard (``master`` and what the optimizer keeps per element),
@@ -274,11 +274,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "overlapped(): stage 1 keeps whole gradients until the step; use stage 2 or 3"
             )
-        if not engine.syncing:
+        if not engine.reducer.syncing:
             raise RuntimeError(
                 "overlapped(): the backward inside must be synchronized, not in no_sync()"
             )
-        if self._overlap is not None or engine.overlapping:
+        if self._overlap is not None or engine.reducer.overlapping:
             raise RuntimeError("overlapped(): call step() before the next overlapped backward")
         self._factor = 1.0
         if track_norm or clipping:

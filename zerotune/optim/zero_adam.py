@@ -31,7 +31,7 @@ world size > 1 a parameter counts as having got a gradient when it did on any ra
 one process over the whole batch: a unit whose parameters all got gradients is reduced as
 soon as backward is done with it, the same on every rank; the units left at the end of
 backward (some parameter without a gradient on some rank) are agreed on in one all-reduce
-that also merges the flags (``ZeroEngine._pending_units``), and every rank reduces them,
+that also merges the flags (``GradReducer._pending_units``), and every rank reduces them,
 in order. What this cannot cover: a unit whose parameters all get gradients on one rank
 but not on another in the same backward. The first rank reduces it during backward, the
 other at the end, and their collectives no longer pair up (DDP without
@@ -242,11 +242,11 @@ class ZeroAdamW(ShardedOptimizer):
         self._start_overlap(track_norm, clipping)
         carry = carry and self.store.carries
         self._overlap = OverlappedStep(self, carry=carry, clipping=clipping)
-        engine.begin_overlapped_step(self._overlap)
+        engine.reducer.begin_overlapped_step(self._overlap)
         try:
             yield
         finally:
-            engine.end_overlapped_step()
+            engine.reducer.end_overlapped_step()
 
     def state_dict(self):
         """Refused: the state lives in shards across ranks and tiers (memory, NVMe), not in

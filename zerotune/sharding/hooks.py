@@ -149,11 +149,12 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
                         hooked = True
                 if hooked and unit.waits_for_inputs:
                     _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
-                if engine.finds_unused:
+                reducer = engine.reducer
+                if reducer.finds_unused:
                     if any(_is_reentrant_checkpoint(t.grad_fn) for t in outputs):
-                        engine.hide_from_graph(unit)  # its body ran in one
-                    if unit.index == 0 and engine.syncing:
-                        engine.agree_on_unused(outputs)
+                        reducer.hide_from_graph(unit)  # its body ran in one
+                    if unit.index == 0 and reducer.syncing:
+                        reducer.agree_on_unused(outputs)
         finally:
             engine.post_forward(unit)  # the pins of this forward go, whatever happened
         return None
@@ -204,6 +205,6 @@ def _grad_ready_hook(engine: ZeroEngine, unit: Unit):
         if unit.count_grad_ready():
             engine.post_backward(unit)
         else:
-            engine.pump_overlapped_step()
+            engine.reducer.pump_overlapped_step()
 
     return hook
