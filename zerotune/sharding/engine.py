@@ -701,9 +701,12 @@ class ZeroEngine(nn.Module):
     def after_step(self) -> None:
         for unit in self.units:
             unit.refresh()
-        if self.device.type == "cpu":
-            # On a CPU the heap also holds activations and gradients: give back what the
-            # step freed, so fragments do not pile up from step to step (memory/host.py).
+        offloaded = (self.config.offload_param, self.config.offload_optimizer) != ("none", "none")
+        if self.device.type == "cpu" and offloaded:
+            # With offload host memory is the budget, and the heap also holds activations and
+            # gradients: give back what the step freed, so fragments do not pile up from step
+            # to step (memory/host.py). Without offload, as in plain PyTorch, glibc keeps it
+            # for the next step (a trim makes every step fault its memory in again).
             release_free_memory()
 
     def zero_grad(self) -> None:
