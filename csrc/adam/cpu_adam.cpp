@@ -43,6 +43,15 @@
 // element on top of Adam's 28. For large tensors (>= kStreamMin elements, far beyond the
 // caches anyway) the output uses non-temporal stores, which skip that read.
 //
+// [Note: prefetch]
+// The vector loops prefetch each input stream (param, grad, exp_avg, exp_avg_sq) kPrefetch
+// elements (2 KiB of fp32) ahead into L1. The hardware prefetchers stop at every 4 KiB page
+// and start again only after a few misses in the next one; with four streams per thread
+// those restarts leave the loads waiting on memory, and a core streams fewer bytes than it
+// could (benchmarks/RESULTS.md has the numbers, and the distance is in the middle of the
+// range where they were flat). The last kPrefetch elements of each range run without it
+// (no hints past the end of an array).
+//
 // [Note: threading]
 // Tensors of at least kParallelMin elements are cut into chunks of up to kChunk elements
 // (256 KiB per fp32 stream: long enough for the hardware prefetchers, small enough to
@@ -88,6 +97,7 @@ constexpr int64_t kChunk = 1 << 16;         // elements per OpenMP work item (at
 constexpr int64_t kMinChunk = 1 << 12;      // ... and at least
 constexpr int64_t kParallelMin = 1 << 16;   // below this, run single-threaded
 constexpr int64_t kStreamMin = 1 << 20;     // from here the low-precision copy bypasses caches
+constexpr int64_t kPrefetch = 512;          // elements ahead of the loads (see [Note: prefetch])
 
 struct Coeffs {
   bool decoupled;     // AdamW: multiply param by `decay`
@@ -205,6 +215,15 @@ ZT_AVX2 inline void store_lowp8(uint16_t* out, __m256 x) {
   }
 }
 
+// See [Note: prefetch]. One call per 16 elements: one cache line of each fp32 stream.
+template <typename G>
+inline void prefetch_ahead(const float* p, const G* g, const float* m, const float* v) {
+  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(g + kPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(m + kPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetch), _MM_HINT_T0);
+}
+
 struct Vec8Coeffs {
   __m256 decay, wd, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, bc2_rcp, eps, neg_step;
 };
@@ -249,6 +268,11 @@ ZT_AVX2 void adam_avx2_impl(float* p, const G* g, float* m, float* v, uint16_t* 
                      _mm256_set1_ps(c.bc2_rcp),    _mm256_set1_ps(c.eps),
                      _mm256_set1_ps(c.neg_step)};
   int64_t i = 0;
+  for (; i + kPrefetch + 16 <= n; i += 16) {
+    prefetch_ahead(p + i, g + i, m + i, v + i);
+    adam8<G, O, kStream>(p + i, g + i, m + i, v + i, out + i, c, k);
+    adam8<G, O, kStream>(p + i + 8, g + i + 8, m + i + 8, v + i + 8, out + i + 8, c, k);
+  }
   for (; i + 16 <= n; i += 16) {
     adam8<G, O, kStream>(p + i, g + i, m + i, v + i, out + i, c, k);
     adam8<G, O, kStream>(p + i + 8, g + i + 8, m + i + 8, v + i + 8, out + i + 8, c, k);
@@ -368,6 +392,10 @@ ZT_AVX512 void adam_avx512_impl(float* p, const G* g, float* m, float* v, uint16
                       _mm512_set1_ps(c.bc2_rcp),    _mm512_set1_ps(c.eps),
                       _mm512_set1_ps(c.neg_step)};
   int64_t i = 0;
+  for (; i + kPrefetch + 16 <= n; i += 16) {
+    prefetch_ahead(p + i, g + i, m + i, v + i);
+    adam16<G, O, kStream>(p + i, g + i, m + i, v + i, out + i, c, k);
+  }
   for (; i + 16 <= n; i += 16) {
     adam16<G, O, kStream>(p + i, g + i, m + i, v + i, out + i, c, k);
   }
