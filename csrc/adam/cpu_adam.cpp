@@ -736,17 +736,24 @@ void adam_update_8bit(at::Tensor param, at::Tensor grad, at::Tensor q_m, at::Ten
 
 // ---------------------------------------------------------------------------------
 // Memory-bandwidth probe with Adam's access pattern: 4 fp32 streams read, 3 written
-// in place (p += g; m += g; v += g), same chunking and threads as the update.
+// in place (p += g; m += g; v += g), same chunking, threads and prefetch as the update.
 
 #ifdef ZT_X86
+ZT_AVX2 inline void probe8(float* p, const float* g, float* m, float* v) {
+  const __m256 gv = _mm256_loadu_ps(g);
+  _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), gv));
+  _mm256_storeu_ps(m, _mm256_add_ps(_mm256_loadu_ps(m), gv));
+  _mm256_storeu_ps(v, _mm256_add_ps(_mm256_loadu_ps(v), gv));
+}
+
 ZT_AVX2 void probe_avx2(float* p, const float* g, float* m, float* v, int64_t n) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_loadu_ps(p + i), gv));
-    _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), gv));
-    _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), gv));
+  for (; i + kPrefetch + 16 <= n; i += 16) {  // prefetched as the update is
+    prefetch_ahead(p + i, g + i, m + i, v + i);
+    probe8(p + i, g + i, m + i, v + i);
+    probe8(p + i + 8, g + i + 8, m + i + 8, v + i + 8);
   }
+  for (; i + 8 <= n; i += 8) probe8(p + i, g + i, m + i, v + i);
   for (; i < n; ++i) {
     p[i] += g[i];
     m[i] += g[i];
