@@ -32,9 +32,11 @@
 // The last step is Markstein's theorem: for q faithful and r within half an ulp of 1/c,
 // x - q*c is exact and q + (x - q*c) * r rounds to RN(x / c). Here x = sqrt(v) is 0, inf,
 // NaN, or in [2^-75, 2^64], and c in [2^-27, 1] (beta2 < 1), so nothing overflows and the
-// remainder x - q*c, a multiple of ulp(q) * ulp(c) >= 2^-148, is representable. Zeros, inf
-// and NaN take x itself, which is what x / c gives. Tests compare the results bit for bit
-// against float64 arithmetic rounded to fp32, over the whole range of v, at every SIMD level.
+// remainder x - q*c, a multiple of ulp(q) * ulp(c) >= 2^-148, is representable. +0 comes
+// through as +0 (x is never -0: v's product term (1 - beta2) * g * g is never negative, so
+// the fma that makes v rounds a zero sum to +0); inf and NaN take x itself, which is what
+// x / c gives. Tests compare the results bit for bit against float64 arithmetic rounded to
+// fp32, over the whole range of v, at every SIMD level.
 //
 // [Note: streaming stores]
 // param, exp_avg and exp_avg_sq are read before they are written, so their cache lines are
@@ -233,9 +235,8 @@ ZT_AVX2 inline __m256 div_bc2_8(__m256 x, const Vec8Coeffs& k) {
   __m256 q = _mm256_mul_ps(x, k.bc2_rcp);
   q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, k.bc2_sqrt, x), k.bc2_rcp, q);  // faithful
   q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, k.bc2_sqrt, x), k.bc2_rcp, q);  // correctly rounded
-  const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(x, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ),
-                                   _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_EQ_OQ));
-  return _mm256_blendv_ps(q, x, keep);  // x / c is x for zeros, inf and NaN
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ);
+  return _mm256_blendv_ps(q, x, keep);  // x / c is x for inf and NaN
 }
 
 template <typename G, Lowp O, bool kStream>
@@ -357,9 +358,8 @@ ZT_AVX512 inline __m512 div_bc2_16(__m512 x, const Vec16Coeffs& k) {
   __m512 q = _mm512_mul_ps(x, k.bc2_rcp);
   q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, k.bc2_sqrt, x), k.bc2_rcp, q);  // faithful
   q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, k.bc2_sqrt, x), k.bc2_rcp, q);  // correctly rounded
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ) |
-                         _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_EQ_OQ);
-  return _mm512_mask_mov_ps(q, keep, x);  // x / c is x for zeros, inf and NaN
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
+  return _mm512_mask_mov_ps(q, keep, x);  // x / c is x for inf and NaN
 }
 
 template <typename G, Lowp O, bool kStream>
