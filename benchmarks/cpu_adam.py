@@ -17,8 +17,8 @@ reports the median step time after the warm-up rounds.
   ``.so`` of an earlier commit, from ``~/.cache/zerotune/ops/adam-<key>/``), for A/B in one process
 - bandwidth probe:       a C++/OpenMP loop in the adam op (``stream_probe``) with Adam's memory
   pattern and almost no arithmetic: 4 fp32 streams read, 3 written in place
-  (p += g; m += g; v += g), same chunking, threads and prefetch as the kernel. Its rate is the
-  practical ceiling for an in-place Adam on this machine.
+  (p += g; m += g; v += g), same chunking, threads, vector width and prefetch as the kernel.
+  Its rate is the practical ceiling for an in-place Adam on this machine.
 
 GB/s counts Adam's traffic, 16 bytes read and 12 written per element, for every row (the
 bf16 copy's extra 2 bytes are not counted). The last line is one JSON object.

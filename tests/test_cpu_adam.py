@@ -288,6 +288,17 @@ def test_adam_update_uses_fallback_without_op(monkeypatch):
         assert torch.equal(g, w)  # same torch ops in the same order: bit-identical
 
 
+@pytest.mark.parametrize("n", [1, 17, 545, 100_003])
+def test_bandwidth_probe_adds_the_grad(op, simd, n):
+    # benchmarks/cpu_adam.py divides by this loop's rate: it must do the work it claims.
+    gen = torch.Generator().manual_seed(n)
+    p, g, m, v = (torch.randn(n, generator=gen) for _ in range(4))
+    want = (p + g, m + g, v + g)
+    op.stream_probe(p, g, m, v)
+    for got, w in zip((p, m, v), want):
+        assert torch.equal(got, w)
+
+
 def test_backend_names_the_simd_level(op):
     assert backend() == f"cpp-{op.simd_level()}"
     assert op.simd_level() in ("avx512", "avx2", "scalar")

@@ -736,7 +736,8 @@ void adam_update_8bit(at::Tensor param, at::Tensor grad, at::Tensor q_m, at::Ten
 
 // ---------------------------------------------------------------------------------
 // Memory-bandwidth probe with Adam's access pattern: 4 fp32 streams read, 3 written
-// in place (p += g; m += g; v += g), same chunking, threads and prefetch as the update.
+// in place (p += g; m += g; v += g), same chunking, threads, vector width and prefetch as
+// the update.
 
 #ifdef ZT_X86
 ZT_AVX2 inline void probe8(float* p, const float* g, float* m, float* v) {
@@ -760,6 +761,23 @@ ZT_AVX2 void probe_avx2(float* p, const float* g, float* m, float* v, int64_t n)
     v[i] += g[i];
   }
 }
+
+ZT_AVX512 inline void probe16(float* p, const float* g, float* m, float* v) {
+  const __m512 gv = _mm512_loadu_ps(g);
+  _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), gv));
+  _mm512_storeu_ps(m, _mm512_add_ps(_mm512_loadu_ps(m), gv));
+  _mm512_storeu_ps(v, _mm512_add_ps(_mm512_loadu_ps(v), gv));
+}
+
+ZT_AVX512 void probe_avx512(float* p, const float* g, float* m, float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + kPrefetch + 16 <= n; i += 16) {
+    prefetch_ahead(p + i, g + i, m + i, v + i);
+    probe16(p + i, g + i, m + i, v + i);
+  }
+  for (; i + 16 <= n; i += 16) probe16(p + i, g + i, m + i, v + i);
+  probe_avx2(p + i, g + i, m + i, v + i, n - i);  // the last 15 at most
+}
 #endif
 
 void stream_probe(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
@@ -772,11 +790,12 @@ void stream_probe(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
   const float* gp = g.const_data_ptr<float>();
   float* mp = m.data_ptr<float>();
   float* vp = v.data_ptr<float>();
-  const bool vec = g_simd != Simd::kScalar;
+  const Simd simd = g_simd;
   pybind11::gil_scoped_release no_gil;
   for_each_chunk(n, [&](int64_t b, int64_t e) {
 #ifdef ZT_X86
-    if (vec) return probe_avx2(pp + b, gp + b, mp + b, vp + b, e - b);
+    if (simd == Simd::kAvx512) return probe_avx512(pp + b, gp + b, mp + b, vp + b, e - b);
+    if (simd == Simd::kAvx2) return probe_avx2(pp + b, gp + b, mp + b, vp + b, e - b);
 #endif
     for (int64_t i = b; i < e; ++i) {
       pp[i] += gp[i];
