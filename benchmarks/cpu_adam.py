@@ -18,7 +18,8 @@ reports the median step time after the warm-up rounds.
 - bandwidth probe:       a C++/OpenMP loop in the adam op (``stream_probe``) with Adam's memory
   pattern and almost no arithmetic: 4 fp32 streams read, 3 written in place
   (p += g; m += g; v += g), same chunking, threads, vector width and prefetch as the kernel.
-  Its rate is the practical ceiling for an in-place Adam on this machine.
+  Its rate is about the ceiling for an in-place Adam on this machine (not a strict one: the
+  update, whose arithmetic spaces out its memory requests, can come out a few percent above).
 
 GB/s counts Adam's traffic, 16 bytes read and 12 written per element, for every row (the
 bf16 copy's extra 2 bytes are not counted). The last line is one JSON object.
