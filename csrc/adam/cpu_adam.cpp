@@ -22,10 +22,11 @@
 // through MKL, which is not correctly rounded (ours is).
 //
 // [Note: dividing by bc2_sqrt]
-// A vector division occupies the divider, which also runs the square root, for ~10 cycles:
-// with two divisions and a square root per element the divider limits the kernel when the
-// data is in cache and slows it when it streams from memory. The division by the per-step
-// constant c = bc2_sqrt is exact without it. With r = RN(1/c) (one fp32 division per call):
+// A vector division occupies the divider, which also runs the square root, for many cycles:
+// with two divisions and a square root per element the divider limits the kernel whenever
+// the data is in cache (small tensors, the fused 8-bit step's moments on the stack). The
+// division by the per-step constant c = bc2_sqrt is exact without it. With r = RN(1/c)
+// (one fp32 division per call):
 //   q0 = RN(x * r)                 within 1.5 ulp of x / c
 //   q1 = RN(q0 + RN(x - q0 * c) * r)  faithful (the error left is ~2^-22 ulp before rounding)
 //   q2 = RN(q1 + (x - q1 * c) * r)    = RN(x / c)   (two fmas)
