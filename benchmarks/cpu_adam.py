@@ -13,10 +13,13 @@ reports the median step time after the warm-up rounds.
 - torch fused + copy_:   the fused step, then ``bf16_weights.copy_(param)``
 - torch foreach:         ``torch.optim.AdamW(foreach=True)``
 - DeepSpeedCPUAdam:      only when deepspeed is importable
+- other build (+ bf16 out): with ``--compare-op PATH``, another build of the adam op (e.g. the
+  ``.so`` of an earlier commit, from ``~/.cache/zerotune/ops/adam-<key>/``), for A/B in one process
 - bandwidth probe:       a C++/OpenMP loop in the adam op (``stream_probe``) with Adam's memory
   pattern and almost no arithmetic: 4 fp32 streams read, 3 written in place
-  (p += g; m += g; v += g), same chunking and threads as the kernel. Its rate is the
-  practical ceiling for an in-place Adam on this machine.
+  (p += g; m += g; v += g), same chunking, threads, vector width and prefetch as the kernel.
+  Its rate is about the ceiling for an in-place Adam on this machine (not a strict one: the
+  update, whose arithmetic spaces out its memory requests, can come out a few percent above).
 
 GB/s counts Adam's traffic, 16 bytes read and 12 written per element, for every row (the
 bf16 copy's extra 2 bytes are not counted). The last line is one JSON object.
@@ -25,6 +28,7 @@ bf16 copy's extra 2 bytes are not counted). The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -58,6 +62,20 @@ def _zerotune(p, g, m, v, out=None) -> Callable[[], None]:
             weight_decay=WD,
             out_lowp=out,
         )
+
+    return run
+
+
+def _op_from(path: str, p, g, m, v, out=None) -> Callable[[], None]:
+    name = os.path.basename(path).split(".")[0]  # the module name the library exports
+    spec = importlib.util.spec_from_file_location(name, path)
+    op = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(op)
+    step = [0]
+
+    def run() -> None:
+        step[0] += 1
+        op.adam_update(p, g, m, v, out, step[0], LR, BETA1, BETA2, EPS, WD, True, True)
 
     return run
 
@@ -97,6 +115,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-foreach", action="store_true", help="skip the slow foreach row")
+    parser.add_argument("--compare-op", metavar="PATH", help="another build of the adam op (.so)")
     args = parser.parse_args()
 
     threads = os.cpu_count() or 1
@@ -122,6 +141,10 @@ def main() -> None:
     fns["torch fused + copy_"] = fused_then_copy
     if not args.no_foreach:
         fns["torch foreach"] = _torch_adamw(p, g, foreach=True)
+    if args.compare_op:
+        om, ov = torch.zeros(n), torch.zeros(n)
+        fns["other build"] = _op_from(args.compare_op, p, g, om, ov)
+        fns["other build + bf16 out"] = _op_from(args.compare_op, p, g, om, ov, out)
     ds = _deepspeed(p, g)
     if ds is not None:
         fns["DeepSpeedCPUAdam"] = ds
@@ -154,6 +177,14 @@ def main() -> None:
             rate["zerotune + bf16 out"] / rate["torch fused + copy_"], 3
         ),
         "zt_fraction_of_bandwidth": round(rate["zerotune"] / probe, 3) if probe else None,
+        "zt_vs_other_build": (
+            round(rate["zerotune"] / rate["other build"], 3) if args.compare_op else None
+        ),
+        "zt_bf16_vs_other_build_bf16": (
+            round(rate["zerotune + bf16 out"] / rate["other build + bf16 out"], 3)
+            if args.compare_op
+            else None
+        ),
         "probe_gb_per_s": round(probe * BYTES_PER_ELEMENT / 1e9, 1) if probe else None,
     }
     print(json.dumps(result))

@@ -102,6 +102,51 @@ def test_simd_levels_are_bit_identical(op):
             assert torch.equal(g, b), level
 
 
+def _fp32(x):
+    """Round a float64 tensor to the nearest fp32 (kept as float64 for the next operation)."""
+    return x.float().double()
+
+
+@pytest.mark.parametrize("beta2, step", [(0.999, 1), (0.999, 7), (0.95, 3), (0.9999, 1000)])
+def test_denominator_is_correctly_rounded_over_the_whole_range(simd, beta2, step):
+    # exp_avg_sq takes every magnitude fp32 has (subnormals, inf and NaN included). With
+    # param and grad zero, no weight decay and eps = 0 the new param is the quotient
+    # (-step_size * m) / (sqrt(v * beta2) / sqrt(bc2)), so any last-bit difference in the
+    # denominator shows. The reference rounds each operation of [Note: formula order] once to
+    # fp32: float64 sqrt and division, then rounding, are the correctly rounded fp32 results.
+    n = (1 << 20) + 13  # the threaded path and a ragged tail
+    gen = torch.Generator().manual_seed(3)
+    v = torch.randint(0, 0x7F800000, (n,), generator=gen, dtype=torch.int32).view(torch.float32)
+    special = [0.0, float("inf"), float("nan"), 1e-45, 1.2e-38, 3.4e38, 1.0, 4.0]
+    v[: len(special)] = torch.tensor(special)
+    m = torch.randn(n, generator=gen)
+    p = torch.zeros(n)
+    m_ref, v_ref = m.double(), v.double()
+    v_start = v_ref
+    lr, beta1 = 1e-3, 0.9
+    zero = torch.zeros(n)
+    kw = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=0.0, weight_decay=0.0)
+    adam_update(p, zero, m, v, **kw)
+
+    w = _fp32(torch.tensor(1 - beta1, dtype=torch.float64))
+    m_ref = _fp32(m_ref - w * m_ref)  # lerp toward a zero grad: one fma, exact in float64
+    v_ref = _fp32(v_ref * _fp32(torch.tensor(beta2, dtype=torch.float64)))
+    bc2_sqrt = _fp32(torch.tensor((1 - beta2**step) ** 0.5, dtype=torch.float64))
+    denom = _fp32(_fp32(v_ref.sqrt()) / bc2_sqrt)
+    neg_step = _fp32(torch.tensor(-(lr / (1 - beta1**step)), dtype=torch.float64))
+    p_ref = _fp32(_fp32(neg_step * m_ref) / denom).float() + 0.0
+    results = [("exp_avg", m, m_ref.float()), ("exp_avg_sq", v, v_ref.float()), ("param", p, p_ref)]
+    for name, got, want in results:
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        bad = (~same).nonzero().flatten()
+        if bad.numel():
+            i = bad[0].item()
+            pytest.fail(
+                f"{name}: {bad.numel()} elements differ, first at {i}: {got[i].item()!r} vs "
+                f"{want[i].item()!r} (exp_avg_sq was {v_start[i].item()!r})"
+            )
+
+
 def _textbook_adam(n, grads, adamw, weight_decay, bias_correction):
     """Adam as written in the papers, step by step in fp32 (an independent reference)."""
     p, m, v = _start(n)
@@ -241,6 +286,17 @@ def test_adam_update_uses_fallback_without_op(monkeypatch):
     want = _torch_reference(n, grads, adamw=True, weight_decay=0.1)
     for g, w in zip(got, want):
         assert torch.equal(g, w)  # same torch ops in the same order: bit-identical
+
+
+@pytest.mark.parametrize("n", [1, 17, 545, 100_003])
+def test_bandwidth_probe_adds_the_grad(op, simd, n):
+    # benchmarks/cpu_adam.py divides by this loop's rate: it must do the work it claims.
+    gen = torch.Generator().manual_seed(n)
+    p, g, m, v = (torch.randn(n, generator=gen) for _ in range(4))
+    want = (p + g, m + g, v + g)
+    op.stream_probe(p, g, m, v)
+    for got, w in zip((p, m, v), want):
+        assert torch.equal(got, w)
 
 
 def test_backend_names_the_simd_level(op):

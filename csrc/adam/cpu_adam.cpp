@@ -21,12 +21,39 @@
 // default single-tensor path differs in the last bit now and then because its sqrt goes
 // through MKL, which is not correctly rounded (ours is).
 //
+// [Note: dividing by bc2_sqrt]
+// A vector division occupies the divider, which also runs the square root, for many cycles:
+// with two divisions and a square root per element the divider limits the kernel whenever
+// the data is in cache (small tensors, the fused 8-bit step's moments on the stack). The
+// division by the per-step constant c = bc2_sqrt is exact without it. With r = RN(1/c)
+// (one fp32 division per call):
+//   q0 = RN(x * r)                 within 1.5 ulp of x / c
+//   q1 = RN(q0 + RN(x - q0 * c) * r)  faithful (the error left is ~2^-22 ulp before rounding)
+//   q2 = RN(q1 + (x - q1 * c) * r)    = RN(x / c)   (two fmas)
+// The last step is Markstein's theorem: for q faithful and r within half an ulp of 1/c,
+// x - q*c is exact and q + (x - q*c) * r rounds to RN(x / c). Here x = sqrt(v) is 0, inf,
+// NaN, or in [2^-75, 2^64], and c in [2^-27, 1] (beta2 < 1), so nothing overflows and the
+// remainder x - q*c, a multiple of ulp(q) * ulp(c) >= 2^-148, is representable. +0 comes
+// through as +0 (x is never -0: v's product term (1 - beta2) * g * g is never negative, so
+// the fma that makes v rounds a zero sum to +0); inf and NaN take x itself, which is what
+// x / c gives. Tests compare the results bit for bit against float64 arithmetic rounded to
+// fp32, over the whole range of v, at every SIMD level.
+//
 // [Note: streaming stores]
 // param, exp_avg and exp_avg_sq are read before they are written, so their cache lines are
 // already owned and plain stores cost nothing extra. The optional bf16/fp16 output is only
 // written: a plain store would first read each line (read-for-ownership), 2 more bytes per
 // element on top of Adam's 28. For large tensors (>= kStreamMin elements, far beyond the
 // caches anyway) the output uses non-temporal stores, which skip that read.
+//
+// [Note: prefetch]
+// The vector loops prefetch each input stream (param, grad, exp_avg, exp_avg_sq) kPrefetch
+// elements (2 KiB of fp32) ahead into L1. The hardware prefetchers stop at every 4 KiB page
+// and start again only after a few misses in the next one; with four streams per thread
+// those restarts leave the loads waiting on memory, and a core streams fewer bytes than it
+// could (benchmarks/RESULTS.md has the numbers, and the distance is in the middle of the
+// range where they were flat). The last kPrefetch elements of each range run without it
+// (no hints past the end of an array).
 //
 // [Note: threading]
 // Tensors of at least kParallelMin elements are cut into chunks of up to kChunk elements
@@ -73,6 +100,7 @@ constexpr int64_t kChunk = 1 << 16;         // elements per OpenMP work item (at
 constexpr int64_t kMinChunk = 1 << 12;      // ... and at least
 constexpr int64_t kParallelMin = 1 << 16;   // below this, run single-threaded
 constexpr int64_t kStreamMin = 1 << 20;     // from here the low-precision copy bypasses caches
+constexpr int64_t kPrefetch = 512;          // elements ahead of the loads (see [Note: prefetch])
 
 struct Coeffs {
   bool decoupled;     // AdamW: multiply param by `decay`
@@ -84,6 +112,7 @@ struct Coeffs {
   float beta2;        // fp32(beta2)
   float one_minus_beta2;
   float bc2_sqrt;     // fp32(sqrt(1 - beta2**step)), 1 without bias correction
+  float bc2_rcp;      // fp32(1 / bc2_sqrt), rounded to nearest (see [Note: dividing by bc2_sqrt])
   float eps;
   float neg_step;     // fp32(-(lr / (1 - beta1**step)))
   bool stream_out;    // write the low-precision copy with streaming stores
@@ -189,9 +218,27 @@ ZT_AVX2 inline void store_lowp8(uint16_t* out, __m256 x) {
   }
 }
 
+// See [Note: prefetch]. One call per 16 elements: one cache line of each fp32 stream.
+template <typename G>
+inline void prefetch_ahead(const float* p, const G* g, const float* m, const float* v) {
+  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(g + kPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(m + kPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetch), _MM_HINT_T0);
+}
+
 struct Vec8Coeffs {
-  __m256 decay, wd, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step;
+  __m256 decay, wd, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, bc2_rcp, eps, neg_step;
 };
+
+// x / bc2_sqrt rounded to nearest, without a division: see [Note: dividing by bc2_sqrt].
+ZT_AVX2 inline __m256 div_bc2_8(__m256 x, const Vec8Coeffs& k) {
+  __m256 q = _mm256_mul_ps(x, k.bc2_rcp);
+  q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, k.bc2_sqrt, x), k.bc2_rcp, q);  // faithful
+  q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, k.bc2_sqrt, x), k.bc2_rcp, q);  // correctly rounded
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ);
+  return _mm256_blendv_ps(q, x, keep);  // x / c is x for inf and NaN
+}
 
 template <typename G, Lowp O, bool kStream>
 ZT_AVX2 inline void adam8(float* p, const G* g, float* m, float* v, uint16_t* out,
@@ -206,7 +253,7 @@ ZT_AVX2 inline void adam8(float* p, const G* g, float* m, float* v, uint16_t* ou
   mv = _mm256_fmadd_ps(k.lerp_coeff, diff, c.lerp_small ? mv : gv);
   vv = _mm256_mul_ps(vv, k.beta2);
   vv = _mm256_fmadd_ps(_mm256_mul_ps(k.one_minus_beta2, gv), gv, vv);
-  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), k.bc2_sqrt), k.eps);
+  const __m256 denom = _mm256_add_ps(div_bc2_8(_mm256_sqrt_ps(vv), k), k.eps);
   pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(k.neg_step, mv), denom));
   _mm256_storeu_ps(p, pv);
   _mm256_storeu_ps(m, mv);
@@ -220,8 +267,14 @@ ZT_AVX2 void adam_avx2_impl(float* p, const G* g, float* m, float* v, uint16_t* 
   const Vec8Coeffs k{_mm256_set1_ps(c.decay),      _mm256_set1_ps(c.wd),
                      _mm256_set1_ps(c.lerp_coeff), _mm256_set1_ps(c.beta2),
                      _mm256_set1_ps(c.one_minus_beta2), _mm256_set1_ps(c.bc2_sqrt),
-                     _mm256_set1_ps(c.eps),        _mm256_set1_ps(c.neg_step)};
+                     _mm256_set1_ps(c.bc2_rcp),    _mm256_set1_ps(c.eps),
+                     _mm256_set1_ps(c.neg_step)};
   int64_t i = 0;
+  for (; i + kPrefetch + 16 <= n; i += 16) {
+    prefetch_ahead(p + i, g + i, m + i, v + i);
+    adam8<G, O, kStream>(p + i, g + i, m + i, v + i, out + i, c, k);
+    adam8<G, O, kStream>(p + i + 8, g + i + 8, m + i + 8, v + i + 8, out + i + 8, c, k);
+  }
   for (; i + 16 <= n; i += 16) {
     adam8<G, O, kStream>(p + i, g + i, m + i, v + i, out + i, c, k);
     adam8<G, O, kStream>(p + i + 8, g + i + 8, m + i + 8, v + i + 8, out + i + 8, c, k);
@@ -298,8 +351,17 @@ ZT_AVX512 inline void store_lowp16(uint16_t* out, __m512 x) {
 }
 
 struct Vec16Coeffs {
-  __m512 decay, wd, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step;
+  __m512 decay, wd, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, bc2_rcp, eps, neg_step;
 };
+
+// x / bc2_sqrt rounded to nearest, without a division: see [Note: dividing by bc2_sqrt].
+ZT_AVX512 inline __m512 div_bc2_16(__m512 x, const Vec16Coeffs& k) {
+  __m512 q = _mm512_mul_ps(x, k.bc2_rcp);
+  q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, k.bc2_sqrt, x), k.bc2_rcp, q);  // faithful
+  q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, k.bc2_sqrt, x), k.bc2_rcp, q);  // correctly rounded
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
+  return _mm512_mask_mov_ps(q, keep, x);  // x / c is x for inf and NaN
+}
 
 template <typename G, Lowp O, bool kStream>
 ZT_AVX512 inline void adam16(float* p, const G* g, float* m, float* v, uint16_t* out,
@@ -314,7 +376,7 @@ ZT_AVX512 inline void adam16(float* p, const G* g, float* m, float* v, uint16_t*
   mv = _mm512_fmadd_ps(k.lerp_coeff, diff, c.lerp_small ? mv : gv);
   vv = _mm512_mul_ps(vv, k.beta2);
   vv = _mm512_fmadd_ps(_mm512_mul_ps(k.one_minus_beta2, gv), gv, vv);
-  const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), k.bc2_sqrt), k.eps);
+  const __m512 denom = _mm512_add_ps(div_bc2_16(_mm512_sqrt_ps(vv), k), k.eps);
   pv = _mm512_add_ps(pv, _mm512_div_ps(_mm512_mul_ps(k.neg_step, mv), denom));
   _mm512_storeu_ps(p, pv);
   _mm512_storeu_ps(m, mv);
@@ -328,8 +390,13 @@ ZT_AVX512 void adam_avx512_impl(float* p, const G* g, float* m, float* v, uint16
   const Vec16Coeffs k{_mm512_set1_ps(c.decay),      _mm512_set1_ps(c.wd),
                       _mm512_set1_ps(c.lerp_coeff), _mm512_set1_ps(c.beta2),
                       _mm512_set1_ps(c.one_minus_beta2), _mm512_set1_ps(c.bc2_sqrt),
-                      _mm512_set1_ps(c.eps),        _mm512_set1_ps(c.neg_step)};
+                      _mm512_set1_ps(c.bc2_rcp),    _mm512_set1_ps(c.eps),
+                      _mm512_set1_ps(c.neg_step)};
   int64_t i = 0;
+  for (; i + kPrefetch + 16 <= n; i += 16) {
+    prefetch_ahead(p + i, g + i, m + i, v + i);
+    adam16<G, O, kStream>(p + i, g + i, m + i, v + i, out + i, c, k);
+  }
   for (; i + 16 <= n; i += 16) {
     adam16<G, O, kStream>(p + i, g + i, m + i, v + i, out + i, c, k);
   }
@@ -467,6 +534,7 @@ Coeffs make_coeffs(int64_t step, double lr, double beta1, double beta2, double e
     bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
   }
   c.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
+  c.bc2_rcp = 1.0f / c.bc2_sqrt;
   c.eps = static_cast<float>(eps);
   c.neg_step = static_cast<float>(-(lr / bc1));
   return c;
@@ -669,22 +737,47 @@ void adam_update_8bit(at::Tensor param, at::Tensor grad, at::Tensor q_m, at::Ten
 
 // ---------------------------------------------------------------------------------
 // Memory-bandwidth probe with Adam's access pattern: 4 fp32 streams read, 3 written
-// in place (p += g; m += g; v += g), same chunking and threads as the update.
+// in place (p += g; m += g; v += g), same chunking, threads, vector width and prefetch as
+// the update.
 
 #ifdef ZT_X86
+ZT_AVX2 inline void probe8(float* p, const float* g, float* m, float* v) {
+  const __m256 gv = _mm256_loadu_ps(g);
+  _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), gv));
+  _mm256_storeu_ps(m, _mm256_add_ps(_mm256_loadu_ps(m), gv));
+  _mm256_storeu_ps(v, _mm256_add_ps(_mm256_loadu_ps(v), gv));
+}
+
 ZT_AVX2 void probe_avx2(float* p, const float* g, float* m, float* v, int64_t n) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_loadu_ps(p + i), gv));
-    _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), gv));
-    _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), gv));
+  for (; i + kPrefetch + 16 <= n; i += 16) {  // prefetched as the update is
+    prefetch_ahead(p + i, g + i, m + i, v + i);
+    probe8(p + i, g + i, m + i, v + i);
+    probe8(p + i + 8, g + i + 8, m + i + 8, v + i + 8);
   }
+  for (; i + 8 <= n; i += 8) probe8(p + i, g + i, m + i, v + i);
   for (; i < n; ++i) {
     p[i] += g[i];
     m[i] += g[i];
     v[i] += g[i];
   }
+}
+
+ZT_AVX512 inline void probe16(float* p, const float* g, float* m, float* v) {
+  const __m512 gv = _mm512_loadu_ps(g);
+  _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), gv));
+  _mm512_storeu_ps(m, _mm512_add_ps(_mm512_loadu_ps(m), gv));
+  _mm512_storeu_ps(v, _mm512_add_ps(_mm512_loadu_ps(v), gv));
+}
+
+ZT_AVX512 void probe_avx512(float* p, const float* g, float* m, float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + kPrefetch + 16 <= n; i += 16) {
+    prefetch_ahead(p + i, g + i, m + i, v + i);
+    probe16(p + i, g + i, m + i, v + i);
+  }
+  for (; i + 16 <= n; i += 16) probe16(p + i, g + i, m + i, v + i);
+  probe_avx2(p + i, g + i, m + i, v + i, n - i);  // the last 15 at most
 }
 #endif
 
@@ -698,11 +791,12 @@ void stream_probe(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
   const float* gp = g.const_data_ptr<float>();
   float* mp = m.data_ptr<float>();
   float* vp = v.data_ptr<float>();
-  const bool vec = g_simd != Simd::kScalar;
+  const Simd simd = g_simd;
   pybind11::gil_scoped_release no_gil;
   for_each_chunk(n, [&](int64_t b, int64_t e) {
 #ifdef ZT_X86
-    if (vec) return probe_avx2(pp + b, gp + b, mp + b, vp + b, e - b);
+    if (simd == Simd::kAvx512) return probe_avx512(pp + b, gp + b, mp + b, vp + b, e - b);
+    if (simd == Simd::kAvx2) return probe_avx2(pp + b, gp + b, mp + b, vp + b, e - b);
 #endif
     for (int64_t i = b; i < e; ++i) {
       pp[i] += gp[i];
