@@ -49,6 +49,12 @@ class GradAccumulator:
         """Copy gradients to the host on ``stream`` (a side stream of the device)."""
         self.copy_stream = stream
 
+    def agree_got_grads(self, flags: list[bool]) -> None:
+        """Whether each of the unit's parameters got a gradient this step, as the ranks
+        agreed (a parameter counts for every rank's step once one rank got its gradient)."""
+        for s, flag in zip(self.unit.slots, flags, strict=True):
+            s.got_grad = flag
+
     def has_pending(self) -> bool:
         """Whether a parameter holds a gradient not reduced yet."""
         return any(s.param.grad is not None for s in self.unit.slots)

@@ -312,8 +312,9 @@ class GradReducer:
                 "true (ZeroTrainer: --ddp_find_unused_parameters true); the gradients of "
                 "this step are wrong, so resume from the last checkpoint"
             )
-        for s, flag in zip(slots, merged[len(picked) :]):
-            s.got_grad = bool(flag)
+        flags = iter(merged[len(picked) :])
+        for u in self.units:
+            u.accumulator.agree_got_grads([bool(next(flags)) for _ in u.slots])
         return [u for u, p in zip(self.units, merged) if p]
 
     def _finish_host_copies(self) -> None:
