@@ -25,6 +25,8 @@ one JSON line with ``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain)
         --optim adafactor                       # torch Adafactor, plain and ZeroOptimizer
     python benchmarks/train_step.py --offload-activations nvme --nvme-path /tmp \
         --batch 8 --seq 512                     # checkpoints offloaded vs kept, both checkpointed
+    python benchmarks/train_step.py --model gpt2-xl --offload nvme --nvme-path /tmp \
+        --no-baseline --squeeze-to 6GiB --compare-unsqueezed   # page cache squeezed out
 
 With ``--optim adamw_8bit`` zerotune runs twice in the same invocation, with fp32 Adam states
 and with 8-bit ones (``optim_state_bits: 8``); the summary describes the 8-bit run and adds
@@ -41,6 +43,10 @@ kept one. ``--max-grad-norm`` clips both sides (plain: ``torch.nn.utils.clip_gra
 with ``--overlap-step`` zerotune then runs ``overlapped(clipping=True)``, ZeroTrainer's
 default with the optimizer on NVMe. ``--compare-unclipped`` adds the same overlapped step
 without clipping, ``--compare-sequential`` the same clipping with the step after backward.
+``--squeeze-to 6GiB`` runs zerotune while a second process holds host memory so that only
+6 GiB stay available (the machine has no swap, so the kernel can give up only page cache:
+the buffered swap files no longer stay cached); ``--compare-unsqueezed`` adds the same run
+without it, for the ratio.
 
 With ``--optim adafactor`` (or ``sgd``) both sides run that ``torch.optim`` class: plain
 over the model, zerotune through ``ZeroOptimizer`` (with ``--offload nvme`` its state
@@ -139,6 +145,17 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="also run zerotune without --overlap-step (the step after backward)",
     )
+    ap.add_argument(
+        "--squeeze-to",
+        default=None,
+        help="zerotune runs while another process holds host memory so that only this much "
+        "stays available (6GiB): the page cache cannot keep the swap files",
+    )
+    ap.add_argument(
+        "--compare-unsqueezed",
+        action="store_true",
+        help="with --squeeze-to: also run zerotune with all host memory available",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument(
         "--rounds",
@@ -157,6 +174,7 @@ def parse() -> argparse.Namespace:
             "zerotune-master-copied",
             "zerotune-unclipped",
             "zerotune-sequential",
+            "zerotune-unsqueezed",
         ],
         help=argparse.SUPPRESS,
     )
@@ -171,6 +189,9 @@ def run_variant(args: argparse.Namespace) -> dict:
 
     from zerotune.hf import model_config
 
+    squeezer = None
+    if args.squeeze_to is not None and args.variant == "zerotune":
+        squeezer = squeeze_host_memory(args.squeeze_to)
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count())
     config = model_config(args.model)
@@ -276,7 +297,54 @@ def run_variant(args: argparse.Namespace) -> dict:
                 sum(f.size for f in files.values() if not f.direct) / 2**30
             )
         runner.close()
+    if squeezer is not None:
+        result["available_gib_squeezed"] = squeezer.available_gib
+        squeezer.release()
     return result
+
+
+SQUEEZER = r"""
+import sys
+import numpy as np
+
+def available():
+    with open("/proc/meminfo") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+
+target, held = int(sys.argv[1]), []
+while available() > target + 2**28:
+    held.append(np.ones(min(2**30, available() - target), dtype=np.uint8))  # touched pages
+print(available(), flush=True)
+sys.stdin.read()
+"""
+
+
+class Squeezer:
+    """A process holding host memory (touched pages: with no swap the kernel can only give
+    up page cache) until ``release``."""
+
+    def __init__(self, target: int) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SQUEEZER, str(target)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.available_gib = int(self.proc.stdout.readline()) / 2**30
+
+    def release(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def squeeze_host_memory(target: str) -> Squeezer:
+    from zerotune.config import parse_bytes
+
+    squeezer = Squeezer(parse_bytes(target, name="--squeeze-to"))
+    print(f"host memory squeezed: {squeezer.available_gib:.2f} GiB available", file=sys.stderr)
+    return squeezer
 
 
 def median_round(rounds: list[dict[str, dict]]) -> dict[str, dict]:
@@ -315,6 +383,10 @@ def main() -> None:
         if not args.overlap_step:
             sys.exit("--compare-sequential needs --overlap-step")
         variants.append("zerotune-sequential")
+    if args.compare_unsqueezed:
+        if args.squeeze_to is None:
+            sys.exit("--compare-unsqueezed needs --squeeze-to")
+        variants.append("zerotune-unsqueezed")
     variants.append("zerotune")
     if args.rounds < 1:
         sys.exit("--rounds must be at least 1")
@@ -386,6 +458,7 @@ def main() -> None:
         ("zerotune-master-copied", "moved_bytes_ratio_vs_master_copied"),
         ("zerotune-unclipped", "moved_bytes_ratio_vs_unclipped"),
         ("zerotune-sequential", "moved_bytes_ratio_vs_sequential"),
+        ("zerotune-unsqueezed", "moved_bytes_ratio_vs_unsqueezed"),
     ):
         if other in results:
             o = results[other]
@@ -398,6 +471,8 @@ def main() -> None:
             summary[f"{other}_disk_gb_per_step"] = round(o_moved / gb, 3)
             summary[f"{other}_losses"] = [round(x, 4) for x in o["losses"]]
     summary["losses"] = [round(x, 4) for x in zt["losses"]]
+    if "available_gib_squeezed" in zt:
+        summary["available_gib_squeezed"] = round(zt["available_gib_squeezed"], 2)
     for key in ("checkpoints_device_peak", "checkpoints_offloaded_peak"):
         if key in zt.get("memory_report", {}):
             summary[key] = zt["memory_report"][key]
