@@ -46,6 +46,13 @@ class _OneLineErrors(click.Command):
 @click.option("--dtype", default="bf16", show_default=True, help="Compute dtype: bf16, fp16, fp32.")
 @click.option("--grad-dtype", default="fp32", show_default=True, help="Gradient shard dtype.")
 @click.option(
+    "--optim-state-bits",
+    type=click.Choice(["32", "8"]),
+    default="32",
+    show_default=True,
+    help="Adam moments in fp32 or 8-bit (finetune's --optim adamw_8bit).",
+)
+@click.option(
     "--headroom",
     type=float,
     default=0.1,
@@ -67,6 +74,7 @@ def estimate(
     activation_checkpointing,
     dtype,
     grad_dtype,
+    optim_state_bits,
     headroom,
     as_json,
 ) -> None:
@@ -135,6 +143,7 @@ def estimate(
             activation_checkpointing=activation_checkpointing,
             dtype=dtype,
             grad_dtype=grad_dtype,
+            optim_state_bits=int(optim_state_bits),
             headroom=headroom,
             nvme_path=nvme_path,
         )

@@ -486,6 +486,7 @@ BAD_INPUT = [
     (["--params", "1e9", "--bogus"], "--bogus"),
     (["--model", "tiny-gpt2", "--seq-len", "4096"], "exceeds the model's context length 128"),
     (["--params", "1e9", "--gpu-memory", "1e400"], "too large to be a size"),
+    (["--params", "1e9", "--optim-state-bits", "4"], "--optim-state-bits"),
 ]
 REAL_PROCESS = [BAD_INPUT[1], BAD_INPUT[5]]
 
@@ -512,6 +513,34 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(args, message):
 def test_cli_bad_input_in_a_real_process(cli, args, message):
     out = cli[" ".join(args)]
     _one_line_error(out.returncode, out.stdout, out.stderr, message)
+
+
+def test_cli_plans_8bit_moments_and_bf16_gradient_shards():
+    """A 7B plan (bf16 compute) with both tiers on NVMe: 18 bytes an element on disk with
+    fp32 moments and gradient shards (parameters 2, master 4, moments 8, gradients 4), 10
+    with 8-bit moments (and their absmax) and bf16 gradient shards; the recommended command
+    asks for the 8-bit optimizer."""
+    from click.testing import CliRunner
+    from zerotune.cli import main
+
+    def nvme_bytes(*extra):
+        args = ["estimate", "--params", "7e9", "--gpu-memory", "none", "--json", *extra]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        plan = json.loads(result.stdout)
+        option = next(
+            o
+            for o in plan["options"]
+            if (o["stage"], o["offload_param"], o["offload_optimizer"]) == (3, "nvme", "nvme")
+        )
+        return plan, option["nvme_per_host"] / 7e9
+
+    plan32, full = nvme_bytes()
+    plan8, small = nvme_bytes("--optim-state-bits", "8", "--grad-dtype", "bf16")
+    assert plan32["optim_state_bits"] == 32 and plan8["optim_state_bits"] == 8
+    assert 18 <= full < 18.01
+    assert 10 <= small < 10.05
+    assert "--optim adamw_8bit" in plan8["recommended"]["command"]
 
 
 def test_cli_takes_a_hub_id_from_the_local_cache(tmp_path):
