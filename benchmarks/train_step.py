@@ -43,10 +43,10 @@ kept one. ``--max-grad-norm`` clips both sides (plain: ``torch.nn.utils.clip_gra
 with ``--overlap-step`` zerotune then runs ``overlapped(clipping=True)``, ZeroTrainer's
 default with the optimizer on NVMe. ``--compare-unclipped`` adds the same overlapped step
 without clipping, ``--compare-sequential`` the same clipping with the step after backward.
-``--squeeze-to 6GiB`` runs zerotune while a second process holds host memory so that only
-6 GiB stay available (the machine has no swap, so the kernel can give up only page cache:
-the buffered swap files no longer stay cached); ``--compare-unsqueezed`` adds the same run
-without it, for the ratio.
+``--squeeze-to 6GiB`` runs every zerotune variant while a second process holds host memory
+so that only 6 GiB stay available (the machine has no swap, so the kernel can give up only
+page cache: the buffered swap files no longer stay cached); ``--compare-unsqueezed`` adds
+the same run without it, for the ratio.
 
 With ``--optim adafactor`` (or ``sgd``) both sides run that ``torch.optim`` class: plain
 over the model, zerotune through ``ZeroOptimizer`` (with ``--offload nvme`` its state
@@ -190,7 +190,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     from zerotune.hf import model_config
 
     squeezer = None
-    if args.squeeze_to is not None and args.variant == "zerotune":
+    if args.squeeze_to is not None and args.variant not in ("plain", "zerotune-unsqueezed"):
         squeezer = squeeze_host_memory(args.squeeze_to)
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count())
