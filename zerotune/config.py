@@ -236,6 +236,11 @@ class ZeroConfig:
         return (self.offload_param, self.offload_optimizer, self.offload_activations)
 
     @property
+    def offloads(self) -> bool:
+        """Whether anything (parameters, optimizer state, activations) leaves the device."""
+        return any(t != "none" for t in self.offload_tiers)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 

@@ -82,8 +82,7 @@ def _aio_op():
 def host_cache_used(config, device: str) -> bool:
     """Whether an engine on a ``device`` of this type ("cpu", "cuda", ...) with ``config``
     keeps freed tensors for reuse: a CPU device, some offload, a budget."""
-    offloads = any(t != "none" for t in config.offload_tiers)
-    return device == "cpu" and offloads and config.host_cache_bytes > 0
+    return device == "cpu" and config.offloads and config.host_cache_bytes > 0
 
 
 def keep_freed_buffers(budget: int) -> Callable[[], None] | None:

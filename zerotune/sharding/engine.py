@@ -701,8 +701,7 @@ class ZeroEngine(nn.Module):
     def after_step(self) -> None:
         for unit in self.units:
             unit.refresh()
-        offloaded = (self.config.offload_param, self.config.offload_optimizer) != ("none", "none")
-        if self.device.type == "cpu" and offloaded:
+        if self.device.type == "cpu" and self.config.offloads:
             # With offload host memory is the budget, and the heap also holds activations and
             # gradients: give back what the step freed, so fragments do not pile up from step
             # to step (memory/host.py). Without offload, as in plain PyTorch, glibc keeps it
