@@ -106,15 +106,20 @@ def pool_keep_sizes(
     (memory/pool.py BufferPool.keep_sizes), given the (padded, shard) element counts of the
     trainable units; None: every size. With CPU or NVMe offload on a CPU device, where host
     memory is the budget, only the fp32 gradient sizes (and at world size > 1 the fp32
-    shard sizes) that several units share: the blocks of a transformer reuse their buffers
-    step after step (as many as can be busy at once: the NVMe writes in flight plus the one
-    filling), while a size only one unit has (an embedding's gradient) is given back after
-    use rather than held through the whole step."""
+    shard sizes; with a low-precision gradient dtype their rounded sizes too) that several
+    units share: the blocks of a transformer reuse their buffers step after step (as many
+    as can be busy at once: the NVMe writes in flight plus the one filling), while a size
+    only one unit has (an embedding's gradient) is given back after use rather than held
+    through the whole step."""
     if device_type != "cpu" or config.offload_param == config.offload_optimizer == "none":
         return None
     kept = recurring_sizes([padded * _F32 for padded, _ in trainable])
     if world > 1:
         kept |= recurring_sizes([shard * _F32 for _, shard in trainable])
+    g = config.torch_grad_dtype.itemsize
+    if g != _F32:  # the sums rounded for a low-precision gradient file (NvmeGrads.add)
+        rounded = [(padded if world == 1 else shard) * g for padded, shard in trainable]
+        kept |= recurring_sizes(rounded)
     return kept
 
 
