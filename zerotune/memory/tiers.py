@@ -24,6 +24,21 @@ instead of asking where its shard is:
   ``grads.chunks`` hand a range of it to the optimizer.
 Per-pass facts (whether the shard holds a gradient yet, a held shard, writes in flight) stay
 with the unit; a tier holds only where the bytes are.
+
+[Note: gradients left in the parameters]
+At world size 1 a unit's shard is all of its parameters, so a gradient shard in memory where
+autograd computes, in the gradients' own dtype, needs no reduce and no copy: the
+parameters' ``.grad`` tensors are the shard (``MemoryGrads(in_params=True)``). Autograd
+accumulates micro-batches into them, as it does for a plain model (``no_sync`` too),
+``add_params`` only marks the shard as holding a gradient, and ``zero_grad`` drops them.
+Readers take it through ``ranges`` and ``view``: one range per parameter, each a view of
+that parameter's gradient (zeros for a parameter without one), so ZeroAdamW and the norm
+read the gradients where they are. A reader that needs one tensor across parameters (a
+generic optimizer's flat layout, an 8-bit moment block spanning two parameters, a test
+reading ``unit.grad_shard``) gets the flat shard: ``buffer`` allocates it, moves the
+gradients in and drops theirs, and from then on the unit accumulates into it as any
+``MemoryGrads`` does. So a reader never sees two copies of a gradient, and the cost of a
+flat shard is paid only where a flat shard is read.
 """
 
 from __future__ import annotations
@@ -259,22 +274,43 @@ class NvmeParams:
 # ------------------------------------------------------------------------- gradient tiers
 class MemoryGrads:
     """The gradient shard in memory on ``device`` (the host when the optimizer runs there),
-    allocated on the first gradient: building or evaluating a model holds none."""
+    allocated on the first gradient: building or evaluating a model holds none. With
+    ``in_params`` it is first the parameters' own gradients (see [Note: gradients left in
+    the parameters])."""
 
     on_disk = False
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, in_params: bool = False) -> None:
         self.device = torch.device(device)
         self.shard: torch.Tensor | None = None
+        self.in_params = in_params
+
+    def keeps_params(self) -> bool:
+        """Whether the parameters' ``.grad`` tensors are the shard now (no flat one yet)."""
+        return self.in_params and self.shard is None
 
     def buffer(self, unit) -> torch.Tensor:
+        """The flat shard, allocated on first use; gradients left in the parameters move
+        into it (and stay there from now on)."""
         if self.shard is None:
             # Pinned when an accelerator copies gradients into it.
             pin = self.device.type == "cpu" and unit.device.type != "cpu"
             self.shard = torch.zeros(
                 unit.shard_numel, dtype=unit.grad_dtype, device=self.device, pin_memory=pin
             )
+            if self.in_params:
+                for s in unit.slots:
+                    g = s.param.grad
+                    if g is not None and s.trainable:
+                        self.shard[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
+                    s.param.grad = None
         return self.shard
+
+    def flat(self, unit) -> torch.Tensor | None:
+        """The shard as one tensor (None before the first gradient)."""
+        if self.keeps_params() and unit.accumulator.is_zero:
+            return None
+        return self.buffer(unit) if self.in_params else self.shard
 
     def add(self, unit, values: torch.Tensor, pool, hold: bool = False) -> None:
         """Add ``values`` (the unit's reduced shard, fp32) in; it goes back to ``pool``
@@ -293,7 +329,11 @@ class MemoryGrads:
 
     def add_params(self, unit, hold: bool = False) -> None:
         """World size 1, the shard in the gradients' memory: each parameter's gradient is
-        added into its region, with no staging buffer."""
+        added into its region, with no staging buffer (or, with ``in_params``, left where
+        autograd put it)."""
+        if self.keeps_params():
+            unit.accumulator.mark_added()
+            return
         shard = self.buffer(unit)
         first = unit.accumulator.is_zero
         for s in unit.slots:
@@ -306,11 +346,25 @@ class MemoryGrads:
             s.param.grad = None
         unit.accumulator.mark_added()
 
+    def ranges(self, unit) -> list[tuple[int, int]]:
+        """Ranges covering the shard that ``view`` hands out without a copy."""
+        if self.keeps_params():
+            return [(s.offset, s.offset + s.numel) for s in unit.slots]
+        return [(0, unit.shard_numel)]
+
     def view(self, unit, c0: int, c1: int) -> torch.Tensor:
-        return self.shard[c0:c1]
+        if self.keeps_params():
+            for s in unit.slots:
+                if s.offset <= c0 and c1 <= s.offset + s.numel:
+                    g = s.param.grad if s.trainable else None
+                    if g is None:  # no gradient: zeros, as in a flat shard
+                        return torch.zeros(c1 - c0, dtype=unit.grad_dtype, device=self.device)
+                    return g.reshape(-1)[c0 - s.offset : c1 - s.offset]
+        return self.buffer(unit)[c0:c1]  # a range across parameters: the flat shard
 
     def chunks(self, unit):
-        yield 0, unit.shard_numel, self.shard
+        for c0, c1 in self.ranges(unit):
+            yield c0, c1, self.view(unit, c0, c1)
 
     def resident_bytes(self, unit) -> int:
         """Bytes in memory in the steady state (the shard exists from the first backward)."""
@@ -373,6 +427,12 @@ class NvmeGrads:
             self.add(unit, whole, None, hold=True)
         else:
             self.add(unit, unit.accumulator.take(unit.host_pool), unit.host_pool, hold)
+
+    def keeps_params(self) -> bool:
+        return False
+
+    def ranges(self, unit) -> list[tuple[int, int]]:
+        return [(0, unit.shard_numel)]
 
     def view(self, unit, c0: int, c1: int) -> torch.Tensor | None:
         """The range in memory (a held shard), or None: ``read`` it."""

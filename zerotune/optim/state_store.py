@@ -297,7 +297,7 @@ class ResidentStore:
     def chunks(self, unit):
         n = unit.shard_numel
         if unit.index not in self.q8:
-            return [(0, n)]
+            return unit.grads.ranges(unit)
         return [(c0, min(c0 + _Q8_CHUNK, n)) for c0 in range(0, n, _Q8_CHUNK)]
 
     def pipeline(self, feed, update):

@@ -325,7 +325,12 @@ class ZeroEngine(nn.Module):
         if where.grads == "nvme":
             grads = NvmeGrads(self.swap.extent("grad", unit.index))
         else:
-            grads = MemoryGrads(host if where.grads == "host" else self.device)
+            # One rank, gradients where autograd leaves them, in their dtype: the shard is
+            # the parameters' own .grad tensors (see [Note: gradients left in the parameters]).
+            in_params = (
+                where.grads == "device" and self.world == 1 and unit.grad_dtype == unit.dtype
+            )
+            grads = MemoryGrads(host if where.grads == "host" else self.device, in_params)
         unit.place(where, params, grads)
         if where.master in ("nvme", "param_file"):
             from ..optim.state_store import write_initial_state

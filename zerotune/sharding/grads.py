@@ -5,9 +5,10 @@ over micro-batches, copied to the host, held in memory for an overlapped update.
 Backward leaves each parameter's gradient in ``param.grad``; once a unit's are complete the
 engine calls ``reduce``. At world size > 1 they are flattened into one fp32 buffer (``take``)
 and reduce-scattered (averaged) into this rank's slice; at world size 1 they are added into
-the shard directly, parameter by parameter. Either way the result is added into the gradient
-shard wherever its tier keeps it (memory/tiers.py): the first gradient since ``zero``
-overwrites the stale contents (``is_zero``), later ones add. Under ``no_sync()`` the whole
+the shard directly, parameter by parameter, or stay where they are as the shard ([Note:
+gradients left in the parameters] in memory/tiers.py). Either way the result is added into
+the gradient shard wherever its tier keeps it: the first gradient since ``zero`` overwrites
+the stale contents (``is_zero``), later ones add. Under ``no_sync()`` the whole
 flat gradient is summed locally (``unreduced``) and reduced with the next synchronized
 backward. On an accelerator at world size 1 with the shard on the host, the copies run on a
 side stream (``finish_host_copy`` adds them in later). An overlapped update takes the final
@@ -56,8 +57,13 @@ class GradAccumulator:
             s.got_grad = flag
 
     def has_pending(self) -> bool:
-        """Whether a parameter holds a gradient not reduced yet."""
-        return any(s.param.grad is not None for s in self.unit.slots)
+        """Whether a parameter holds a gradient not reduced yet (gradients left in the
+        parameters as their shard count once reduced: ``got_grad``)."""
+        kept = self.unit.grads.keeps_params()
+        return any(
+            s.param.grad is not None and not (kept and s.trainable and s.got_grad)
+            for s in self.unit.slots
+        )
 
     def reduce(self, sync: bool = True, hold: bool = False) -> None:
         """Move the parameters' gradients into this rank's gradient shard (averaged over ranks).
@@ -74,7 +80,7 @@ class GradAccumulator:
         for s in unit.slots:
             if s.trainable and s.param.grad is not None:
                 s.got_grad = True
-        if unit.world == 1 and sync and self.unreduced is None:
+        if unit.world == 1 and self.unreduced is None and (sync or unit.grads.keeps_params()):
             self._add_into_shard_directly(hold)
             return
         flat = self.take(unit.pool)

@@ -548,7 +548,7 @@ class Unit:
     def grad_shard(self) -> torch.Tensor | None:
         """The gradient shard when it is in memory (None before the first gradient, or on
         NVMe)."""
-        return None if self.grads.on_disk else self.grads.shard
+        return None if self.grads.on_disk else self.grads.flat(self)
 
     # ------------------------------------------------------------------------- accounting
     def memory_bytes(self) -> dict[str, int]:
