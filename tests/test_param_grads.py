@@ -15,7 +15,7 @@ STEPS = 4
 ACCUM = 2
 
 
-def _plain(optimizer: str = "adamw"):
+def _plain(optimizer: str = "adamw", clip: bool = True):
     """Plain PyTorch over the same micro-batches: losses, clipped norms, the gradients each
     step's backward left (before clipping) and the final weights."""
     model = tiny_gpt2(seed=0)
@@ -27,7 +27,8 @@ def _plain(optimizer: str = "adamw"):
             loss.backward()
             losses.append(float(loss.detach()))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
         opt.zero_grad()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -45,15 +46,15 @@ def _optimizer(name, groups, engine=None):
     return zerotune.ZeroOptimizer(engine, torch.optim.Adagrad, groups, lr=0.01)
 
 
-def _zero(stage: int, optimizer: str = "adamw", overlapped: bool = False, no_sync=True):
+def _zero(config: dict, optimizer="adamw", overlapped=False, no_sync=True, clip=True):
     model = tiny_gpt2(seed=0)
     groups = no_decay_groups(model, WD)
-    engine = zerotune.shard(model, {"stage": stage})
+    engine = zerotune.shard(model, config)
     opt = _optimizer(optimizer, groups, engine)
     trainable = [u for u in engine.units if u.trainable]
     losses, norms, grads, flat_after_step = [], [], [], []
     for ids in batches("gpt2", STEPS):
-        ctx = opt.overlapped(clipping=True) if overlapped else _Null()
+        ctx = opt.overlapped(clipping=clip) if overlapped else _Null()
         with ctx:
             for k, part in enumerate(ids.chunk(ACCUM)):
                 quiet = engine.no_sync() if (no_sync and k == 0) else _Null()
@@ -74,12 +75,17 @@ def _zero(stage: int, optimizer: str = "adamw", overlapped: bool = False, no_syn
                     }
                 )
                 grads[-1] = {k: v.clone() for k, v in grads[-1].items()}
-            norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
+            if clip:
+                norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
         opt.step()
         flat_after_step.append(sum(u.grads.shard is not None for u in trainable))
         opt.zero_grad()
-        assert all(s.param.grad is None for u in engine.units for s in u.slots)
+        if not overlapped:
+            assert all(s.param.grad is None for u in engine.units for s in u.slots)
     weights = {n: w.clone() for n, w in engine.full_state_dict().items()}
+    # An update carried into the next forward read the gradients left in its parameters
+    # after zero_grad; they are gone once it is done (gathering finished every update).
+    assert all(s.param.grad is None for u in engine.units for s in u.slots)
     report = engine.memory_report()
     engine.close()
     return {
@@ -90,6 +96,7 @@ def _zero(stage: int, optimizer: str = "adamw", overlapped: bool = False, no_syn
         "flat_after_step": flat_after_step,
         "report": report,
         "units": len(trainable),
+        "multi": sum(len(u.slots) > 1 for u in trainable),
     }
 
 
@@ -118,12 +125,22 @@ def _check_weights(got, ref, lr=LR):
         assert not bad.any(), (name, int(bad.sum()))
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_adamw_reads_the_gradients_where_autograd_left_them(stage, plain_adamw):
-    """Stages 1-3 at world size 1, 2 micro-batches (the first under no_sync), clipping that
-    clips: the parameters' gradients are plain PyTorch's, bit for bit, no flat shard is ever
-    allocated, and the losses, norms and weights follow plain AdamW."""
-    got = _zero(stage)
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"stage": 1},
+        {"stage": 2},
+        {"stage": 3},
+        {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+    ],
+    ids=["stage1", "stage2", "stage3", "stage3-offload-cpu"],
+)
+def test_zero_adamw_reads_the_gradients_where_autograd_left_them(config, plain_adamw):
+    """Stages 1-3 at world size 1 (and the optimizer on the host, which is the device on a
+    CPU), 2 micro-batches (the first under no_sync), clipping that clips: the parameters'
+    gradients are plain PyTorch's, bit for bit, no flat shard is ever allocated, and the
+    losses, norms and weights follow plain AdamW."""
+    got = _zero(config)
     assert not any(u for u in got["flat_after_step"])
     assert max(plain_adamw["norms"]) > MAX_NORM  # clipping clipped
     assert got["losses"] == plain_adamw["losses"]
@@ -144,28 +161,52 @@ def test_zero_adamw_reads_the_gradients_where_autograd_left_them(stage, plain_ad
     assert got["report"]["grads"] == 4 * n
 
 
-def test_overlapped_clipped_step_reads_them_too(plain_adamw):
-    """The overlapped step with clipping updates each unit from its parameters' gradients."""
-    got = _zero(3, overlapped=True)
+@pytest.mark.parametrize(
+    "nvme, clip",
+    [(False, True), (True, True), (True, False)],
+    ids=["memory", "nvme", "nvme-unclipped"],
+)
+def test_overlapped_step_reads_them_too(nvme, clip, plain_adamw, tmp_path):
+    """The overlapped step updates each unit from its parameters' gradients: in step()
+    with the optimizer in memory; during backward and carried into the next forward (after
+    zero_grad) with both tiers on NVMe, where the gradient shards fit the host."""
+    if not clip:
+        plain_adamw = _plain(clip=False)
+    config = {"stage": 3}
+    if nvme:
+        config.update(offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
+        # Room for a few chunks only: the updates read their gradients late, in the next
+        # forward, after zero_grad.
+        config["staging_bytes"] = 3 * 16 * 4096 * 3
+    got = _zero(config, overlapped=True, clip=clip)
     torch.testing.assert_close(got["losses"], plain_adamw["losses"], rtol=1e-6, atol=0)
     torch.testing.assert_close(got["norms"], plain_adamw["norms"], rtol=1e-6, atol=0)
-    assert got["flat_after_step"] == [0] * STEPS
+    # With NVMe the step's chunks read units of several parameters as one flat shard (at
+    # the first step some of them only in the next forward, where the updates are carried).
+    assert got["flat_after_step"][1:] == [got["multi"] if nvme else 0] * (STEPS - 1)
     _check_weights(got, plain_adamw)
 
 
-def test_a_reader_of_one_flat_tensor_gets_the_flat_shard():
-    """A generic optimizer's flat layout reads each unit's gradient as one tensor: the
-    gradients move into a flat shard at its first step and accumulate there afterwards,
-    and training still follows the plain optimizer."""
-    ref = _plain("adagrad")
-    got = _zero(3, "adagrad")
+@pytest.mark.parametrize("optimizer", ["adagrad", "adamw"])
+def test_a_reader_of_one_flat_tensor_gets_the_flat_shard(optimizer, tmp_path):
+    """A generic optimizer's flat layout, and the NVMe step's chunks, read each unit's
+    gradient as one tensor: the gradients move into a flat shard at the first step and
+    accumulate there afterwards, and training still follows the plain optimizer."""
+    ref = _plain(optimizer)
+    config = {"stage": 3}
+    if optimizer == "adamw":
+        config.update(offload_optimizer="nvme", nvme_path=str(tmp_path))
+    got = _zero(config, optimizer)
     torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-6, atol=0)
     assert got["grads"][0].keys() == ref["grads"][0].keys()
     for name, g in ref["grads"][0].items():
         assert torch.equal(got["grads"][0][name], g), name
-    # Flat from the first step on: every trainable unit.
-    assert got["flat_after_step"] == [got["units"]] * STEPS
-    _check_weights(got, ref, lr=0.01)
+    # Flat from the first step on: every trainable unit for the flat layout; for the NVMe
+    # step each unit of several parameters (a lone parameter's chunks are views of it).
+    flat = got["units"] if optimizer == "adagrad" else got["multi"]
+    assert 0 < got["multi"] < got["units"]
+    assert got["flat_after_step"] == [flat] * STEPS
+    _check_weights(got, ref, lr=0.01 if optimizer == "adagrad" else LR)
 
 
 def test_grad_shard_moves_the_gradients_once():

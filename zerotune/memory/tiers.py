@@ -26,16 +26,17 @@ Per-pass facts (whether the shard holds a gradient yet, a held shard, writes in 
 with the unit; a tier holds only where the bytes are.
 
 [Note: gradients left in the parameters]
-At world size 1 a unit's shard is all of its parameters, so a gradient shard in memory where
-autograd computes, in the gradients' own dtype, needs no reduce and no copy: the
+At world size 1 a unit's shard is all of its parameters, so a gradient shard in the memory
+autograd computes in (the device's, or the host's on a CPU: also with the optimizer on the
+host or NVMe), in the gradients' own dtype, needs no reduce and no copy: the
 parameters' ``.grad`` tensors are the shard (``MemoryGrads(in_params=True)``). Autograd
 accumulates micro-batches into them, as it does for a plain model (``no_sync`` too),
 ``add_params`` only marks the shard as holding a gradient, and ``zero_grad`` drops them.
 Readers take it through ``ranges`` and ``view``: one range per parameter, each a view of
 that parameter's gradient (zeros for a parameter without one), so ZeroAdamW and the norm
 read the gradients where they are. A reader that needs one tensor across parameters (a
-generic optimizer's flat layout, an 8-bit moment block spanning two parameters, a test
-reading ``unit.grad_shard``) gets the flat shard: ``buffer`` allocates it, moves the
+generic optimizer's flat layout, the NVMe step's chunks, an 8-bit moment block spanning two
+parameters, ``unit.grad_shard``) gets the flat shard: ``buffer`` allocates it, moves the
 gradients in and drops theirs, and from then on the unit accumulates into it as any
 ``MemoryGrads`` does. So a reader never sees two copies of a gradient, and the cost of a
 flat shard is paid only where a flat shard is read.

@@ -324,13 +324,10 @@ class ZeroEngine(nn.Module):
             params = DeviceParams()
         if where.grads == "nvme":
             grads = NvmeGrads(self.swap.extent("grad", unit.index))
-        else:
-            # One rank, gradients where autograd leaves them, in their dtype: the shard is
-            # the parameters' own .grad tensors (see [Note: gradients left in the parameters]).
-            in_params = (
-                where.grads == "device" and self.world == 1 and unit.grad_dtype == unit.dtype
-            )
-            grads = MemoryGrads(host if where.grads == "host" else self.device, in_params)
+        else:  # in memory; see [Note: gradients left in the parameters]
+            home = host if where.grads == "host" else self.device
+            kept = self.world == 1 and home == self.device and unit.grad_dtype == unit.dtype
+            grads = MemoryGrads(home, kept)
         unit.place(where, params, grads)
         if where.master in ("nvme", "param_file"):
             from ..optim.state_store import write_initial_state

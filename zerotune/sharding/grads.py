@@ -41,6 +41,9 @@ class GradAccumulator:
         # round trip through the gradient file (see [Note: overlapped step] in zero_adam.py).
         self.held: torch.Tensor | None = None
         self._held_pooled: bool = True  # it came from host_pool (else: a parameter's .grad)
+        # Zeroed while an update still reads the gradients left in the parameters (see
+        # [Note: gradients left in the parameters]): drop_held drops them once it is done.
+        self._params_stale: bool = False
         # Gradients on their way to the host: (buffer, event, straight into the shard)
         # until finish_host_copy.
         self._host_copy = None
@@ -59,6 +62,8 @@ class GradAccumulator:
     def has_pending(self) -> bool:
         """Whether a parameter holds a gradient not reduced yet (gradients left in the
         parameters as their shard count once reduced: ``got_grad``)."""
+        if self._params_stale:
+            return False  # last step's, read by an update still pending
         kept = self.unit.grads.keeps_params()
         return any(
             s.param.grad is not None and not (kept and s.trainable and s.got_grad)
@@ -249,20 +254,28 @@ class GradAccumulator:
         unit.grads.write(unit, held, give_back)
 
     def drop_held(self) -> None:
-        """Give back the gradient shard held for an overlapped update (once it is done)."""
+        """Give back the gradient shard held for an overlapped update (once it is done), and
+        the parameters' gradients zeroed while it was pending."""
         held, self.held = self.held, None
         if held is not None:
             self.unit.host_pool.held_grads.sub(held.numel() * held.element_size())
             if self._held_pooled:
                 self.unit.host_pool.release(held)
+        if self._params_stale:
+            self._params_stale = False
+            for s in self.unit.slots:
+                s.param.grad = None
 
     def zero(self) -> None:
         """Forget the accumulated gradient (``zero_grad``): the next one overwrites it."""
         self.finish_host_copy()  # its buffer goes back only once the copy is done
-        if not self.unit.update_pending:  # else the update drops it once done
+        pending = self.unit.update_pending
+        if not pending:  # else the update drops it once done
             self.drop_held()
         self.is_zero = True
         self.unreduced = None
+        self._params_stale = pending and self.unit.grads.keeps_params()
         for s in self.unit.slots:
-            s.param.grad = None
+            if not self._params_stale:
+                s.param.grad = None
             s.got_grad = False
