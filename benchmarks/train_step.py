@@ -46,7 +46,8 @@ without clipping, ``--compare-sequential`` the same clipping with the step after
 ``--squeeze-to 6GiB`` runs every zerotune variant while a second process holds host memory
 so that only 6 GiB stay available (the machine has no swap, so the kernel can give up only
 page cache: the buffered swap files no longer stay cached); ``--compare-unsqueezed`` adds
-the same run without it, for the ratio.
+the same run without it, for the ratio. ``--compare-read-params`` adds zerotune reading the
+parameter file into buffers (``map_param_file: false``) instead of mapping it.
 
 With ``--optim adafactor`` (or ``sgd``) both sides run that ``torch.optim`` class: plain
 over the model, zerotune through ``ZeroOptimizer`` (with ``--offload nvme`` its state
@@ -156,6 +157,12 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="with --squeeze-to: also run zerotune with all host memory available",
     )
+    ap.add_argument(
+        "--compare-read-params",
+        action="store_true",
+        help="with --offload nvme: also run zerotune reading the parameter file into buffers "
+        "(map_param_file: false) instead of mapping it",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument(
         "--rounds",
@@ -175,6 +182,7 @@ def parse() -> argparse.Namespace:
             "zerotune-unclipped",
             "zerotune-sequential",
             "zerotune-unsqueezed",
+            "zerotune-read-params",
         ],
         help=argparse.SUPPRESS,
     )
@@ -222,6 +230,8 @@ def run_variant(args: argparse.Namespace) -> dict:
                 zcfg.update(staging_bytes=args.staging)
         if args.grad_host is not None:
             zcfg.update(grad_host_bytes=args.grad_host)
+        if args.variant == "zerotune-read-params":
+            zcfg.update(map_param_file=False)
         # zero-init: the model is never whole in this process (it could not be, offloaded)
         runner = zerotune.zero_init(config, zcfg)
         model = runner.module
@@ -387,6 +397,10 @@ def main() -> None:
         if args.squeeze_to is None:
             sys.exit("--compare-unsqueezed needs --squeeze-to")
         variants.append("zerotune-unsqueezed")
+    if args.compare_read_params:
+        if args.offload != "nvme":
+            sys.exit("--compare-read-params needs --offload nvme")
+        variants.append("zerotune-read-params")
     variants.append("zerotune")
     if args.rounds < 1:
         sys.exit("--rounds must be at least 1")
@@ -459,6 +473,7 @@ def main() -> None:
         ("zerotune-unclipped", "moved_bytes_ratio_vs_unclipped"),
         ("zerotune-sequential", "moved_bytes_ratio_vs_sequential"),
         ("zerotune-unsqueezed", "moved_bytes_ratio_vs_unsqueezed"),
+        ("zerotune-read-params", "moved_bytes_ratio_vs_read_params"),
     ):
         if other in results:
             o = results[other]
