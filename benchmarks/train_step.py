@@ -48,6 +48,8 @@ so that only 6 GiB stay available (the machine has no swap, so the kernel can gi
 page cache: the buffered swap files no longer stay cached); ``--compare-unsqueezed`` adds
 the same run without it, for the ratio. ``--compare-read-params`` adds zerotune reading the
 parameter file into buffers (``map_param_file: false``) instead of mapping it.
+``--compare-flat-grads`` adds zerotune copying the gradients into flat shards at world size
+1 instead of leaving them in the parameters (the way before).
 
 With ``--optim adafactor`` (or ``sgd``) both sides run that ``torch.optim`` class: plain
 over the model, zerotune through ``ZeroOptimizer`` (with ``--offload nvme`` its state
@@ -163,6 +165,12 @@ def parse() -> argparse.Namespace:
         help="with --offload nvme: also run zerotune reading the parameter file into buffers "
         "(map_param_file: false) instead of mapping it",
     )
+    ap.add_argument(
+        "--compare-flat-grads",
+        action="store_true",
+        help="also run zerotune copying world size 1's gradients into flat shards instead "
+        "of leaving them in the parameters",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument(
         "--rounds",
@@ -183,6 +191,7 @@ def parse() -> argparse.Namespace:
             "zerotune-sequential",
             "zerotune-unsqueezed",
             "zerotune-read-params",
+            "zerotune-flat-grads",
         ],
         help=argparse.SUPPRESS,
     )
@@ -243,6 +252,9 @@ def run_variant(args: argparse.Namespace) -> dict:
             opt = zerotune.ZeroOptimizer(runner, getattr(torch.optim, name), **kwargs)
         else:
             opt = zerotune.ZeroAdamW(runner, lr=1e-5)
+        if args.variant == "zerotune-flat-grads":
+            for unit in runner.units:  # [Note: gradients left in the parameters] off
+                unit.grads.in_params = False
         if args.variant == "zerotune-master-copied":
             opt.store.in_place = False  # [Note: the master updated in the page cache]
     # --compare-unclipped: the same overlapped step without clipping; --compare-sequential:
@@ -357,11 +369,12 @@ def squeeze_host_memory(target: str) -> Squeezer:
     return squeezer
 
 
-def median_round(rounds: list[dict[str, dict]]) -> dict[str, dict]:
-    """Per variant, the result of its round with the median step time (the lower middle
-    one of an even count), its peak RSS replaced by the largest of all rounds."""
+def median_round(rounds: list[dict[str, dict]], order: list[str]) -> dict[str, dict]:
+    """Per variant (in ``order``), the result of its round with the median step time (the
+    lower middle one of an even count), its peak RSS replaced by the largest of all
+    rounds."""
     out = {}
-    for name in rounds[0]:
+    for name in order:
         runs = sorted((r[name] for r in rounds), key=lambda r: r["total"])
         out[name] = dict(runs[(len(runs) - 1) // 2])
         out[name]["peak_rss_gib"] = max(r["peak_rss_gib"] for r in runs)
@@ -397,6 +410,8 @@ def main() -> None:
         if args.squeeze_to is None:
             sys.exit("--compare-unsqueezed needs --squeeze-to")
         variants.append("zerotune-unsqueezed")
+    if args.compare_flat_grads:
+        variants.append("zerotune-flat-grads")
     if args.compare_read_params:
         if args.offload != "nvme":
             sys.exit("--compare-read-params needs --offload nvme")
@@ -406,8 +421,13 @@ def main() -> None:
         sys.exit("--rounds must be at least 1")
     if args.optim in GENERIC and (args.compare_carry or args.compare_master_copy):
         sys.exit("--compare-carry / --compare-master-copy are ZeroAdamW's")
-    rounds = [run_variants(__file__, variants) for _ in range(args.rounds)]
-    results = median_round(rounds)
+    # Each round starts one variant later: a variant's place in the round (after which
+    # others, how long into the run) would otherwise count in its time.
+    n = len(variants)
+    rounds = [
+        run_variants(__file__, variants[r % n :] + variants[: r % n]) for r in range(args.rounds)
+    ]
+    results = median_round(rounds, variants)
 
     print(
         f"model {args.model}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
@@ -474,6 +494,7 @@ def main() -> None:
         ("zerotune-sequential", "moved_bytes_ratio_vs_sequential"),
         ("zerotune-unsqueezed", "moved_bytes_ratio_vs_unsqueezed"),
         ("zerotune-read-params", "moved_bytes_ratio_vs_read_params"),
+        ("zerotune-flat-grads", "moved_bytes_ratio_vs_flat_grads"),
     ):
         if other in results:
             o = results[other]
