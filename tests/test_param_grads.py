@@ -1,6 +1,6 @@
-"""At world size 1 a unit's gradient shard in memory is the parameters' own ``.grad`` tensors
-(see [Note: gradients left in the parameters] in memory/tiers.py): no copy, the same
-numbers as plain PyTorch, and a flat shard only for a reader that needs one."""
+"""At world size 1 on a CPU a unit's gradient shard in memory is the parameters' ``.grad``
+tensors (see [Note: gradients left in the parameters] in memory/tiers.py): no copy, the
+same numbers as plain PyTorch, and a flat shard only for a reader that needs one."""
 
 from __future__ import annotations
 

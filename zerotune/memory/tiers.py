@@ -26,10 +26,9 @@ Per-pass facts (whether the shard holds a gradient yet, a held shard, writes in 
 with the unit; a tier holds only where the bytes are.
 
 [Note: gradients left in the parameters]
-At world size 1 a unit's shard is all of its parameters, so a gradient shard in the memory
-autograd computes in (the device's, or the host's on a CPU: also with the optimizer on the
-host or NVMe), in the gradients' own dtype, needs no reduce and no copy: the
-parameters' ``.grad`` tensors are the shard (``MemoryGrads(in_params=True)``). Autograd
+At world size 1 a unit's shard is all of its parameters, so on a CPU (the optimizer in
+memory or on NVMe) a gradient shard in memory, in the gradients' own dtype, needs no reduce
+and no copy: the parameters' ``.grad`` tensors are the shard (``in_params``). Autograd
 accumulates micro-batches into them, as it does for a plain model (``no_sync`` too),
 ``add_params`` only marks the shard as holding a gradient, and ``zero_grad`` drops them.
 Readers take it through ``ranges`` and ``view``: one range per parameter, each a view of
@@ -39,7 +38,9 @@ generic optimizer's flat layout, the NVMe step's chunks, an 8-bit moment block s
 parameters, ``unit.grad_shard``) gets the flat shard: ``buffer`` allocates it, moves the
 gradients in and drops theirs, and from then on the unit accumulates into it as any
 ``MemoryGrads`` does. So a reader never sees two copies of a gradient, and the cost of a
-flat shard is paid only where a flat shard is read.
+flat shard is paid only where a flat shard is read. On an accelerator the copy into the
+flat shard is one cheap device copy, and the flat shard keeps the device's Adam at a few
+kernel launches per unit rather than per parameter: it stays.
 """
 
 from __future__ import annotations
