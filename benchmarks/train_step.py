@@ -49,7 +49,12 @@ page cache: the buffered swap files no longer stay cached); ``--compare-unsqueez
 the same run without it, for the ratio. ``--compare-read-params`` adds zerotune reading the
 parameter file into buffers (``map_param_file: false``) instead of mapping it.
 ``--compare-flat-grads`` adds zerotune copying the gradients into flat shards at world size
-1 instead of leaving them in the parameters (the way before).
+1 instead of leaving them in the parameters (the way before). ``--io-floor`` measures the
+disk's O_DIRECT write and read rates at the end of the invocation and reports each step
+against the time its bytes need at those rates (``step_vs_io_floor``), counting the bytes
+the block device under ``--nvme-path`` moved during the step (``device_*_gb_per_step``: also
+the writeback of mapped pages that the kernel's threads do, which a process's own I/O
+counters miss; anything else using that disk counts too).
 
 With ``--optim adafactor`` (or ``sgd``) both sides run that ``torch.optim`` class: plain
 over the model, zerotune through ``ZeroOptimizer`` (with ``--offload nvme`` its state
@@ -71,6 +76,7 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from _variants import answer_as_variant, page_cache_bytes, run_variants
 
@@ -171,6 +177,12 @@ def parse() -> argparse.Namespace:
         help="also run zerotune copying world size 1's gradients into flat shards instead "
         "of leaving them in the parameters",
     )
+    ap.add_argument(
+        "--io-floor",
+        action="store_true",
+        help="with --offload nvme: measure the disk's O_DIRECT write and read rates in this "
+        "invocation and report each step against the time its device bytes need at them",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument(
         "--rounds",
@@ -264,6 +276,13 @@ def run_variant(args: argparse.Namespace) -> dict:
         args.overlap_step and args.variant not in ("plain", "zerotune-sequential")
     ) or args.variant == "zerotune-unclipped"
     io = psutil.Process().io_counters
+    device = None
+    if args.nvme_path:
+        from nvme_io import block_device_stat, device_sectors
+
+        stat = block_device_stat(Path(args.nvme_path))
+        device = lambda: device_sectors(stat)  # noqa: E731
+    dev_read, dev_written = [], []
     cached0 = page_cache_bytes()
     cached_peak = 0
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
@@ -271,6 +290,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     losses, read, written = [], [], []
     for step in range(args.warmup + args.steps):
         before = io()
+        dev0 = device() if device else (0, 0)
         t0 = time.perf_counter()
         loss = runner(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
@@ -292,6 +312,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         opt.zero_grad()
         t3 = time.perf_counter()
         after = io()
+        dev1 = device() if device else (0, 0)
         cached_peak = max(cached_peak, page_cache_bytes() - cached0)
         losses.append(float(loss.detach()))
         if step >= args.warmup:
@@ -299,11 +320,17 @@ def run_variant(args: argparse.Namespace) -> dict:
                 times[k].append(v)
             read.append(after.read_bytes - before.read_bytes)
             written.append(after.write_bytes - before.write_bytes)
+            # The block device's own count: also the writeback of mapped pages, which the
+            # kernel's flusher threads do (not this process's io counters).
+            dev_read.append((dev1[0] - dev0[0]) * 512)
+            dev_written.append((dev1[1] - dev0[1]) * 512)
     result = {k: statistics.median(v) for k, v in times.items()}
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result["losses"] = losses
     result["read_bytes_per_step"] = statistics.median(read)
     result["written_bytes_per_step"] = statistics.median(written)
+    result["device_read_bytes_per_step"] = statistics.median(dev_read)
+    result["device_written_bytes_per_step"] = statistics.median(dev_written)
     # The machine's page cache grew by this much while the variant ran (swap files written
     # with buffered I/O stay there until the kernel needs the room: not process RSS, but
     # RAM in use while there is RAM to spare).
@@ -361,6 +388,36 @@ class Squeezer:
         self.proc.wait()
 
 
+def disk_rates(folder: str, size: int = 2 << 30, rounds: int = 2) -> tuple[float, float]:
+    """The disk's O_DIRECT sequential write and read rates under ``folder`` in GB/s (median
+    of ``rounds``), through zerotune's swap files as benchmarks/nvme_io.py measures them."""
+    import tempfile
+
+    from nvme_io import Zerotune, drop_page_cache
+
+    ns = argparse.Namespace(size=size, threads=16, block=1 << 20, depth=16, buffer=1 << 30)
+    writes, reads = [], []
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        f = Zerotune(Path(tmp) / "rate.swap", ns)
+        try:
+            for _ in range(rounds):
+                writes.append(f.size / f.write() / 1e9)
+                drop_page_cache()
+                reads.append(f.size / f.read() / 1e9)
+        finally:
+            f.close()
+    return statistics.median(writes), statistics.median(reads)
+
+
+def io_floor_s(result: dict, rates: tuple[float, float]) -> float:
+    """Seconds the variant's device bytes of a step need at the disk's write and read rates,
+    one after the other."""
+    write_gbps, read_gbps = rates
+    return result["device_written_bytes_per_step"] / (write_gbps * 1e9) + result[
+        "device_read_bytes_per_step"
+    ] / (read_gbps * 1e9)
+
+
 def squeeze_host_memory(target: str) -> Squeezer:
     from zerotune.config import parse_bytes
 
@@ -410,6 +467,8 @@ def main() -> None:
         if args.squeeze_to is None:
             sys.exit("--compare-unsqueezed needs --squeeze-to")
         variants.append("zerotune-unsqueezed")
+    if args.io_floor and args.offload != "nvme":
+        sys.exit("--io-floor needs --offload nvme")
     if args.compare_flat_grads:
         variants.append("zerotune-flat-grads")
     if args.compare_read_params:
@@ -428,6 +487,7 @@ def main() -> None:
         run_variants(__file__, variants[r % n :] + variants[: r % n]) for r in range(args.rounds)
     ]
     results = median_round(rounds, variants)
+    rates = disk_rates(args.nvme_path) if args.io_floor else None
 
     print(
         f"model {args.model}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
@@ -462,6 +522,15 @@ def main() -> None:
             f"zerotune buffered swap files (parameters, gradients) {zt['buffered_swap_gib']:.2f}"
             f" GiB; page cache grew by {zt['page_cache_growth_gib']:.2f} GiB at most"
         )
+    if rates is not None:
+        floor = io_floor_s(zt, rates)
+        print(
+            f"disk (O_DIRECT, this invocation): write {rates[0]:.2f} GB/s, read "
+            f"{rates[1]:.2f} GB/s; zerotune's device bytes per step (read "
+            f"{zt['device_read_bytes_per_step'] / gb:.2f} GB, written "
+            f"{zt['device_written_bytes_per_step'] / gb:.2f} GB) need {floor:.2f} s at those "
+            f"rates: the step is {zt['total'] / floor:.2f}x that floor"
+        )
     report = zt.get("memory_report", {})
     mib = {k: round(v / 2**20) for k, v in report.items() if isinstance(v, int) and v >= 2**20}
     print(f"zerotune memory report at the end (MiB): {mib}")
@@ -485,6 +554,15 @@ def main() -> None:
     }
     if "buffered_swap_gib" in zt:
         summary["buffered_swap_gib"] = round(zt["buffered_swap_gib"], 3)
+    if rates is not None:
+        summary["disk_write_gbps"], summary["disk_read_gbps"] = (round(x, 3) for x in rates)
+        summary["device_read_gb_per_step"] = round(zt["device_read_bytes_per_step"] / gb, 3)
+        summary["device_written_gb_per_step"] = round(zt["device_written_bytes_per_step"] / gb, 3)
+        summary["io_floor_s"] = round(io_floor_s(zt, rates), 4)
+        summary["step_vs_io_floor"] = round(zt["total"] / io_floor_s(zt, rates), 4)
+        for name, r in results.items():
+            if name.startswith("zerotune-"):
+                summary[f"{name}_step_vs_io_floor"] = round(r["total"] / io_floor_s(r, rates), 4)
     for other, key in (
         ("zerotune-fp32-states", "nvme_bytes_ratio"),
         ("zerotune-kept-checkpoints", "moved_bytes_ratio"),
