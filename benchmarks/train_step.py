@@ -563,6 +563,10 @@ def main() -> None:
         for name, r in results.items():
             if name.startswith("zerotune-"):
                 summary[f"{name}_step_vs_io_floor"] = round(r["total"] / io_floor_s(r, rates), 4)
+                summary[f"{name}_device_read_written_gb_per_step"] = [
+                    round(r["device_read_bytes_per_step"] / gb, 3),
+                    round(r["device_written_bytes_per_step"] / gb, 3),
+                ]
     for other, key in (
         ("zerotune-fp32-states", "nvme_bytes_ratio"),
         ("zerotune-kept-checkpoints", "moved_bytes_ratio"),
