@@ -509,3 +509,64 @@ def test_disabled_ops_use_the_python_fallback(children):
     assert rep["backend"] == "python-threads"
     assert rep["equal"] == [True, True] and rep["direct"] is False
     assert len(rep["logs"]) == 1, rep["logs"]  # logged once
+
+
+def _dirty_kib() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Dirty:"))
+
+
+def test_discard_drops_whole_pages_unwritten_and_keeps_the_blocks(tmp_path, impl):
+    """``discard``: the whole pages of the range read as zeros at once, their dirty pages
+    never reach the disk (the machine's dirty bytes fall), the pages partly outside keep
+    their bytes, and the file keeps its blocks (a later write needs no new space)."""
+    page = 4096
+    size = 64 * MiB
+    with SwapFile(tmp_path / "grad.swap", size, direct=False) as f:
+        data = aligned_empty(size // 4, torch.int32)
+        data.copy_(torch.arange(size // 4, dtype=torch.int32))
+        f.write(data, 0).wait()
+        dirty = _dirty_kib()
+        blocks = os.stat(f.path).st_blocks
+        # From inside the second page to inside the last one.
+        assert f.discard(page + 8, size - 2 * page)
+        back = aligned_empty(size // 4, torch.int32)
+        f.read(back, 0).wait()
+        whole = slice(2 * page // 4, (size - page) // 4)  # the pages wholly inside
+        assert int(back[whole].abs().sum()) == 0
+        kept = torch.ones(size // 4, dtype=torch.bool)
+        kept[whole] = False
+        assert torch.equal(back[kept], data[kept])  # partial pages and the rest: as written
+        assert os.stat(f.path).st_blocks == blocks
+        # About 60 MiB of dirty pages went without being written (other processes may
+        # dirty pages meanwhile: a loose bound).
+        assert _dirty_kib() < dirty - 30 * 1024, (dirty, _dirty_kib())
+    with SwapFile(tmp_path / "direct.swap", MiB) as f:
+        if f.direct:
+            assert not f.discard(0, MiB)  # O_DIRECT files have no pages to drop
+
+
+def test_discard_where_the_filesystem_refuses(tmp_path, monkeypatch, caplog):
+    """A filesystem without ZERO_RANGE: discard says False, once logged, the data stays."""
+    import ctypes
+
+    calls = []
+
+    def refuse(fd, mode, offset, nbytes):
+        calls.append(mode)
+        ctypes.set_errno(errno.EOPNOTSUPP)
+        return -1
+
+    monkeypatch.setattr(aio, "_fallocate", refuse)
+    with SwapFile(tmp_path / "grad.swap", MiB, direct=False) as f:
+        data = aligned_empty(MiB // 4, torch.int32)
+        data.copy_(torch.arange(MiB // 4, dtype=torch.int32))
+        f.write(data, 0).wait()
+        with caplog.at_level("INFO", logger="zerotune.memory.aio"):
+            assert not f.discard(0, MiB)
+            assert not f.discard(0, MiB)
+        back = aligned_empty(MiB // 4, torch.int32)
+        f.read(back, 0).wait()
+        assert torch.equal(back, data)
+    assert len(calls) == 1
+    assert sum("cannot be dropped" in r.message for r in caplog.records) == 1

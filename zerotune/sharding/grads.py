@@ -250,12 +250,18 @@ class GradAccumulator:
             return
         unit = self.unit
         unit.host_pool.held_grads.sub(held.numel() * held.element_size())
-        give_back = unit.host_pool.release if self._held_pooled else None
-        unit.grads.write(unit, held, give_back)
+        if not self._held_pooled:
+            # A parameter's own gradient: the file takes only aligned buffers.
+            staged = unit.host_pool.acquire(held.numel(), held.dtype)
+            staged.copy_(held)
+            held = staged
+        unit.grads.write(unit, held, unit.host_pool.release)
 
     def drop_held(self) -> None:
         """Give back the gradient shard held for an overlapped update (once it is done), and
-        the parameters' gradients zeroed while it was pending."""
+        the parameters' gradients zeroed while it was pending; the gradient file's pages go
+        (see [Note: dropping dead gradient pages] in memory/tiers.py)."""
+        self.unit.grads.discard(self.unit)
         held, self.held = self.held, None
         if held is not None:
             self.unit.host_pool.held_grads.sub(held.numel() * held.element_size())
