@@ -145,30 +145,6 @@ class IOHandle:
         return err
 
 
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_ZERO_RANGE = 0x01, 0x10
-_fallocate = None  # libc's fallocate once looked up; False where there is none or it failed
-
-
-def _zero_range(fd: int, offset: int, nbytes: int) -> bool:
-    """fallocate(FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE) over the range (page-aligned);
-    False, and never again in this process, where the filesystem or kernel refuses."""
-    global _fallocate
-    if _fallocate is None:
-        try:
-            _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
-            _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-        except (OSError, AttributeError):
-            _fallocate = False
-    if _fallocate is False:
-        return False
-    if _fallocate(fd, _FALLOC_FL_ZERO_RANGE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0:
-        return True
-    err = ctypes.get_errno()
-    _fallocate = False
-    logger.info("zerotune: swap-file pages cannot be dropped here: %s", os.strerror(err))
-    return False
-
-
 class SwapFile:
     """A preallocated file for asynchronous tensor reads and writes; see [Note: swap file I/O].
 
@@ -296,19 +272,6 @@ class SwapFile:
             prot=mmap.PROT_READ | mmap.PROT_WRITE,
             offset=offset,
         )
-
-    def discard(self, offset: int, nbytes: int) -> bool:
-        """Forget the contents of the whole pages in ``[offset, offset + nbytes)``: their
-        page-cache pages go at once, dirty ones unwritten, and the range reads as zeros;
-        its disk blocks stay allocated, so a later write cannot run out of space. For data
-        nobody reads again (see [Note: dropping dead gradient pages] in memory/tiers.py);
-        no request may be in flight over the range. Returns False where the filesystem
-        cannot (the contents then stay)."""
-        start = _round_up(offset, mmap.PAGESIZE)
-        stop = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if self._closed or self.direct or stop <= start:
-            return False
-        return _zero_range(self._fd, start, stop - start)
 
     def close(self) -> None:
         """Wait for every request, stop the workers and close the file (it stays on disk)."""

@@ -41,17 +41,6 @@ gradients in and drops theirs, and from then on the unit accumulates into it as 
 flat shard is paid only where a flat shard is read. On an accelerator the copy into the
 flat shard is one cheap device copy, and the flat shard keeps the device's Adam at a few
 kernel launches per unit rather than per parameter: it stays.
-
-[Note: dropping dead gradient pages]
-The gradient file is buffered: backward's writes land in the page cache and the step reads
-them back from there while RAM is free. Once a unit's update has read its gradient, those
-pages hold nothing anyone reads again (the next backward overwrites the extent before any
-read), yet the kernel would still write them to disk and keep them cached, pushing out
-pages of the parameter file that the next forward reads. So when the update is done
-(``GradAccumulator.drop_held``) the extent's whole pages are dropped with
-``fallocate(FALLOC_FL_ZERO_RANGE)`` (``SwapFile.discard``): dirty pages go unwritten,
-and the disk blocks stay allocated, so a later write cannot fail for space that another
-program took meanwhile. Where the filesystem refuses, the pages stay and age out as before.
 """
 
 from __future__ import annotations
@@ -359,9 +348,6 @@ class MemoryGrads:
             s.param.grad = None
         unit.accumulator.mark_added()
 
-    def discard(self, unit) -> None:
-        """Nothing to drop: memory is reused as it is."""
-
     def ranges(self, unit) -> list[tuple[int, int]]:
         """Ranges covering the shard that ``view`` hands out without a copy."""
         if self.keeps_params():
@@ -446,11 +432,6 @@ class NvmeGrads:
 
     def keeps_params(self) -> bool:
         return False
-
-    def discard(self, unit) -> None:
-        """The step has read the shard: drop its pages (see [Note: dropping dead gradient
-        pages])."""
-        self.extent.file.discard(self.extent.offset, self.extent.nbytes)
 
     def ranges(self, unit) -> list[tuple[int, int]]:
         return [(0, unit.shard_numel)]

@@ -259,9 +259,7 @@ class GradAccumulator:
 
     def drop_held(self) -> None:
         """Give back the gradient shard held for an overlapped update (once it is done), and
-        the parameters' gradients zeroed while it was pending; the gradient file's pages go
-        (see [Note: dropping dead gradient pages] in memory/tiers.py)."""
-        self.unit.grads.discard(self.unit)
+        the parameters' gradients zeroed while it was pending."""
         held, self.held = self.held, None
         if held is not None:
             self.unit.host_pool.held_grads.sub(held.numel() * held.element_size())
