@@ -4,6 +4,8 @@ same numbers as plain PyTorch, and a flat shard only for a reader that needs one
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from conftest import tiny_gpt2
@@ -54,10 +56,10 @@ def _zero(config: dict, optimizer="adamw", overlapped=False, no_sync=True, clip=
     trainable = [u for u in engine.units if u.trainable]
     losses, norms, grads, flat_after_step = [], [], [], []
     for ids in batches("gpt2", STEPS):
-        ctx = opt.overlapped(clipping=clip) if overlapped else _Null()
+        ctx = opt.overlapped(clipping=clip) if overlapped else nullcontext()
         with ctx:
             for k, part in enumerate(ids.chunk(ACCUM)):
-                quiet = engine.no_sync() if (no_sync and k == 0) else _Null()
+                quiet = engine.no_sync() if (no_sync and k == 0) else nullcontext()
                 with quiet:
                     loss = loss_of(engine, part) / ACCUM
                     engine.backward(loss)
@@ -98,14 +100,6 @@ def _zero(config: dict, optimizer="adamw", overlapped=False, no_sync=True, clip=
         "units": len(trainable),
         "multi": sum(len(u.slots) > 1 for u in trainable),
     }
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.fixture(scope="module")
