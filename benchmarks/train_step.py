@@ -183,6 +183,7 @@ def parse() -> argparse.Namespace:
         help="with --offload nvme: measure the disk's O_DIRECT write and read rates in this "
         "invocation and report each step against the time its device bytes need at them",
     )
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument(
         "--rounds",
@@ -222,7 +223,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     if args.squeeze_to is not None and args.variant not in ("plain", "zerotune-unsqueezed"):
         squeezer = squeeze_host_memory(args.squeeze_to)
     torch.manual_seed(0)
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(args.threads or os.cpu_count())
     config = model_config(args.model)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     checkpointed = args.offload_activations != "none"
@@ -286,11 +287,12 @@ def run_variant(args: argparse.Namespace) -> dict:
     cached0 = page_cache_bytes()
     cached_peak = 0
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
-    times = {"forward": [], "backward": [], "optimizer": [], "total": []}
+    times = {"forward": [], "backward": [], "optimizer": [], "total": [], "cpu": []}
     losses, read, written = [], [], []
     for step in range(args.warmup + args.steps):
         before = io()
         dev0 = device() if device else (0, 0)
+        c0 = time.process_time()  # CPU time of every thread (aio's too): steal does not count
         t0 = time.perf_counter()
         loss = runner(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
@@ -311,12 +313,13 @@ def run_variant(args: argparse.Namespace) -> dict:
         opt.step()
         opt.zero_grad()
         t3 = time.perf_counter()
+        c3 = time.process_time()
         after = io()
         dev1 = device() if device else (0, 0)
         cached_peak = max(cached_peak, page_cache_bytes() - cached0)
         losses.append(float(loss.detach()))
         if step >= args.warmup:
-            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0)):
                 times[k].append(v)
             read.append(after.read_bytes - before.read_bytes)
             written.append(after.write_bytes - before.write_bytes)
@@ -494,7 +497,7 @@ def main() -> None:
         f"stage {args.stage}, optim {args.optim}{' overlapped' if args.overlap_step else ''}, "
         f"offload {args.offload}, activations "
         f"{args.offload_activations}, median of {args.steps} steps after {args.warmup} "
-        f"warm-up, {os.cpu_count()} threads"
+        f"warm-up, {args.threads or os.cpu_count()} threads"
         + (f", median of {args.rounds} rounds" if args.rounds > 1 else "")
     )
     header = ("forward s", 11), ("backward s", 12), ("optim s", 10), ("total s", 10)
@@ -606,6 +609,13 @@ def main() -> None:
         if len(rounds) > 1:
             summary["step_time_ratio_rounds"] = [round(x, 4) for x in ratios]
         summary["peak_rss_ratio"] = round(zt["peak_rss_gib"] / plain["peak_rss_gib"], 4)
+        # CPU seconds a step, all threads: less moved by other tenants than wall time.
+        summary["cpu_time_ratio"] = round(zt["cpu"] / plain["cpu"], 4)
+        summary["cpu_s"] = round(zt["cpu"], 4)
+        summary["plain_cpu_s"] = round(plain["cpu"], 4)
+        for name, r in results.items():
+            if name.startswith("zerotune-"):
+                summary[f"{name}_cpu_s"] = round(r["cpu"], 4)
         summary["plain_step_time_s"] = round(plain["total"], 4)
         summary["plain_peak_rss_gib"] = round(plain["peak_rss_gib"], 3)
     print(json.dumps(summary))
