@@ -301,18 +301,14 @@ class MemoryGrads:
                 unit.shard_numel, dtype=unit.grad_dtype, device=self.device, pin_memory=pin
             )
             if self.in_params:
-                for s in unit.slots:
-                    g = s.param.grad
-                    if g is not None and s.trainable:
-                        self.shard[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
-                    s.param.grad = None
+                self._take_params(unit, self.shard, first=True)
         return self.shard
 
     def flat(self, unit) -> torch.Tensor | None:
         """The shard as one tensor (None before the first gradient)."""
-        if self.keeps_params() and unit.accumulator.is_zero:
-            return None
-        return self.buffer(unit) if self.in_params else self.shard
+        if self.keeps_params():
+            return None if unit.accumulator.is_zero else self.buffer(unit)
+        return self.shard
 
     def add(self, unit, values: torch.Tensor, pool, hold: bool = False) -> None:
         """Add ``values`` (the unit's reduced shard, fp32) in; it goes back to ``pool``
@@ -333,11 +329,14 @@ class MemoryGrads:
         """World size 1, the shard in the gradients' memory: each parameter's gradient is
         added into its region, with no staging buffer (or, with ``in_params``, left where
         autograd put it)."""
-        if self.keeps_params():
-            unit.accumulator.mark_added()
-            return
-        shard = self.buffer(unit)
-        first = unit.accumulator.is_zero
+        if not self.keeps_params():
+            self._take_params(unit, self.buffer(unit), first=unit.accumulator.is_zero)
+        unit.accumulator.mark_added()
+
+    @staticmethod
+    def _take_params(unit, shard: torch.Tensor, first: bool) -> None:
+        """Each parameter's gradient copied (``first``) or added into its region of
+        ``shard``, and dropped from the parameter."""
         for s in unit.slots:
             view = shard[s.offset : s.offset + s.numel].view(s.shape)
             g = s.param.grad
@@ -346,7 +345,6 @@ class MemoryGrads:
             elif first:
                 view.zero_()
             s.param.grad = None
-        unit.accumulator.mark_added()
 
     def ranges(self, unit) -> list[tuple[int, int]]:
         """Ranges covering the shard that ``view`` hands out without a copy."""

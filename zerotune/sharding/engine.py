@@ -326,8 +326,8 @@ class ZeroEngine(nn.Module):
             grads = NvmeGrads(self.swap.extent("grad", unit.index))
         else:  # in memory; see [Note: gradients left in the parameters]
             home = host if where.grads == "host" else self.device
-            cpu = home.type == self.device.type == "cpu"
-            grads = MemoryGrads(home, cpu and self.world == 1 and unit.grad_dtype == unit.dtype)
+            kept = self.device.type == "cpu" and self.world == 1 and unit.grad_dtype == unit.dtype
+            grads = MemoryGrads(home, kept)
         unit.place(where, params, grads)
         if where.master in ("nvme", "param_file"):
             from ..optim.state_store import write_initial_state
