@@ -9,13 +9,16 @@
 #   zero_trainer.log  tests/test_gpu.py's ZeroTrainer case (stage 3, optimizer on the CPU,
 #                     against the plain Trainer on the GPU), run first and on its own
 #   test_gpu.log      the rest of tests/test_gpu.py (pytest -v)
+#   paired_step.log   benchmarks/paired_step.py on the GPU, gpt2-medium fp32: plain and
+#                     zerotune (stage 3, no offload) stepping in turn in one process
+#   paired_step.json  its last JSON line (step_time_ratio: issue 32's item 3 on the GPU)
 #   gpu_step.log      benchmarks/gpu_step.py, gpt2-xl bf16: plain, zerotune, zerotune with
 #                     the optimizer on the CPU, FSDP2 + CPUOffloadPolicy, zerotune with
 #                     parameters and optimizer on the CPU
 #   gpu_step.json     its last JSON line (tokens/s, GPU peak and peak RSS per variant, ratios)
 #   summary.json      every step's exit status, seconds and limit; passed / failed / skipped
 #                     counts and failing test ids of both pytest steps; the op states; the
-#                     gpu_step JSON (rewritten after each step)
+#                     paired_step and gpu_step JSON (rewritten after each step)
 #
 #   bash benchmarks/gpu_suite.sh OUTDIR           # on the GPU machine, from the repo root
 #   bash benchmarks/gpu_suite.sh --cpu OUTDIR     # the same steps on a CPU machine, tiny model
@@ -47,7 +50,8 @@
 # limit is its own cap or what is left of the budget, whichever is less). Expected: setup ~1
 # min (the op build is most of it; cap 150 s), the ZeroTrainer case ~20 s (cap 90), the rest
 # of tests/test_gpu.py ~30-60 s (~30 s for 28 checks on the last H100 run; cap 150, and 90 s
-# per test where pytest-timeout is there), gpu_step.py ~3-4 min (the rest of the budget).
+# per test where pytest-timeout is there), paired_step.py ~30 s (cap 60), gpu_step.py ~3-4
+# min (the rest of the budget).
 # gpu_step.py runs 2 warm-up and 3 timed steps of 2 x 8 x 1024 tokens per variant: the shape
 # of the last H100 measurement (0.70x, RESULTS.md), so the ratios compare with it; the second
 # warm-up step lets the carried updates and pinned buffers settle; 3 timed steps give a
@@ -90,7 +94,10 @@ export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 if [[ $mode == gpu ]]; then
     STEP_ARGS=(--model gpt2-xl --dtype bf16 --seq 1024 --batch 8 --accum 2 --warmup 2 --steps 3
         --variants plain,zerotune,zerotune-optim-cpu,fsdp2-cpu-offload,zerotune-both-cpu)
+    PAIRED_ARGS=(--device cuda --model gpt2-medium --dtype fp32 --seq 1024 --batch 4
+        --warmup 3 --pairs 20)
 else
+    PAIRED_ARGS=(--device cpu --model tiny-gpt2 --warmup 1 --pairs 4)
     STEP_ARGS=(--device cpu --model tiny-gpt2 --dtype bf16 --seq 64 --batch 2 --accum 2
         --warmup 1 --steps 2
         --variants plain,zerotune,zerotune-optim-cpu,fsdp2-cpu-offload,zerotune-both-cpu)
@@ -204,17 +211,17 @@ if step == "setup" and os.path.exists(os.path.join(out, "env.json")):
         summary["ops"] = "env.json unreadable"
 if step in ("zero_trainer", "test_gpu"):
     summary[step] = pytest_counts(step + ".log")
-if step == "gpu_step":
+if step in ("paired_step", "gpu_step"):
     found = None
-    for line in lines("gpu_step.log"):
+    for line in lines(step + ".log"):
         if line.startswith("{"):
             try:
                 found = json.loads(line)
             except ValueError:
                 pass
-    summary["gpu_step"] = found
+    summary[step] = found
     if found is not None:
-        with open(os.path.join(out, "gpu_step.json"), "w") as f:
+        with open(os.path.join(out, step + ".json"), "w") as f:
             f.write(json.dumps(found) + "\n")
 with open(path, "w") as f:
     json.dump(summary, f, indent=1)
@@ -255,12 +262,13 @@ if "$PY" -c "import pytest_timeout" 2>/dev/null; then
 fi
 
 echo "gpu_suite ($mode): $OUTDIR, budget $BUDGET s"
-rm -f "$OUTDIR/summary.json" "$OUTDIR/gpu_step.json" "$OUTDIR/env.json"
+rm -f "$OUTDIR/summary.json" "$OUTDIR/gpu_step.json" "$OUTDIR/paired_step.json" "$OUTDIR/env.json"
 self=(bash "${BASH_SOURCE[0]}")
 [[ $mode == cpu ]] && self+=(--cpu)
 step setup 150 env SUITE_INTERNAL_STEP=setup "${self[@]}" "$OUTDIR"
 step zero_trainer 90 "${PYTEST[@]}" "$TRAINER_CASE"
 step test_gpu 150 "${PYTEST[@]}" tests/test_gpu.py --deselect "$TRAINER_CASE"
+step paired_step 60 "$PY" benchmarks/paired_step.py "${PAIRED_ARGS[@]}"
 left=$((DEADLINE - SECONDS))
 step gpu_step "$left" "$PY" benchmarks/gpu_step.py "${STEP_ARGS[@]}" --time-budget $((left > 45 ? left - 15 : left * 2 / 3))
 
