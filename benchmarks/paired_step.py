@@ -9,8 +9,9 @@ and see the same batch and dropout masks, so their losses are printed side by si
 
 Plain is ``torch.optim.AdamW(fused=True)`` over an HF GPT-2 config; zerotune is
 ``zerotune.ZeroEngine`` over a copy of the same model with ``ZeroAdamW`` at world size 1, the chosen
-stage and offload (none or cpu: what fits beside a second model in memory). Peak RSS is not
-reported (one process holds both); benchmarks/train_step.py reports it per variant.
+stage and offload (none or cpu: what fits beside a second model in memory; with cpu,
+zerotune's malloc settings for host shards, memory/host.py, hold for plain too). Peak RSS is
+not reported (one process holds both); benchmarks/train_step.py reports it per variant.
 
     python benchmarks/paired_step.py                          # gpt2, stage 3, no offload
     python benchmarks/paired_step.py --threads 1 --pairs 40
