@@ -436,3 +436,56 @@ def test_cpu_adam_bias_correction_flag():
     assert not torch.equal(next(model_a.parameters()), next(model_b.parameters()))
     with pytest.raises(ValueError, match="betas"):
         CPUAdam(model_a.parameters(), betas=(0.9, 1.5))
+
+
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16], ids=["fp32-grad", "bf16-grad"])
+def test_multi_tensor_update_is_torchs_fused_step_per_segment(gdtype, monkeypatch):
+    """What an accelerator runs: the segments of one shard (two parameter groups, steps
+    counted apart, AdamW and L2 Adam, one without bias correction) each updated exactly as
+    torch.optim's fused step updates that parameter alone, bf16 copy included; gradients
+    in another dtype converted in pieces (a small cap cuts spans across batches)."""
+    monkeypatch.setattr(cpu_adam, "_FUSED_CONVERT", 1000)
+    n = 5000
+    spans = [(0, 1200), (1200, 1201), (1300, 3700), (3700, 4100), (4100, 5000)]
+    kws = [  # (lr, weight_decay, adamw, bias_correction, step)
+        (1e-2, 0.1, True, True, 3),
+        (1e-2, 0.1, True, True, 3),
+        (1e-3, 0.0, True, True, 1),
+        (1e-2, 0.1, False, True, 3),
+        (1e-2, 0.1, True, False, 2),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(n, generator=gen)
+    grad = torch.randn(n, generator=gen).to(gdtype)
+    m = torch.randn(n, generator=gen) * 0.1
+    v = torch.rand(n, generator=gen) * 0.01
+    out = torch.zeros(n, dtype=torch.bfloat16)
+    want = master.clone()
+    segments = []
+    for (a, b), (lr, wd, adamw, bc, step) in zip(spans, kws):
+        kw = dict(step=step, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd)
+        segments.append((a, b, {**kw, "adamw": adamw, "bias_correction": bc}))
+        p = torch.nn.Parameter(master[a:b].clone())
+        p.grad = grad[a:b].float()
+        if not bc:  # torch's fused step always corrects: the fallback's numbers
+            fallback_adam_update(p.data, p.grad, m[a:b].clone(), v[a:b].clone(), **segments[-1][2])
+            want[a:b] = p.data
+            continue
+        cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        opt = cls([p], lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd, fused=True)
+        opt.state[p] = {
+            "step": torch.tensor(float(step - 1)),
+            "exp_avg": m[a:b].clone(),
+            "exp_avg_sq": v[a:b].clone(),
+        }
+        opt.step()
+        want[a:b] = p.data
+    m0, v0 = m.clone(), v.clone()
+    cpu_adam.multi_tensor_adam_update(master, grad, m, v, segments, out)
+    gap = slice(1201, 1300)  # in no segment: untouched
+    assert torch.equal(master, want)
+    assert torch.equal(out[:1201], want[:1201].to(torch.bfloat16))
+    assert torch.equal(out[1300:], want[1300:].to(torch.bfloat16))
+    assert not out[gap].any()
+    assert torch.equal(m[gap], m0[gap]) and torch.equal(v[gap], v0[gap])
+    assert not torch.equal(m[:1200], m0[:1200])

@@ -150,7 +150,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .cpu_adam import adam_arguments, adam_update, adam_update_8bit, fallback_adam_update
+from .cpu_adam import adam_arguments, adam_update, adam_update_8bit, multi_tensor_adam_update
 from .overlap import OverlappedStep
 from .quant8 import Q8Moments
 from .sharded import ShardedOptimizer, StepInfo
@@ -392,11 +392,12 @@ class ZeroAdamW(ShardedOptimizer):
     @staticmethod
     def _adam(master, grad, moments, segments, out) -> None:
         m, v = moments
-        # The C++ kernel on the CPU; the same math in torch ops on any other device.
-        update = adam_update if master.device.type == "cpu" else fallback_adam_update
-        for a, b, kwargs in segments:
+        if master.device.type != "cpu":  # torch's fused step, a few launches per shard
+            multi_tensor_adam_update(master, grad, m, v, segments, out)
+            return
+        for a, b, kwargs in segments:  # the C++ kernel
             lowp = out[a:b] if out is not None else None
-            update(master[a:b], grad[a:b], m[a:b], v[a:b], out_lowp=lowp, **kwargs)
+            adam_update(master[a:b], grad[a:b], m[a:b], v[a:b], out_lowp=lowp, **kwargs)
 
     def detach(self) -> None:
         """The moments in the engine's optim file start at zero for the next optimizer."""
