@@ -134,6 +134,31 @@ def test_cpu_offload_pins_host_shards_and_empties_the_device():
     engine.close()
 
 
+def test_host_shards_lock_their_own_size_not_a_power_of_two():
+    """[Note: exact-size pinned memory]: a host shard of 129 MiB locks about 129 MiB, where
+    torch's pinned allocator locks the 256 MiB block it rounds the request up to (measured
+    here too, so that a machine where locking does not show in RSS fails loudly)."""
+    import psutil
+
+    from zerotune.memory.pinned import pinned_empty
+
+    nbytes = 2**27 + 2**20
+    proc, numel = psutil.Process(), nbytes // 4
+    torch._C._host_emptyCache()  # blocks earlier tests freed would hide the rounding
+    before = proc.memory_info().rss
+    ours = pinned_empty(numel, torch.float32)
+    grown = proc.memory_info().rss - before
+    before = proc.memory_info().rss
+    theirs = torch.empty(numel, dtype=torch.float32, pin_memory=True)
+    grown_torch = proc.memory_info().rss - before
+    assert ours.is_pinned() and theirs.is_pinned()
+    assert grown_torch >= 0.9 * 2**28, grown_torch
+    assert grown <= 1.05 * nbytes, (grown, grown_torch)
+    ours.copy_(torch.ones(numel, device="cuda"), non_blocking=True)
+    torch.cuda.synchronize()
+    assert ours.sum().item() == numel
+
+
 PLAN_CASES = [
     {"stage": 3},
     {"stage": 2, "offload_optimizer": "cpu"},

@@ -51,6 +51,7 @@ import torch
 
 from .. import dist as zdist
 from .aio import aligned_empty
+from .pinned import pinned_empty
 
 __all__ = [
     "GRAD_CHUNK",
@@ -295,11 +296,13 @@ class MemoryGrads:
         """The flat shard, allocated on first use; gradients left in the parameters move
         into it (and stay there from now on)."""
         if self.shard is None:
-            # Pinned when an accelerator copies gradients into it.
-            pin = self.device.type == "cpu" and unit.device.type != "cpu"
-            self.shard = torch.zeros(
-                unit.shard_numel, dtype=unit.grad_dtype, device=self.device, pin_memory=pin
-            )
+            if self.device.type == "cpu" and unit.device.type != "cpu":
+                # An accelerator copies gradients into it: pinned, of its own size ([Note:
+                # exact-size pinned memory] in memory/pinned.py).
+                self.shard = pinned_empty(unit.shard_numel, unit.grad_dtype).zero_()
+            else:
+                n, dtype = unit.shard_numel, unit.grad_dtype
+                self.shard = torch.zeros(n, dtype=dtype, device=self.device)
             if self.in_params:
                 self._take_params(unit, self.shard, first=True)
         return self.shard

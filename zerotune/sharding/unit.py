@@ -51,6 +51,7 @@ from torch import nn
 
 from .. import dist as zdist
 from ..memory.aio import aligned_empty
+from ..memory.pinned import pinned_copy
 from ..memory.pool import BufferPool
 from ..memory.tiers import DeviceParams, MemoryGrads, NvmeGrads, NvmeParams, Placement
 from .grads import GradAccumulator
@@ -109,8 +110,9 @@ class Slot:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy, pinned when an accelerator exists (fast, asynchronous copies)."""
-    return t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
+    """A host copy, pinned when an accelerator exists (fast, asynchronous copies), of its
+    own size ([Note: exact-size pinned memory] in memory/pinned.py)."""
+    return pinned_copy(t) if torch.cuda.is_available() else t.to("cpu")
 
 
 class Unit:
