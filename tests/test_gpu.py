@@ -144,7 +144,7 @@ def test_host_shards_lock_their_own_size_not_a_power_of_two():
 
     nbytes = 2**27 + 2**20
     proc, numel = psutil.Process(), nbytes // 4
-    torch._C._host_emptyCache()  # blocks earlier tests freed would hide the rounding
+    torch.accelerator.empty_host_cache()  # blocks earlier tests freed would hide the rounding
     before = proc.memory_info().rss
     ours = pinned_empty(numel, torch.float32)
     grown = proc.memory_info().rss - before
