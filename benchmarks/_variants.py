@@ -64,3 +64,10 @@ def page_cache_bytes() -> int:
             if line.startswith(("Cached:", "Buffers:")):
                 total += int(line.split()[1]) * 1024
     return total
+
+
+def add_model_arguments(ap) -> None:
+    """The model and batch shape options the CPU step benchmarks share."""
+    ap.add_argument("--model", default="gpt2", help="preset name or config.json path")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)

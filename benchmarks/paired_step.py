@@ -31,6 +31,8 @@ import os
 import statistics
 import time
 
+from _variants import add_model_arguments
+
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -38,9 +40,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default="gpt2", help="preset name or config.json path")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=1)
+    add_model_arguments(ap)
     ap.add_argument("--pairs", type=int, default=30, help="timed pairs of steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each side first")
     ap.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])

@@ -78,7 +78,7 @@ import sys
 import time
 from pathlib import Path
 
-from _variants import answer_as_variant, page_cache_bytes, run_variants
+from _variants import add_model_arguments, answer_as_variant, page_cache_bytes, run_variants
 
 # Optimizers run through zerotune.ZeroOptimizer: (torch.optim class name, kwargs).
 GENERIC = {"adafactor": ("Adafactor", {"lr": 1e-3}), "sgd": ("SGD", {"lr": 1e-3, "momentum": 0.9})}
@@ -88,9 +88,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default="gpt2", help="preset name or config.json path")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=1)
+    add_model_arguments(ap)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])

@@ -12,8 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # Other projects' fields: torch (nn.Module's registries, a tensor's version counter,
-# autograd's engine, the C extension), transformers (gradient checkpointing, init flag),
-# accelerate (prepared / scheduler flags), os._exit.
+# autograd's engine, the C extension, the fused multi-tensor ops torch.optim runs),
+# transformers (gradient checkpointing, init flag), accelerate (prepared / scheduler
+# flags), os._exit.
 FOREIGN = {
     "_parameters",
     "_buffers",
@@ -29,6 +30,9 @@ FOREIGN = {
     "_opt_called",
     "_wrapped_by_lr_sched",
     "_exit",
+    "_fused_adamw_",
+    "_fused_adam_",
+    "_foreach_copy_",
 }
 
 
