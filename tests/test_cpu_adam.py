@@ -64,11 +64,12 @@ def _run(update, n, grads, **kw):
     return p, m, v
 
 
-def _torch_reference(n, grads, adamw, weight_decay):
+def _torch_reference(n, grads, adamw, weight_decay, fused=False):
     p0, _, _ = _start(n)
     param = torch.nn.Parameter(p0)
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    opt = cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, foreach=False)
+    how = {"fused": True} if fused else {"foreach": False}
+    opt = cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, **how)
     for g in grads:
         param.grad = g.float()
         opt.step()
@@ -277,15 +278,26 @@ def test_fallback_matches_op(op, gdtype, adamw, weight_decay):
         assert_close(g, w, **TOL)
 
 
-def test_adam_update_uses_fallback_without_op(monkeypatch):
+@pytest.mark.parametrize("adamw, weight_decay", MODES)
+def test_adam_update_without_op_is_torchs_fused_step(monkeypatch, adamw, weight_decay):
     monkeypatch.setattr(cpu_adam, "load_op", lambda name: None)
     assert backend() == "torch-fallback"
     n = 1000
     grads = _grads(n)
-    got = _run(adam_update, n, grads, weight_decay=0.1, adamw=True)
-    want = _torch_reference(n, grads, adamw=True, weight_decay=0.1)
+    got = _run(adam_update, n, grads, weight_decay=weight_decay, adamw=adamw)
+    want = _torch_reference(n, grads, adamw=adamw, weight_decay=weight_decay, fused=True)
     for g, w in zip(got, want):
-        assert torch.equal(g, w)  # same torch ops in the same order: bit-identical
+        assert torch.equal(g, w)  # the same kernel: bit-identical
+
+
+def test_adam_update_without_op_or_bias_correction_is_the_fallback(monkeypatch):
+    grads = _grads(1000, dtype=torch.bfloat16)
+    kw = dict(weight_decay=0.1, adamw=True, bias_correction=False)
+    want = _run(fallback_adam_update, 1000, grads, **kw)
+    monkeypatch.setattr(cpu_adam, "load_op", lambda name: None)
+    got = _run(adam_update, 1000, grads, **kw)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 @pytest.mark.parametrize("n", [1, 17, 545, 100_003])

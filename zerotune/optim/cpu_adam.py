@@ -3,10 +3,11 @@
 ``adam_update`` is the one entry point the sharded optimizer calls per shard. It runs the
 compiled op when ``zerotune.ops.load_op("adam")`` has one (SIMD picked at run time, OpenMP
 across cores, optional fused write of the updated weights in bf16/fp16), and otherwise
+torch's fused AdamW step (``multi_tensor_adam_update``), or without bias correction
 ``fallback_adam_update``, which issues the same in-place torch ops as
-``torch.optim.AdamW(foreach=False)``. Both follow the formula order given in
+``torch.optim.AdamW(foreach=False)``. They follow the formula order given in
 [Note: formula order] of csrc/adam/cpu_adam.cpp, so they agree with torch to float tolerance.
-(They are not always bit-identical: torch's CPU ``sqrt`` goes through MKL, which is not
+(The fallback is not always bit-identical: torch's CPU ``sqrt`` goes through MKL, which is not
 correctly rounded, while the kernel's is; the kernel agrees with ``AdamW(fused=True)`` to the
 last bit on nearly every element.)
 
@@ -45,7 +46,7 @@ _FUSED_CONVERT = 1 << 24
 
 def backend() -> str:
     """Which implementation ``adam_update`` uses: "cpp-avx512", "cpp-avx2", "cpp-scalar",
-    or "torch-fallback" (builds the op on first call)."""
+    or "torch-fallback" (torch's fused step; builds the op on first call)."""
     op = load_op("adam")
     return "torch-fallback" if op is None else f"cpp-{op.simd_level()}"
 
@@ -80,22 +81,12 @@ def adam_update(
     step = _as_step(step)
     _validate(param, grad, exp_avg, exp_avg_sq, out_lowp, step, lr, beta1, beta2, eps, weight_decay)
     op = load_op("adam")
-    if op is None:
-        fallback_adam_update(
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            step=step,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            adamw=adamw,
-            bias_correction=bias_correction,
-            out_lowp=out_lowp,
-        )
+    if op is None:  # torch's fused step (about ten times the fallback's speed)
+        kwargs = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+        kwargs.update(weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction)
+        flat = [t.reshape(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
+        out = out_lowp.reshape(-1) if out_lowp is not None else None
+        multi_tensor_adam_update(*flat, [(0, param.numel(), kwargs)], out)
         return
     op.adam_update(
         param,
