@@ -81,7 +81,7 @@ def adam_update(
     step = _as_step(step)
     _validate(param, grad, exp_avg, exp_avg_sq, out_lowp, step, lr, beta1, beta2, eps, weight_decay)
     op = load_op("adam")
-    if op is None:  # torch's fused step (about ten times the fallback's speed)
+    if op is None:  # torch's fused step, several times faster than the fallback ops
         kwargs = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps)
         kwargs.update(weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction)
         flat = [t.reshape(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
