@@ -69,6 +69,11 @@ def block_device_stat(folder: Path) -> Path | None:
     return path if path.exists() else None
 
 
+def device_busy_ms(stat: Path | None) -> int:
+    """Milliseconds the device has spent with I/O in flight so far (0 when unknown)."""
+    return int(stat.read_text().split()[9]) if stat is not None else 0
+
+
 def device_sectors(stat: Path | None) -> tuple[int, int]:
     """512-byte sectors read and written so far by the device (0, 0 when unknown)."""
     if stat is None:

@@ -54,7 +54,9 @@ disk's O_DIRECT write and read rates at the end of the invocation and reports ea
 against the time its bytes need at those rates (``step_vs_io_floor``), counting the bytes
 the block device under ``--nvme-path`` moved during the step (``device_*_gb_per_step``: also
 the writeback of mapped pages that the kernel's threads do, which a process's own I/O
-counters miss; anything else using that disk counts too).
+counters miss; anything else using that disk counts too). With ``--nvme-path`` every
+zerotune variant also reports the share of its forward and of its backward during which
+that disk had I/O in flight (``disk_busy_forward``, ``disk_busy_backward``: medians).
 
 With ``--optim adafactor`` (or ``sgd``) both sides run that ``torch.optim`` class: plain
 over the model, zerotune through ``ZeroOptimizer`` (with ``--offload nvme`` its state
@@ -275,25 +277,30 @@ def run_variant(args: argparse.Namespace) -> dict:
         args.overlap_step and args.variant not in ("plain", "zerotune-sequential")
     ) or args.variant == "zerotune-unclipped"
     io = psutil.Process().io_counters
-    device = None
+    device = busy = None
     if args.nvme_path:
-        from nvme_io import block_device_stat, device_sectors
+        from nvme_io import block_device_stat, device_busy_ms, device_sectors
 
         stat = block_device_stat(Path(args.nvme_path))
         device = lambda: device_sectors(stat)  # noqa: E731
+        busy = lambda: device_busy_ms(stat) / 1e3  # noqa: E731
     dev_read, dev_written = [], []
     cached0 = page_cache_bytes()
     cached_peak = 0
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
     times = {"forward": [], "backward": [], "optimizer": [], "total": [], "cpu": []}
+    # Share of each phase the disk under --nvme-path had I/O in flight.
+    disk_busy: dict[str, list[float]] = {"forward": [], "backward": []}
     losses, read, written = [], [], []
     for step in range(args.warmup + args.steps):
         before = io()
         dev0 = device() if device else (0, 0)
         c0 = time.process_time()  # CPU time of every thread (aio's too): steal does not count
+        b0 = busy() if busy else 0.0
         t0 = time.perf_counter()
         loss = runner(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
+        b1 = busy() if busy else 0.0
         if overlap and args.optim in GENERIC:
             with opt.overlapped():  # ZeroOptimizer: no carrying into the next forward
                 loss.backward()
@@ -304,6 +311,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         else:
             loss.backward()
         t2 = time.perf_counter()
+        b2 = busy() if busy else 0.0
         if clip > 0 and args.variant == "plain":
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         elif clip > 0:
@@ -319,6 +327,8 @@ def run_variant(args: argparse.Namespace) -> dict:
         if step >= args.warmup:
             for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0)):
                 times[k].append(v)
+            disk_busy["forward"].append((b1 - b0) / (t1 - t0))
+            disk_busy["backward"].append((b2 - b1) / (t2 - t1))
             read.append(after.read_bytes - before.read_bytes)
             written.append(after.write_bytes - before.write_bytes)
             # The block device's own count: also the writeback of mapped pages, which the
@@ -326,6 +336,8 @@ def run_variant(args: argparse.Namespace) -> dict:
             dev_read.append((dev1[0] - dev0[0]) * 512)
             dev_written.append((dev1[1] - dev0[1]) * 512)
     result = {k: statistics.median(v) for k, v in times.items()}
+    if busy:
+        result["disk_busy"] = {k: statistics.median(v) for k, v in disk_busy.items()}
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result["losses"] = losses
     result["read_bytes_per_step"] = statistics.median(read)
@@ -555,6 +567,11 @@ def main() -> None:
     }
     if "buffered_swap_gib" in zt:
         summary["buffered_swap_gib"] = round(zt["buffered_swap_gib"], 3)
+    for name, r in results.items():
+        if "disk_busy" in r and name != "plain":
+            tag = "" if name == "zerotune" else f"{name}_"
+            for phase, share in r["disk_busy"].items():
+                summary[f"{tag}disk_busy_{phase}"] = round(share, 3)
     if rates is not None:
         summary["disk_write_gbps"], summary["disk_read_gbps"] = (round(x, 3) for x in rates)
         summary["device_read_gb_per_step"] = round(zt["device_read_bytes_per_step"] / gb, 3)
