@@ -9,8 +9,10 @@ and see the same batch and dropout masks, so their losses are printed side by si
 
 Plain is ``torch.optim.AdamW(fused=True)`` over an HF GPT-2 config; zerotune is
 ``zerotune.ZeroEngine`` over a copy of the same model with ``ZeroAdamW`` at world size 1, the chosen
-stage and offload (none or cpu: what fits beside a second model in memory; with cpu,
-zerotune's malloc settings for host shards, memory/host.py, hold for plain too). Peak RSS is
+stage and offload (none or cpu: what fits beside a second model in memory; cpu moves the
+optimizer state, and at stage 3 the parameters, and zerotune's malloc settings for host
+shards, memory/host.py, then hold for plain too). With ``--dtype bf16`` plain steps bf16
+weights and zerotune an fp32 master, so their losses part after the first step. Peak RSS is
 not reported (one process holds both); benchmarks/train_step.py reports it per variant.
 
     python benchmarks/paired_step.py                          # gpt2, stage 3, no offload
@@ -71,8 +73,10 @@ def main() -> None:
     plain = copy.deepcopy(base).to(device)
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-5, fused=True)
     zcfg = {"stage": args.stage, "dtype": args.dtype}
-    if args.offload != "none":
-        zcfg.update(offload_param=args.offload, offload_optimizer=args.offload)
+    if args.offload != "none":  # the optimizer state, and at stage 3 the parameters
+        zcfg.update(offload_optimizer=args.offload)
+        if args.stage == 3:
+            zcfg.update(offload_param=args.offload)
     engine = zerotune.ZeroEngine(base, zerotune.load_config(zcfg), device=device)
     zopt = zerotune.ZeroAdamW(engine, lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
