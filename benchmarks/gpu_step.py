@@ -9,6 +9,9 @@ Each variant runs in a fresh subprocess (its own peak GPU memory and RSS):
 * ``zerotune-optim-cpu``: master, moments and gradient shards on pinned host memory, the
   C++ CPU Adam (ZeRO-Offload);
 * ``zerotune-both-cpu``: parameter shards on the host too (ZeRO-Infinity, CPU tier);
+* ``zerotune-optim-cpu-overlap``: ``zerotune-optim-cpu`` with the last micro-batch's backward
+  inside ``optimizer.overlapped()``: each unit's CPU Adam runs as soon as its gradient shard
+  is final, while the GPU goes on with backward (same updates, so the same losses);
 * ``fsdp2-cpu-offload``: torch's ``fully_shard`` on every transformer block and the root,
   world size 1, ``CPUOffloadPolicy`` (fp32 parameter shards and gradients in pinned host
   memory), ``MixedPrecisionPolicy`` computing in ``--dtype`` and reducing in fp32 (the same
@@ -43,7 +46,14 @@ import time
 
 from _variants import answer_as_variant, run_variants
 
-VARIANTS = ["plain", "zerotune", "zerotune-optim-cpu", "zerotune-both-cpu", "fsdp2-cpu-offload"]
+VARIANTS = [
+    "plain",
+    "zerotune",
+    "zerotune-optim-cpu",
+    "zerotune-both-cpu",
+    "fsdp2-cpu-offload",
+    "zerotune-optim-cpu-overlap",
+]
 
 
 def parse() -> argparse.Namespace:
@@ -141,7 +151,11 @@ def run_variant(args: argparse.Namespace) -> dict:
         runner, backward, close = model, lambda loss: loss.backward(), dist.destroy_process_group
     else:
         zcfg = {"stage": 3, "dtype": args.dtype}
-        if args.variant in ("zerotune-optim-cpu", "zerotune-both-cpu"):
+        if args.variant in (
+            "zerotune-optim-cpu",
+            "zerotune-both-cpu",
+            "zerotune-optim-cpu-overlap",
+        ):
             zcfg["offload_optimizer"] = "cpu"
         if args.variant == "zerotune-both-cpu":
             zcfg["offload_param"] = "cpu"
@@ -159,9 +173,13 @@ def run_variant(args: argparse.Namespace) -> dict:
         sync()
         t0 = time.perf_counter()
         total = 0.0
-        for _ in range(args.accum):
+        for i in range(args.accum):
             loss = runner(input_ids=ids, labels=ids).loss / args.accum
-            backward(loss)
+            if args.variant == "zerotune-optim-cpu-overlap" and i == args.accum - 1:
+                with opt.overlapped():
+                    backward(loss)
+            else:
+                backward(loss)
             total += float(loss.detach())
         sync()
         t1 = time.perf_counter()
@@ -208,15 +226,15 @@ def main() -> None:
         f"{args.seq} tokens a step, median of {args.steps} steps after {args.warmup} warm-up"
     )
     print(
-        f"{'variant':<22}{'fwd+bwd s':>10}{'step s':>9}{'tokens/s':>11}{'GPU GiB':>10}"
+        f"{'variant':<28}{'fwd+bwd s':>10}{'step s':>9}{'tokens/s':>11}{'GPU GiB':>10}"
         f"{'RSS GiB':>10}"
     )
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<22}{r['error']}")
+            print(f"{name:<28}{r['error']}")
             continue
         print(
-            f"{name:<22}{r['fwd_bwd_s']:>10.3f}{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}"
+            f"{name:<28}{r['fwd_bwd_s']:>10.3f}{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}"
             f"{r['gpu_peak_gib']:>10.2f}{r['peak_rss_gib']:>10.2f}  losses {r['losses']}"
         )
     done = [r for r in results.values() if "error" not in r]
@@ -250,6 +268,9 @@ def main() -> None:
             results, "zerotune-optim-cpu", "fsdp2-cpu-offload"
         ),
         "both_cpu_vs_fsdp2_tokens_ratio": ratio(results, "zerotune-both-cpu", "fsdp2-cpu-offload"),
+        "optim_cpu_overlap_vs_plain_tokens_ratio": ratio(
+            results, "zerotune-optim-cpu-overlap", "plain"
+        ),
     }
     summary.update({k: v for k, v in ratios.items() if v is not None})
     failed = [name for name, r in results.items() if "error" in r]

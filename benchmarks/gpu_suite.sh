@@ -14,7 +14,8 @@
 #   paired_step.json  its last JSON line (step_time_ratio: issue 32's item 3 on the GPU)
 #   gpu_step.log      benchmarks/gpu_step.py, gpt2-xl bf16: plain, zerotune, zerotune with
 #                     the optimizer on the CPU, FSDP2 + CPUOffloadPolicy, zerotune with
-#                     parameters and optimizer on the CPU
+#                     parameters and optimizer on the CPU, and last (if time is left) the
+#                     optimizer on the CPU with the overlapped step
 #   gpu_step.json     its last JSON line (tokens/s, GPU peak and peak RSS per variant, ratios)
 #   summary.json      every step's exit status, seconds and limit; passed / failed / skipped
 #                     counts and failing test ids of both pytest steps; the op states; the
@@ -59,7 +60,8 @@
 # zerotune ~0.8 s, optimizer on the CPU ~1.1 s, FSDP2 with CPU offload and zerotune with both
 # on the CPU ~2-4 s (host Adam over 1.6B fp32 parameters, 6 GB of copies each way per
 # micro-batch), plus ~15-30 s per variant for the process, the model and the pinned buffers.
-# The variants run in the order above, so the two ratios of the issue come first; gpu_step's
+# The variants run in the order above, so the two ratios of the issue come first (the
+# overlapped one, ~1 s a step, only where time is left); gpu_step's
 # own --time-budget stops the variant running when the step's limit nears and the JSON line
 # still comes.
 
@@ -91,16 +93,17 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
 # The worktree's code first; wheels the machine lacked next.
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
+STEP_VARIANTS=plain,zerotune,zerotune-optim-cpu,fsdp2-cpu-offload,zerotune-both-cpu
+STEP_VARIANTS+=,zerotune-optim-cpu-overlap
 if [[ $mode == gpu ]]; then
     STEP_ARGS=(--model gpt2-xl --dtype bf16 --seq 1024 --batch 8 --accum 2 --warmup 2 --steps 3
-        --variants plain,zerotune,zerotune-optim-cpu,fsdp2-cpu-offload,zerotune-both-cpu)
+        --variants "$STEP_VARIANTS")
     PAIRED_ARGS=(--device cuda --model gpt2-medium --dtype fp32 --seq 1024 --batch 4
         --warmup 3 --pairs 20)
 else
     PAIRED_ARGS=(--device cpu --model tiny-gpt2 --warmup 1 --pairs 4)
     STEP_ARGS=(--device cpu --model tiny-gpt2 --dtype bf16 --seq 64 --batch 2 --accum 2
-        --warmup 1 --steps 2
-        --variants plain,zerotune,zerotune-optim-cpu,fsdp2-cpu-offload,zerotune-both-cpu)
+        --warmup 1 --steps 2 --variants "$STEP_VARIANTS")
 fi
 
 setup() {
