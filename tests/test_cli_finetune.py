@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerotune.hf.checkpoints import TRAINER_MARKER
+
 COMMAND = [sys.executable, "-c", "from zerotune.cli import main; main()", "finetune"]
 
 
@@ -732,8 +734,8 @@ def test_an_interrupted_run_ends_in_one_line(nproc, env, tmp_path):
     args = ["--output-dir", out, "--nproc-per-node", nproc, "--max_steps", "2000",
             "--save_steps", "4"]  # fmt: skip
 
-    def ready() -> bool:
-        return bool(list(out.glob("checkpoint-*/trainer_state.json")))  # one is complete
+    def ready() -> bool:  # one checkpoint is complete: its marker comes last
+        return bool(list(out.glob(f"checkpoint-*/{TRAINER_MARKER}")))
 
     code, stderr = _interrupted(env, args, ready, "checkpoint")
     assert code == 130, stderr[-3000:]
