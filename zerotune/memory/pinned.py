@@ -9,27 +9,26 @@ step in the same sizes, and it is what the host pool and activation records keep
 The shards that live as long as the engine (the compute-dtype and fp32 master shards kept
 on the host, the gradient shards of an offloaded optimizer) would lose up to half of the
 host memory they lock to the rounding. ``pinned_empty`` instead takes an ordinary
-allocation of the tensor's size (rounded to 4 KiB), registers it with the driver
-(``cudaHostRegister``; copies from and to it are then asynchronous like those of torch's
-pinned blocks) and unregisters it from a finalizer on its storage, before the storage's
-memory is freed, as torch's own checkpoint stager does for the buffers it pins. Should
-registering fail, the tensor comes from torch's pinned allocator instead (logged once).
+allocation of the tensor's size (rounded to whole pages), registers those pages with the
+driver (``cudaHostRegister``; copies from and to them are then asynchronous like those of
+torch's pinned blocks) and unregisters them from a finalizer on their storage, before the
+storage's memory is freed, as torch's own checkpoint stager does for the buffers it pins.
+The registered pages are the allocation's own (two registrations never share a page, which
+the driver would refuse). A registration that fails anyway (no RAM or locked-memory limit
+left) raises, as torch's pinned allocator does when it cannot pin: the driver keeps the
+failure as its last error, which torch's next kernel launch would report in its place.
 """
 
 from __future__ import annotations
 
-import logging
+import mmap
 import weakref
 
 import torch
 
-from .aio import aligned_empty
-
 __all__ = ["pinned_copy", "pinned_empty"]
 
-log = logging.getLogger(__name__)
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-_fallback_logged = False
 
 
 def _register(ptr: int, nbytes: int) -> int:
@@ -41,36 +40,29 @@ def _unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def _torch_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, pin_memory=True)
-
-
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized 1-D host tensor whose memory is page-locked and takes its own size
-    (see [Note: exact-size pinned memory])."""
-    global _fallback_logged
-    t = aligned_empty(numel, dtype)
-    storage = t.untyped_storage()
-    ptr, nbytes = storage.data_ptr(), storage.nbytes()
-    error = _register(ptr, nbytes) if nbytes else 0
+    """An uninitialized 1-D host tensor whose memory is page-locked and takes its own size,
+    rounded to whole pages (see [Note: exact-size pinned memory])."""
+    page = mmap.PAGESIZE
+    nbytes = max(-(-numel * dtype.itemsize // page) * page, page)
+    raw = torch.empty(nbytes + page, dtype=torch.uint8)
+    start = -raw.data_ptr() % page
+    region = raw[start : start + nbytes]
+    ptr = region.data_ptr()
+    error = _register(ptr, nbytes)
     if error:
-        if not _fallback_logged:
-            _fallback_logged = True
-            log.warning(
-                "zerotune: cudaHostRegister of %d bytes failed (error %d); host shards come "
-                "from torch's pinned allocator (blocks rounded up to powers of two)",
-                nbytes,
-                error,
-            )
-        return _torch_pinned(numel, dtype)
-    if nbytes:
-        # Not at interpreter exit: the CUDA context may be gone by then.
-        weakref.finalize(storage, _unregister, ptr).atexit = False
-    return t
+        raise RuntimeError(
+            f"cannot pin {nbytes:,} bytes of host memory for a host shard (cudaHostRegister "
+            f"error {error}): free RAM or the locked-memory limit (ulimit -l) is too small "
+            "for the offloaded state; `zerotune estimate` gives its size"
+        )
+    # Not at interpreter exit: the CUDA context may be gone by then.
+    weakref.finalize(raw.untyped_storage(), _unregister, ptr).atexit = False
+    return region.view(dtype)[:numel]
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A page-locked host copy of ``t`` (1-D), of its own size."""
+    """A page-locked host copy of ``t``, of its own size and shape."""
     out = pinned_empty(t.numel(), t.dtype)
     out.copy_(t.reshape(-1))
     return out.view(t.shape)
