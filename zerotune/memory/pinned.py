@@ -4,7 +4,7 @@ accelerator run (see [Note: exact-size pinned memory]).
 [Note: exact-size pinned memory]
 torch's pinned allocator (``pin_memory=True``, ``Tensor.pin_memory()``) serves a request
 from a block rounded up to the next power of two and keeps freed blocks for reuse: a
-130 MB shard locks 256 MiB. That suits short-lived transfer buffers, which come back every
+129 MiB shard locks 256 MiB. That suits short-lived transfer buffers, which come back every
 step in the same sizes, and it is what the host pool and activation records keep using.
 The shards that live as long as the engine (the compute-dtype and fp32 master shards kept
 on the host, the gradient shards of an offloaded optimizer) would lose up to half of the
