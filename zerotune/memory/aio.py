@@ -65,21 +65,23 @@ class AioError(OSError):
     offset: int
 
 
-def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
-    """An uninitialized 1-D CPU tensor whose ``data_ptr()`` is a multiple of ``ALIGN`` and
-    whose storage extends at least to the next multiple of ``ALIGN`` bytes past its start;
+def aligned_empty(
+    numel: int, dtype: torch.dtype, pin: bool = False, align: int = ALIGN
+) -> torch.Tensor:
+    """An uninitialized 1-D CPU tensor whose ``data_ptr()`` is a multiple of ``align`` and
+    whose storage extends at least to the next multiple of ``align`` bytes past its start;
     with ``pin``, in pinned memory (for copies to and from an accelerator)."""
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
-    padded = max(_round_up(numel * dtype.itemsize, ALIGN), ALIGN)
+    padded = max(_round_up(numel * dtype.itemsize, align), align)
     if pin:
         # The pinned allocator rounds blocks up to powers of two: ask for the exact size
         # first, and over-allocate only when the block it gives is not aligned.
         raw = torch.empty(padded, dtype=torch.uint8, pin_memory=True)
-        if raw.data_ptr() % ALIGN == 0:
+        if raw.data_ptr() % align == 0:
             return raw.view(dtype)[:numel]
-    raw = torch.empty(padded + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    start = -raw.data_ptr() % ALIGN
+    raw = torch.empty(padded + align, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % align
     return raw[start : start + padded].view(dtype)[:numel]
 
 

@@ -26,6 +26,9 @@ import weakref
 
 import torch
 
+from .aio import aligned_empty
+from .swap import round_up
+
 __all__ = ["pinned_copy", "pinned_empty"]
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
@@ -44,11 +47,8 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized 1-D host tensor whose memory is page-locked and takes its own size,
     rounded to whole pages (see [Note: exact-size pinned memory])."""
     page = mmap.PAGESIZE
-    nbytes = max(-(-numel * dtype.itemsize // page) * page, page)
-    raw = torch.empty(nbytes + page, dtype=torch.uint8)
-    start = -raw.data_ptr() % page
-    region = raw[start : start + nbytes]
-    ptr = region.data_ptr()
+    t = aligned_empty(numel, dtype, align=page)  # whole pages of its own
+    ptr, nbytes = t.data_ptr(), max(round_up(numel * dtype.itemsize, page), page)
     error = _register(ptr, nbytes)
     if error:
         raise RuntimeError(
@@ -57,8 +57,8 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
             "for the offloaded state; `zerotune estimate` gives its size"
         )
     # Not at interpreter exit: the CUDA context may be gone by then.
-    weakref.finalize(raw.untyped_storage(), _unregister, ptr).atexit = False
-    return region.view(dtype)[:numel]
+    weakref.finalize(t.untyped_storage(), _unregister, ptr).atexit = False
+    return t
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:
