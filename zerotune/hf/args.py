@@ -303,7 +303,7 @@ class ZeroTrainingArguments(TrainingArguments):
         # There is no DDP wrapper for --ddp_find_unused_parameters to reach: it sets the
         # engine's find_unused_parameters instead. Unset, it is on, as the Trainer's DDP has
         # it (DDP leaves it off with gradient checkpointing, which zerotune's walk goes
-        # through: see [Note: find unused parameters] in sharding/reduce.py for its limits).
+        # through: see [Note: find unused parameters] in sharding/grads.py for its limits).
         wanted = self.ddp_find_unused_parameters
         if wanted is not None:
             if data.get("find_unused_parameters", wanted) != wanted:

@@ -180,7 +180,7 @@ class BufferPool:
         before, while building the units, when every size was kept)."""
         self.keep_sizes = sizes
         # As many of one size as can be busy at once: the writes in flight, one filling
-        # and one held for an overlapped update (sharding/reduce.py _hold_grads).
+        # and one held for an overlapped update (sharding/grads.py _hold_grads).
         self.keep_per_size = self.writes.limit + 2
         if sizes is None:
             return

@@ -44,7 +44,7 @@ overlapped step has updated the units it launched already: resume from a checkpo
 engine itself is reset for the next pass either way). So at world size > 1, in each
 backward, a unit must either get gradients for all its parameters on every rank, or miss
 at least one of them on every rank (which ones may differ), unless the config sets
-``find_unused_parameters`` (see [Note: find unused parameters] in sharding/reduce.py).
+``find_unused_parameters`` (see [Note: find unused parameters] in sharding/grads.py).
 
 Gradient clipping and the fp16 loss scale do not rewrite the gradients: they set one factor
 that the update applies to each chunk of gradient it reads (``grad * factor``), so gradients
@@ -71,7 +71,7 @@ ahead of backward] in state_store.py). A
 gradient shard bound for NVMe is not written and read back when its update follows:
 the engine keeps it in memory (``GradAccumulator.held``) when no other shard is held, or when
 it is a one-parameter unit's (an embedding's) own ``.grad``, and the update reads it
-there (``GradReducer._hold_grads`` in sharding/reduce.py).
+there (``GradReducer._hold_grads`` in sharding/grads.py).
 It needs what an early update cannot undo or rescale: no global-norm clipping (the norm needs
 every gradient first; see [Note: a clipped overlapped step]), no fp16 loss scaling (an
 overflow anywhere must skip every update), stage 2 or 3 (stage 1 keeps whole gradients until

@@ -2,7 +2,7 @@
 
 from .engine import ZeroEngine, shard
 from .external import ShardedParameterError
-from .policy import select_unit_modules
+from .plan import select_unit_modules
 from .unit import Unit, UnitState
 
 __all__ = [

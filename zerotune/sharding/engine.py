@@ -1,10 +1,10 @@
 """The ZeRO engine: owns the units, their hooks, the buffer pool and the prefetcher.
 
-``shard(model, config)`` cuts the model into units (see policy.py), moves every parameter into
-its unit's flat shard (see [Note: flat layout] in unit.py), and installs the hooks of
-[Note: pins and hooks] in hooks.py, which move each unit through [Note: unit life cycle] in
-unit.py. The model keeps working as before: the same ``nn.Parameter`` objects,
-``model.parameters()``, forward and ``loss.backward()``.
+``shard(model, config)`` cuts the model into units (see [Note: unit policy] in plan.py),
+moves every parameter into its unit's flat shard (see [Note: flat layout] in unit.py), and
+installs the hooks of [Note: pins and hooks] in hooks.py, which move each unit through
+[Note: unit life cycle] in unit.py. The model keeps working as before: the same
+``nn.Parameter`` objects, ``model.parameters()``, forward and ``loss.backward()``.
 Stages: 3 shards parameters, gradients and optimizer state; 2 keeps parameters gathered;
 1 also keeps whole gradients until the optimizer step.
 """
@@ -46,10 +46,9 @@ from .buffers import (
     prefetch_budget,
 )
 from .external import ExternalParams, ShardedParameterError
-from .hooks import in_backward, install_hooks
+from .grads import GradReducer
+from .hooks import Prefetcher, in_backward, install_hooks
 from .plan import UnitPlan, assign_params, plan_swap, size_unit, unit_deps
-from .prefetch import Prefetcher
-from .reduce import GradReducer
 from .tiling import apply_tiling, merge_tiles, tiled_weights
 from .unit import Unit, UnitState
 
@@ -198,7 +197,7 @@ class ZeroEngine(nn.Module):
         self.pool.keep_only(pool_keep_sizes(trainable, config, self.world, self.device.type))
         self.optimizer = None  # attach_optimizer
         # Gradients from backward into their shards: no_sync(), find_unused_parameters and
-        # the overlapped step's hand-off (sharding/reduce.py).
+        # the overlapped step's hand-off (sharding/grads.py).
         self.reducer = GradReducer(
             self.units, config, self.world, group, self.device, self.host_pool
         )

@@ -1,4 +1,5 @@
-"""Forward and backward hooks that gather, release and reduce units.
+"""Forward and backward hooks that gather, release and reduce units, and the prefetcher that
+gathers the next units ahead of use.
 
 [Note: pins and hooks]
 Every unit has a pin count: it stays gathered while pinned and is released when the count
@@ -30,6 +31,15 @@ falls to zero (persistent units never release).
 Activation checkpointing re-runs forward inside backward. A forward that runs during backward
 turns its pin into U's backward pin instead of releasing, so the recomputed graph keeps its
 parameters until U's gradients are reduced.
+
+[Note: prefetch]
+The first forward (and the first backward) of a run records the order in which units are
+used. Later passes follow that order: when a unit is used, the units after it are gathered
+asynchronously while its compute runs, as long as the bytes gathered ahead stay within
+``prefetch_bytes``. If a pass uses a unit other than the one the recorded order expects (the
+model took another path), the order is re-recorded from that point on, and nothing waits
+on a prediction: every unit is still gathered on demand when it is needed. All ranks see the
+same sequence of uses, so they issue the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -40,11 +50,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd import Variable
 
+from .grads import is_reentrant_checkpoint
+from .unit import Unit, UnitState
+
 if TYPE_CHECKING:
     from .engine import ZeroEngine
-    from .unit import Unit
 
-__all__ = ["in_backward", "install_hooks", "params_reached", "tensors_in"]
+__all__ = ["Prefetcher", "in_backward", "install_hooks", "tensors_in"]
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -60,40 +72,6 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
         elif isinstance(item, dict):
             stack.extend(item.values())
     return found
-
-
-def params_reached(outputs: list[torch.Tensor]) -> tuple[set[int], bool]:
-    """``(ids, hidden)``: the ``id`` of every leaf tensor (parameter) a backward from
-    ``outputs`` would give a gradient, found by walking their autograd graph; ``hidden``:
-    the walk met a reentrant activation checkpoint, whose parameters only its recomputation
-    in backward shows."""
-    reached: set[int] = set()
-    hidden = False
-    seen: set = set()
-    stack = []
-    for t in outputs:
-        if t.grad_fn is not None:
-            stack.append(t.grad_fn)
-        elif t.requires_grad:
-            reached.add(id(t))
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        leaf = getattr(fn, "variable", None)  # AccumulateGrad
-        if leaf is not None:
-            reached.add(id(leaf))
-        elif _is_reentrant_checkpoint(fn):
-            hidden = True
-        stack.extend(nxt for nxt, _ in fn.next_functions)
-    return reached, hidden
-
-
-def _is_reentrant_checkpoint(fn) -> bool:
-    """Whether autograd node ``fn`` is a reentrant activation checkpoint's (its forward ran
-    without a graph; backward recomputes it)."""
-    return type(fn).__name__ == "CheckpointFunctionBackward"
 
 
 def in_backward() -> bool:
@@ -151,7 +129,7 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
                     _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
                 reducer = engine.reducer
                 if reducer.finds_unused:
-                    if any(_is_reentrant_checkpoint(t.grad_fn) for t in outputs):
+                    if any(is_reentrant_checkpoint(t.grad_fn) for t in outputs):
                         reducer.hide_from_graph(unit)  # its body ran in one
                     if unit.index == 0 and reducer.syncing:
                         reducer.agree_on_unused(outputs)
@@ -208,3 +186,48 @@ def _grad_ready_hook(engine: ZeroEngine, unit: Unit):
             engine.reducer.pump_overlapped_step()
 
     return hook
+
+
+class Prefetcher:
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.orders: dict[str, list[Unit]] = {"forward": [], "backward": []}
+        self.recorded: dict[str, bool] = {"forward": False, "backward": False}
+        self._pos = {"forward": 0, "backward": 0}
+        self.rerecords = 0  # how often a pass left the recorded order
+
+    def start_pass(self, kind: str) -> None:
+        if not self.recorded[kind] and self.orders[kind]:
+            self.recorded[kind] = True  # the previous pass finished recording
+        if not self.recorded[kind]:
+            self.orders[kind] = []
+        self._pos[kind] = 0
+
+    def on_use(self, kind: str, unit: Unit) -> list[Unit]:
+        """Note that ``unit`` is used now; return the units to gather ahead of their use."""
+        order, pos = self.orders[kind], self._pos[kind]
+        if not self.recorded[kind]:
+            order.append(unit)
+            self._pos[kind] = pos + 1
+            return []
+        if pos >= len(order) or order[pos] is not unit:
+            # Another path than recorded: keep what matched, record the rest anew.
+            del order[pos:]
+            order.append(unit)
+            self.recorded[kind] = False
+            self.rerecords += 1
+            self._pos[kind] = pos + 1
+            return []
+        self._pos[kind] = pos + 1
+        if self.budget <= 0:
+            return []
+        ahead, spent = [], 0
+        for nxt in order[pos + 1 :]:
+            if nxt.persistent or nxt is unit:
+                continue
+            spent += nxt.gathered_bytes
+            if spent > self.budget:
+                break
+            if nxt.state is UnitState.SHARDED:
+                ahead.append(nxt)
+        return ahead

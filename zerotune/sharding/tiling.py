@@ -5,13 +5,13 @@ ZeRO-Infinity's memory-centric tiling bounds the working memory of one huge oper
 linear layer ``y = x W^T + b`` (``nn.Linear``, weight ``[out, in]``) or HF GPT-2's ``Conv1D``
 (``y = x W + b``, weight ``[in, out]``) is computed as a grid of tiles, split along output
 features (tiles of one input slice concatenate) and/or input features (partial sums add up).
-``TiledLinear`` holds the tiles in a ``ModuleList``; every ``LinearTile`` is its own sharding
-unit (``_zerotune_own_unit``: the policy makes it a unit even inside a transformer block,
-see policy.py), so the engine's hooks gather a tile just before its forward and release it
-right after, and backward gathers and reduces one tile at a time. The gathered parameters of
-the layer are one tile's, not the whole weight. The bias is added once, after the tiles, and
-stays a parameter of ``TiledLinear`` under its original name (``c_fc.bias``); it belongs to
-the enclosing unit.
+``TiledLinear`` holds the tiles in a ``ModuleList``; every ``LinearTile`` is its own
+sharding unit (``_zerotune_own_unit``: the policy makes it a unit even inside a transformer
+block, see [Note: unit policy] in plan.py), so the engine's hooks gather a tile just before
+its forward and release it right after, and backward gathers and reduces one tile at a time.
+The gathered parameters of the layer are one tile's, not the whole weight. The bias is added
+once, after the tiles, and stays a parameter of ``TiledLinear`` under its original name
+(``c_fc.bias``); it belongs to the enclosing unit.
 
 A tile's weight is the block ``W[r0:r1, c0:c1]`` of the stored weight (rows are dim 0 of the
 original tensor, ``out`` for ``nn.Linear``, ``in`` for ``Conv1D``), in the same orientation.
@@ -142,7 +142,7 @@ class TiledWeight:
 class LinearTile(nn.Module):
     """One tile of a ``TiledLinear``: a bias-free linear map over a slice of the features."""
 
-    _zerotune_own_unit = True  # policy.py: always its own unit, even inside another
+    _zerotune_own_unit = True  # [Note: unit policy]: always its own unit, even inside another
 
     def __init__(self, weight: torch.Tensor, layout: str, fan_in: int, requires_grad: bool = True):
         super().__init__()
