@@ -45,6 +45,7 @@ CASES_BY_WORLD = {
         ("custom", 2, 2, False, "nvme", True),
         ("adagrad", 3, 1, False, "nvme-disk-grads", True),
         ("rmsprop", 3, 2, True, "nvme-chunks", True),
+        ("adamw", 3, 1, False, "nvme-chunks", True),  # a step count in every chunk
     ],
     2: [
         ("sgd", 3, 2, True, "none", True),

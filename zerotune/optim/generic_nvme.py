@@ -310,7 +310,12 @@ class NvmeGenericState(NvmeStore):
         present, scalars = self._before or (self.present, self.scalars)
         for key, probe_key, prefix, span in targets:
             if id(key) in present:
-                st = dict(scalars.get(id(key), {}))
+                # Copies: the inner step may count in place (``step += 1``), and every
+                # chunk of a segment starts from the scalars it had before the step.
+                st = {
+                    k: v.clone() if torch.is_tensor(v) else v
+                    for k, v in scalars.get(id(key), {}).items()
+                }
                 for rk, buf in loaded.items():
                     if rk[:-1] == prefix:
                         st[rk[-1]] = buf[span] if span is not None else buf
