@@ -194,31 +194,42 @@ def train_zero(
     clip: float | None = MAX_NORM,
     device: str = "cpu",
     optimizer: str = "zero_adamw",
+    overlap: bool = False,
 ) -> dict:
     """zerotune on this rank: its slice of the global batch, split into ``accum`` micro-batches,
     the engine on ``device`` (where the model's parameters are when it is sharded), trained
-    with ZeroAdamW or ``optimizer`` over the shards (see ``make_optimizer``)."""
+    with ZeroAdamW or ``optimizer`` over the shards (see ``make_optimizer``); with
+    ``overlap`` the last micro-batch's backward runs inside ``opt.overlapped()`` (with
+    ``clipping`` when ``clip`` is set)."""
     model = build(model_name).to(device)
     groups = no_decay_groups(model, WD)  # reads shapes: before sharding empties the params
     engine = zerotune.shard(model, config)
     opt = make_optimizer(optimizer, groups, engine)
     per_rank = GLOBAL_BATCH // world
     micro = per_rank // accum
-    losses, norms, infos = [], [], []
+    losses, norms, infos, launched, carried = [], [], [], 0, 0
     for ids in batches(model_name, steps):
         mine = ids[rank * per_rank : (rank + 1) * per_rank].to(device)
         total = torch.zeros((), device=device)
         for k in range(accum):
             part = mine[k * micro : (k + 1) * micro]
             last = k == accum - 1
-            ctx = engine.no_sync() if (use_no_sync and not last) else _null()
+            if use_no_sync and not last:
+                ctx = engine.no_sync()
+            elif overlap and last:
+                ctx = opt.overlapped(clipping=clip is not None)
+            else:
+                ctx = _null()
             with ctx:
                 loss = loss_of(engine, part) / accum
                 engine.backward(loss)
             total += loss.detach().float()
+        if overlap:
+            launched += len(opt._overlap.launched)
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip)))
         infos.append(opt.step())
+        carried += opt._carry is not None
         if world > 1:
             dist.all_reduce(total)
         losses.append(float(total) / world)
@@ -237,6 +248,8 @@ def train_zero(
         "skipped": [i.skipped for i in infos],
         "memory": memory,
         "pool_allocations": engine.pool.allocations,
+        "launched": launched,  # units updated (or, clipping, queued) during backward
+        "carried": carried,  # steps whose updates went on into the next forward
     }
 
 

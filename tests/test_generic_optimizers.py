@@ -79,7 +79,21 @@ def reference(name: str, clip: bool) -> dict:
     return _refs[key]
 
 
-def run_cases(rank, world, cases):
+def run_cases(rank, world, cases, overlap=False):
+    if overlap:
+        # I/O reports itself done only once waited for: the pipeline falls behind, so
+        # every step() leaves updates to carry into the next forward.
+        from zerotune.memory.aio import IOHandle
+
+        done, IOHandle.done = IOHandle.done, lambda self: False
+        try:
+            return _run_cases(rank, world, cases, overlap)
+        finally:
+            IOHandle.done = done
+    return _run_cases(rank, world, cases, overlap)
+
+
+def _run_cases(rank, world, cases, overlap):
     out = []
     for name, stage, accum, no_sync, offload, clip in cases:
         config = {"stage": stage, "offload_optimizer": offload.split("-")[0]}
@@ -101,6 +115,7 @@ def run_cases(rank, world, cases):
                 use_no_sync=no_sync,
                 optimizer=name,
                 clip=0.5 if clip else None,
+                overlap=overlap,
             )
         )
     return out
@@ -132,6 +147,41 @@ def test_generic_optimizers_match_the_plain_optimizer(world):
     for case, res in zip(cases, results[0]):
         name, *_, clip = case
         check(res, reference(name, clip), name, f"world={world} {case}")
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert a["losses"] == b["losses"]
+
+
+# The state on NVMe, each step's last backward inside overlapped(clipping=True), norms above
+# the clip of 0.5 (the clipping clips); per-element and whole-parameter layouts.
+CLIPPED_OVERLAP = {
+    1: [
+        ("sgd", 3, 2, True, "nvme-both", True),
+        ("adafactor", 3, 1, False, "nvme", True),
+        ("adagrad", 3, 2, False, "nvme-disk-grads", True),
+        ("rmsprop", 2, 1, False, "nvme-chunks", True),
+    ],
+    2: [
+        ("rmsprop", 3, 2, True, "nvme-disk-grads", True),
+        ("adagrad", 2, 1, False, "nvme", True),
+    ],
+}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_clipped_overlapped_steps_match_the_plain_optimizer_with_clipping(world):
+    """``overlapped(clipping=True)`` with the state on NVMe: the norm summed as backward
+    finishes each unit, every update queued at ``step()`` and, at stage 3, carried into the
+    next forward; the same losses, norms and weights as the plain optimizer with clipping."""
+    cases = CLIPPED_OVERLAP[world]
+    results = run_world(world, run_cases, cases, True)
+    for case, res in zip(cases, results[0]):
+        name, stage, *_, clip = case
+        ref = reference(name, clip)
+        assert max(ref["norms"]) > 0.5  # clipping changes the updates
+        check(res, ref, name, f"world={world} {case}")
+        # Stage 2 keeps every unit gathered: their updates finish in step().
+        assert res["launched"] > 0 and res["carried"] == (STEPS if stage == 3 else 0), case
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert a["losses"] == b["losses"]
@@ -331,3 +381,113 @@ def test_overlapped_updates_during_backward_equal_the_step(name, world, tmp_path
     np.testing.assert_allclose(over["norms"], plain["norms"], rtol=1e-6)
     for k, w in plain["weights"].items():
         np.testing.assert_array_equal(over["weights"][k], w, err_msg=k)
+
+
+def _scheduled(tmp_path, cls, kwargs, carried: bool):
+    """Six clipped steps of ``cls`` with an LR scheduler stepped right after each
+    ``step()``: plain (``carried`` False, no engine) or over the shards, both tiers on NVMe,
+    each step's updates carried into the next forward (I/O reports itself done only once
+    waited for). Losses, norms, steps that carried, weights."""
+    from harness import WD, batches, build, loss_of, no_decay_groups
+
+    from zerotune.memory.aio import IOHandle
+
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    if carried:
+        config = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+                  "nvme_path": str(tmp_path), "staging_bytes": 3 * 16 * 4096}  # fmt: skip
+        runner = zerotune.shard(model, config)
+        opt = zerotune.ZeroOptimizer(runner, cls, groups, **kwargs)
+    else:
+        runner, opt = model, cls(groups, **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
+    losses, norms, carries = [], [], 0
+    done, IOHandle.done = IOHandle.done, lambda self: False
+    try:
+        for ids in batches("gpt2", 6):
+            loss = loss_of(runner, ids)
+            if carried:
+                with opt.overlapped(clipping=True):
+                    loss.backward()
+                norms.append(float(opt.clip_grad_norm_(0.5)))
+            else:
+                loss.backward()
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+            sched.step()  # must not reach the updates carried into the next forward
+            opt.zero_grad()
+            carries += carried and opt._carry is not None
+            losses.append(float(loss.detach()))
+    finally:
+        IOHandle.done = done
+    if carried:
+        weights = {k: v.numpy() for k, v in runner.full_state_dict().items()}
+        runner.close()
+    else:
+        weights = {k: v.detach().numpy() for k, v in model.named_parameters()}
+    return losses, norms, carries, weights
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), (torch.optim.Adafactor, {"lr": 1e-2})],
+    ids=["sgd", "adafactor"],
+)
+def test_carried_updates_keep_the_step_hyper_parameters(tmp_path, cls, kwargs):
+    """A clipped overlapped step of a torch optimizer on NVMe carries its updates into the
+    next forward with the learning rate and clip factor of its own ``step()`` (the
+    scheduler changes the next step's): the plain optimizer's losses, norms and weights."""
+    ref = _scheduled(tmp_path, cls, kwargs, carried=False)
+    res = _scheduled(tmp_path, cls, kwargs, carried=True)
+    assert res[2] == 6  # every step carried updates
+    assert max(ref[1]) > 0.5  # the clipping clips
+    np.testing.assert_allclose(res[0], ref[0], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(res[1], ref[1], rtol=RTOL, atol=ATOL)
+    for k, w in ref[3].items():
+        np.testing.assert_allclose(res[3][k], w, rtol=RTOL, atol=WEIGHT_ATOL, err_msg=k)
+
+
+def _state_after_steps(tmp_path, carry: bool):
+    """Adagrad over both tiers on NVMe, three clipped overlapped steps, the last one's
+    updates carried into the next forward or finished in ``step()``; then what a
+    checkpoint reads, the optimizer's own part first."""
+    from harness import WD, batches, build, loss_of, no_decay_groups
+
+    from zerotune.memory.aio import IOHandle
+
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    config = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+              "nvme_path": str(tmp_path), "staging_bytes": 3 * 16 * 4096}  # fmt: skip
+    engine = zerotune.shard(model, config)
+    opt = zerotune.ZeroOptimizer(engine, torch.optim.Adagrad, groups, lr=0.05)
+    done, IOHandle.done = IOHandle.done, lambda self: False
+    try:
+        for ids in batches("gpt2", 3):
+            with opt.overlapped(carry=carry, clipping=True):
+                loss_of(engine, ids).backward()
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+        carried = opt._carry is not None
+        tensors, index = opt.extra_state()
+        units = {u.index: engine.unit_state(u) for u in engine.units if u.trainable}
+    finally:
+        IOHandle.done = done
+    engine.close()
+    return carried, tensors, index, units
+
+
+def test_a_checkpoint_after_a_carried_step_holds_the_finished_step(tmp_path):
+    """What a checkpoint reads right after ``step()`` carried updates into the next forward
+    (scalar state first) is bit for bit what a step finished in ``step()`` leaves."""
+    carried, *got = _state_after_steps(tmp_path / "a", carry=True)
+    finished, *want = _state_after_steps(tmp_path / "b", carry=False)
+    assert carried and not finished
+    assert got[1] == want[1]  # scalars (Adagrad's step counts) in the index
+    assert got[0].keys() == want[0].keys()
+    for k in want[0]:
+        assert torch.equal(got[0][k], want[0][k]), k
+    for index, state in want[2].items():
+        for key, value in state.items():
+            assert torch.equal(got[2][index][key], value), (index, key)

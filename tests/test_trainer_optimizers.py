@@ -31,9 +31,10 @@ CASES = [
     ("adafactor", dict(zero_stage=2, offload_optimizer="nvme")),
 ]
 # transformers' Adafactor spreads the normalized rounding noise of GPT-2's key bias over the
-# whole bias (see MODEL in test_generic_optimizers.py): its losses agree less closely. The
-# 8-bit and sign-based ones (Lion) agree within RTOL over these 6 steps.
-LOOSE = {"adafactor": 1e-4}
+# whole bias (see MODEL in test_generic_optimizers.py): its losses agree less closely (with
+# the state on NVMe the clipped overlapped step sums the norm in another order, unit by
+# unit). The 8-bit and sign-based ones (Lion) agree within RTOL over these 6 steps.
+LOOSE = {"adafactor": 2e-4}
 LR = {"sgd": 0.1, "lion_32bit": 1e-3, "paged_lion_8bit": 1e-3, "lion_8bit": 1e-3}
 
 
@@ -165,22 +166,26 @@ def test_optimizers_that_cannot_run_say_why(tmp_path):
         ZeroTrainer(model=m, args=args, train_dataset=dataset(), optimizers=(opt, None))
 
 
-def test_without_clipping_nvme_updates_overlap_backward(tmp_path, monkeypatch):
-    """--max_grad_norm 0 with the state of an --optim other than AdamW on NVMe: ZeroTrainer
-    runs each step's last backward inside overlapped() and logs the plain Trainer's losses
-    and gradient norms."""
+@pytest.mark.parametrize("max_norm", [0.0, 0.5])
+def test_nvme_updates_overlap_backward_with_clipping_or_without(tmp_path, monkeypatch, max_norm):
+    """The state of an --optim other than AdamW on NVMe: ZeroTrainer runs each step's last
+    backward inside overlapped() (with clipping=True unless --max_grad_norm 0, the updates
+    then carried into the next forward) and logs the plain Trainer's losses and gradient
+    norms, with clipping that clips."""
     calls = []
     overlapped = zerotune.ZeroOptimizer.overlapped
 
     def spy(self, *args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs.get("clipping", False))
         return overlapped(self, *args, **kwargs)
 
     monkeypatch.setattr(zerotune.ZeroOptimizer, "overlapped", spy)
-    plain = plain_run(str(tmp_path / "plain"), optim="adagrad", max_grad_norm=0)
+    plain = plain_run(str(tmp_path / "plain"), optim="adagrad", max_grad_norm=max_norm)
     nvme = dict(offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path))
-    zero = zero_run(str(tmp_path / "zero"), optim="adagrad", max_grad_norm=0, **nvme)
-    assert zero.overlap_step and len(calls) == 6
+    zero = zero_run(str(tmp_path / "zero"), optim="adagrad", max_grad_norm=max_norm, **nvme)
+    assert zero.overlap_step and calls == [max_norm > 0] * 6
+    if max_norm:
+        assert max(logged(plain, "grad_norm")) > max_norm  # the clipping clips
     np.testing.assert_allclose(logged(zero), logged(plain), rtol=RTOL)
     np.testing.assert_allclose(logged(zero, "grad_norm"), logged(plain, "grad_norm"), rtol=RTOL)
     zero.close()

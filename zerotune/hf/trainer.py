@@ -24,7 +24,7 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
   ``optimizer.overlapped(track_norm=True)``. Without clipping (``--max_grad_norm 0``) units
   are updated while backward goes on, and ``_get_grad_norm`` returns a 0-dim tensor that
   ``step()`` fills with the norm summed from the gradients the updates read (the Trainer
-  logs it after the step, with ``.item()``). With clipping (the default) and ZeroAdamW,
+  logs it after the step, with ``.item()``). With clipping (the default),
   ``clipping=True``: the norm is summed as backward finishes each unit, ``_clip_grad_norm``
   returns it at once, and the updates run after ``step()`` into the next forward.
 - Gradients are averaged over ranks, like DDP's, so ``average_tokens_across_devices`` (which
@@ -386,10 +386,10 @@ class ZeroTrainer(Trainer):
     def overlap_step(self) -> bool:
         """Whether the optimizer step overlaps the last backward of each step (see [Note:
         overlapped step] in optim/zero_adam.py): with the optimizer state on NVMe, where the
-        step is mostly disk traffic, stage 2 or 3 and no fp16 loss scaling. ZeroAdamW
-        clipping (``--max_grad_norm``, 1.0 by default) waits for the norm and carries its
-        updates into the next forward ([Note: a clipped overlapped step]); another optimizer
-        overlaps only without clipping."""
+        step is mostly disk traffic, stage 2 or 3 and no fp16 loss scaling (and for another
+        optimizer than AdamW, ``ZeroOptimizer.can_overlap``). With clipping
+        (``--max_grad_norm``, 1.0 by default) the updates wait for the norm and are carried
+        into the next forward ([Note: a clipped overlapped step])."""
         engine = self.engine
         if not (
             engine.config.offload_optimizer == "nvme"
@@ -399,12 +399,10 @@ class ZeroTrainer(Trainer):
             return False
         if isinstance(self.optimizer, ZeroAdamW):
             return True
-        return getattr(self.optimizer, "can_overlap", False) and not self._clips
+        return getattr(self.optimizer, "can_overlap", False)
 
     def _overlapped_backward(self):
-        if isinstance(self.optimizer, ZeroAdamW):
-            return self.optimizer.overlapped(track_norm=True, clipping=self._clips)
-        return self.optimizer.overlapped(track_norm=True)
+        return self.optimizer.overlapped(track_norm=True, clipping=self._clips)
 
     def check_memory_estimate(self) -> list[str]:
         """Compare this rank's measured peaks (host: peak RSS added since the engine was

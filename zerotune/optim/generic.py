@@ -126,12 +126,8 @@ class ZeroOptimizer(ShardedOptimizer):
         self.optimizer_class = optimizer_class
         self.layout = layout
         self._counts: dict[object, int] = {}  # segment key -> its parameter's step count
-        self._overlap: OverlappedStep | None = None  # see overlapped()
-        self.launch_order: list[int] = []  # unit indices, as the last overlapped step went
-        self._carry = None  # never carried into the next forward (see NvmeGenericState)
         self._overrides_mapped = False  # see _map_bitsandbytes_overrides
         self._overrides: dict[int, dict] = {}  # id(model parameter) -> its settings
-        self.norm_sq: torch.Tensor | None = None  # overlapped(track_norm=True)
         self._loaded: dict[int, dict[str, torch.Tensor]] = {}  # unit -> state.* being loaded
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         # Built once on stand-ins: checks the arguments and fills each group's defaults.
@@ -212,18 +208,19 @@ class ZeroOptimizer(ShardedOptimizer):
             raise ValueError("ZeroOptimizer.step does not take a closure")
         self._check_attached()
         overlap, self._overlap = self._overlap, None
-        launched: dict[int, None] = {}  # units updated during backward already
-        if overlap is not None:
-            overlap.close()
-            overlap.finish()
-            launched = overlap.launched
+        self.settle()  # the step before's, should nothing have needed it since
         try:
+            # The units updated during backward or queued (clipping) already.
+            launched = self._end_overlap(overlap) if overlap is not None else {}
             return self._step_rest(launched)
         finally:
-            if self._nvme is not None:
-                self._nvme.end_step()
+            if self._nvme is not None and self._carry is None:
+                self._nvme.end_step()  # else when the carried updates are done
             self.norm_sq = None
             self.pending_grad_norm = None
+
+    def _carry_done(self) -> None:
+        self._nvme.end_step()
 
     def _step_rest(self, launched) -> StepInfo:
         """``step()`` after the overlapped updates: the units not launched during backward."""
@@ -259,21 +256,25 @@ class ZeroOptimizer(ShardedOptimizer):
         return self._nvme is not None and (self.layout == "flat" or self.engine.world == 1)
 
     @contextlib.contextmanager
-    def overlapped(self, track_norm: bool = False):
+    def overlapped(self, track_norm: bool = False, carry: bool = True, clipping: bool = False):
         """As ``ZeroAdamW.overlapped``: run the last backward of a step inside, and each unit
         is updated (its chunks streamed through NVMe) as soon as its gradient is final, while
-        backward goes on; then call ``step()``. Not with clipping, fp16 or stage 1, nor
-        inside ``no_sync()``; ``track_norm``: the global gradient norm is summed from the
-        chunks the updates read (``pending_grad_norm``, filled by ``step()``)."""
+        backward goes on; then call ``step()``. Not with fp16 or stage 1, nor inside
+        ``no_sync()``; ``track_norm``: the global gradient norm is summed from the chunks the
+        updates read (``pending_grad_norm``, filled by ``step()``). ``carry``: the updates
+        still queued at ``step()`` go on during the next forward. ``clipping``: the updates
+        wait for ``step()``, so ``clip_grad_norm_`` may come between, and are carried (see
+        [Note: a clipped overlapped step] in zero_adam.py)."""
         engine = self.engine
         if not self.can_overlap:
             raise RuntimeError(
                 "overlapped(): ZeroOptimizer updates during backward only with its state on "
                 "NVMe and a per-element (flat) layout or one rank"
             )
-        self._start_overlap(track_norm)
+        self.settle()
+        self._start_overlap(track_norm, clipping)
         self._nvme.begin_step()
-        self._overlap = OverlappedStep(self)
+        self._overlap = OverlappedStep(self, carry=carry, clipping=clipping)
         engine.reducer.begin_overlapped_step(self._overlap)
         try:
             yield
@@ -310,8 +311,9 @@ class ZeroOptimizer(ShardedOptimizer):
         g = (unit.grad_shard if grad is None else grad)[start:end]
         if g.dtype != torch.float32:
             g = g.float()
-        if self._factor != 1.0:
-            g.mul_(self._factor)
+        factor = self._update_factor()
+        if factor != 1.0:
+            g.mul_(factor)
         return g
 
     def _inner_step(self) -> None:
@@ -319,6 +321,7 @@ class ZeroOptimizer(ShardedOptimizer):
             return
         if not self._overrides_mapped:
             self._map_bitsandbytes_overrides()
+        carried = self._frozen_groups is not None
         self._sync_hyper(to_inner=True)
         try:
             self.inner.step()
@@ -326,7 +329,8 @@ class ZeroOptimizer(ShardedOptimizer):
             for group in self.inner.param_groups:
                 for p in group["params"]:
                     p.grad = None
-        self._sync_hyper(to_inner=False)
+        if not carried:  # a carried update's groups are frozen copies: nothing to give back
+            self._sync_hyper(to_inner=False)
 
     def _step_by_owners(self) -> None:
         """Whole layout at world size > 1 (see [Note: any torch optimizer over the shards])."""
@@ -392,6 +396,10 @@ class ZeroOptimizer(ShardedOptimizer):
             return targets
         if owners:
             master, grad = self._gather_unit(unit, master, grad)
+        # Whether each parameter got a gradient, as count_step read it: a carried update
+        # runs after zero_grad. An owner's parameter may lie in other ranks' shards alone,
+        # but owners never carry: their update runs in step().
+        counted = {id(s.slot) for s in self.unit_segments.get(unit.index, ()) if s.counted}
         for u, slot, key in self.whole_params:
             if u is not unit:
                 continue
@@ -400,11 +408,12 @@ class ZeroOptimizer(ShardedOptimizer):
                 key.data = master[a:b].view(slot.shape).to(key.device, copy=True)
             else:
                 key.data = master[a:b].view(slot.shape)
-            if slot.got_grad and grad is not None:
+            got = slot.got_grad if owners else id(slot) in counted
+            if got and grad is not None:
                 if owners:
                     key.grad = grad[a:b].view(slot.shape).to(key.device, copy=True)
-                    if self._factor != 1.0:
-                        key.grad.mul_(self._factor)
+                    if self._update_factor() != 1.0:
+                        key.grad.mul_(self._update_factor())
                 else:
                     key.grad = self._grad_view(unit, a, b, grad).view(slot.shape)
             if nv is not None:
@@ -477,7 +486,8 @@ class ZeroOptimizer(ShardedOptimizer):
     def _sync_hyper(self, to_inner: bool) -> None:
         if self.inner is None:
             return
-        for mine, theirs in zip(self.param_groups, self.inner.param_groups):
+        groups = self._update_groups() if to_inner else self.param_groups
+        for mine, theirs in zip(groups, self.inner.param_groups):
             src, dst = (mine, theirs) if to_inner else (theirs, mine)
             for k, v in src.items():
                 if k != "params":
@@ -588,6 +598,7 @@ class ZeroOptimizer(ShardedOptimizer):
     def extra_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """What this rank's checkpoint file holds besides the units' flat tensors: tensors
         named ``opt.<parameter>.<key>`` and an index (for the file's metadata)."""
+        self.engine.settle_optimizer()  # the scalars of updates carried into this forward
         tensors: dict[str, torch.Tensor] = {}
         index: dict[str, dict] = {}
         for name, st, flat in self._owned_states():
@@ -616,6 +627,7 @@ class ZeroOptimizer(ShardedOptimizer):
         """Install the inner optimizer's state from a checkpoint: ``index`` maps a parameter
         name to (rank file, its entry of ``extra_state``'s index); ``read(rank, name)`` gives
         a whole tensor of that file. Per-element state comes from ``write_unit``."""
+        self.engine.settle_optimizer(overwrite=True)
         loaded, self._loaded = self._loaded, {}
         if self.inner is None:
             return

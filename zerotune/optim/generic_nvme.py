@@ -22,9 +22,11 @@ with only this chunk's tensors holding a gradient (the others are skipped, so in
 the groups stay as they are), and the pipeline writes master and state back. Every chunk
 of a segment starts from the scalars the segment had before the step (``begin_step``). So
 the inner ``step()`` runs once per chunk: an optimizer that keeps state in its parameter
-groups (a step counter in the group) is refused here, which the probe finds out. Updates
-are not carried into the next forward (``carries``): they finish in ``step()``. The Adam
-regions the engine's optim file keeps for ZeroAdamW stay unused (the master's is used).
+groups (a step counter in the group) is refused here, which the probe finds out. An
+overlapped step carries its updates into the next forward as ZeroAdamW's does, with the
+hyper-parameters frozen at ``step()``; the step's bracket (``begin_step`` / ``end_step``)
+closes when the last carried update is made. The Adam regions the engine's optim file
+keeps for ZeroAdamW stay unused (the master's is used).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class NvmeGenericState(NvmeStore):
     """The inner optimizer's tensors in ``gstate.swap``, scalars in memory, streamed through
     the NVMe store's pipeline; see [Note: a generic optimizer's state on NVMe]."""
 
-    carries = False  # updates finish in step(): the inner step runs with step()'s settings
+    carries = True  # see [Note: a generic optimizer's state on NVMe]
     previews = False
 
     def __init__(self, opt, hyper: list[dict], kwargs: dict) -> None:

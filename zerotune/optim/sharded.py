@@ -17,8 +17,9 @@ settles a unit's update before gathering it). The optimizer answers, for each un
   for checkpoints and ``engine.unit_state``;
 - ``step_count(key)`` / ``set_step_count(key, n)``: each segment's own step count (see
   [Note: segments] in zero_adam.py), saved per parameter in checkpoints;
-- ``settle`` / ``promote`` / ``pump`` / ``can_preview``: work an optimizer carries into the
-  next forward (only ZeroAdamW's overlapped step carries any; the others have nothing to do).
+- ``settle`` / ``promote`` / ``pump`` / ``can_preview``: the updates an overlapped step
+  carries into the next forward (ZeroAdamW's, and ZeroOptimizer's with its state on NVMe;
+  only ZeroAdamW previews looked-up rows).
 Where a unit's master and gradient live is its ``placement``, decided once by the tier layer
 (see [Note: memory tiers] in memory/tiers.py): an optimizer reads it, and reads gradients
 through the unit's gradient tier, rather than deciding placement again.
@@ -29,12 +30,17 @@ shards (see [Note: any torch optimizer over the shards] in generic.py).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import dist as zdist
+
+if TYPE_CHECKING:
+    from .overlap import OverlappedStep
 
 __all__ = ["Segment", "ShardedOptimizer", "StepInfo"]
 
@@ -65,11 +71,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     engine: object
     unit_segments: dict[int, list[Segment]]
-    # The global gradient norm a step fills in when it summed it itself (an overlapped
-    # step); None otherwise.
-    pending_grad_norm: torch.Tensor | None = None
-    _overlap = None  # the overlapped step, from overlapped() to step()
-    norm_sq: torch.Tensor | None = None  # this rank's sum of grad**2 (track_norm)
     model_param_groups: list[list[torch.nn.Parameter]]
 
     def _build_segments(self, engine, params: Iterable | None) -> list[dict]:
@@ -112,6 +113,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._factor = 1.0  # applied to gradients in the update: 1/loss scale * clip coef
         self._grad_norm: float | None = None
         self._sum_sq: torch.Tensor | None = None
+        self._overlap: OverlappedStep | None = None  # from overlapped() to step()
+        self.launch_order: list[int] = []  # unit indices, as the last overlapped step went
+        # The last overlapped step's pipeline, still running into the next forward, and
+        # the hyper-parameters and gradient factor its updates use (see [Note: carrying the
+        # step into the next forward] in zero_adam.py).
+        self._carry: OverlappedStep | None = None
+        self._frozen_groups: list[dict] | None = None
+        self._frozen_factor = 1.0
+        # With overlapped(track_norm=True): this rank's sum of grad**2, added as the updates
+        # (or, clipping, backward) read the gradients, and the norm step() fills in.
+        self.norm_sq: torch.Tensor | None = None
+        self.pending_grad_norm: torch.Tensor | None = None
         return groups
 
     @staticmethod
@@ -164,7 +177,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.set_step_count(seg.key, self.step_count(seg.key) + 1)
 
     def settle(self, unit=None, overwrite: bool = False) -> None:
-        """Finish work carried into this forward (none by default)."""
+        """Finish the updates the last step carried into this forward (see [Note: carrying
+        the step into the next forward] in zero_adam.py): all of them, or ``unit``'s (moved
+        to the front). ``overwrite``: the caller replaces every unit's state (a checkpoint
+        loads), so a carry that failed is dropped instead of raising again."""
+        carry = self._carry
+        if carry is None:
+            return
+        if overwrite and carry.failed:
+            carry.abandon()
+        else:
+            carry.settle(unit)
+        if not carry.unfinished:
+            self._carry = None
+            self.engine.carry_into_forward(False)
+            self._frozen_groups = None
+            carry.finish()
+            self._carry_done()
+
+    def _carry_done(self) -> None:
+        """The updates carried into the next forward are all made (or dropped)."""
 
     _detached = False  # another optimizer took the engine's shards over
 
@@ -183,10 +215,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
 
     def promote(self, unit) -> None:
-        """Move ``unit``'s carried work to the front (none by default)."""
+        """Move ``unit``'s carried update to the front of the queue (it is needed soon)."""
+        if self._carry is not None:
+            self._carry.feed.promote(unit)
 
     def pump(self) -> None:
-        """Advance carried work without waiting (none by default)."""
+        """Advance the carried updates as far as their I/O allows, without waiting."""
+        if self._carry is not None:
+            self._carry.pump()
 
     def can_preview(self, unit) -> bool:
         return False
@@ -259,6 +295,64 @@ class ShardedOptimizer(torch.optim.Optimizer):
         zdist.all_reduce_sum(sq, self.engine.group)
         self._grad_norm = float(sq.sqrt())
         self.pending_grad_norm.fill_(self._grad_norm)
+
+    def _end_overlap(self, overlap: OverlappedStep) -> dict[int, None]:
+        """In ``step()``, after an overlapped backward: with clipping the norm is known now,
+        so every update is queued; the updates still queued are carried into the next
+        forward or run to their end. Returns the units that step updated (or queued)."""
+        overlap.close()
+        if overlap.clipping:
+            self._prepare()
+            self._clipping_norm(overlap)
+            if not self._overflow:
+                late = [u for u in self._live_units() if u.index not in overlap.launched]
+                overlap.release(late)
+        self._carry_or_finish(overlap)
+        return overlap.launched
+
+    def _carry_or_finish(self, overlap: OverlappedStep) -> None:
+        """Leave the updates still queued to the next forward (see [Note: carrying the step
+        into the next forward] in zero_adam.py), or run them to their end now."""
+        # step() updates more units itself: the pipeline would be busy.
+        can_carry = overlap.carry and all(u.index in overlap.launched for u in self._live_units())
+        if can_carry:
+            # Units that stay gathered are not gathered again: they need their values now.
+            for unit in self.engine.units_kept_gathered():
+                overlap.settle(unit)
+        if not (can_carry and overlap.unfinished):
+            overlap.finish()
+            return
+        if self.norm_sq is not None:
+            self._add_carried_norm(overlap)
+        # Copies of tensor values too: a scheduler may update a tensor lr in place.
+        self._frozen_groups = [
+            copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.param_groups
+        ]
+        self._frozen_factor = self._factor  # clipping's, for the updates carried
+        self._carry = overlap
+        self.engine.carry_into_forward(True)
+        overlap.carried = True
+        overlap.phase = "after step() (carried into the next forward)"
+
+    def _add_carried_norm(self, carry: OverlappedStep) -> None:
+        """With ``track_norm``: add the gradients the carried updates have not read yet (the
+        norm is due at ``step()``; those updates then add nothing, ``norm_sq`` being gone)."""
+        for index, unit in carry.unfinished.items():
+            done = carry.progress.get(index, 0)
+            for c0, c1, grad in self.engine.grad_chunks(unit):
+                if c1 > done:
+                    a = max(c0, done)
+                    self.add_sum_of_squares(self.norm_sq, unit, a, c1, grad[a - c0 :])
+
+    def _update_factor(self) -> float:
+        """What the updates multiply the gradients by (clipping, the fp16 loss scale): the
+        step's, or for updates carried into the next forward the one frozen with them."""
+        return self._factor if self._frozen_groups is None else self._frozen_factor
+
+    def _update_groups(self) -> list[dict]:
+        """The hyper-parameters the updates use: the groups', or for updates carried into
+        the next forward those frozen at ``step()``."""
+        return self.param_groups if self._frozen_groups is None else self._frozen_groups
 
     def _start_overlap(self, track_norm: bool, clipping: bool = False) -> None:
         """What every ``overlapped()`` checks and sets before backward: updates made before

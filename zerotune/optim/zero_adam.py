@@ -93,7 +93,8 @@ sharding/buffers.py), the others being written as usual (held only until their s
 the norm is summed). The updates are exactly the ones a step after
 ``clip_grad_norm_`` makes: same chunks, kernel, step counts and factor (frozen with the
 carried hyper-parameters, and applied to the rows an embedding lookup previews). ZeroTrainer
-uses it by default whenever the optimizer state is on NVMe and ``max_grad_norm`` > 0.
+uses it by default whenever the optimizer state is on NVMe and ``max_grad_norm`` > 0, for
+ZeroAdamW and for a ZeroOptimizer that can overlap (the same base-class machinery).
 
 [Note: carrying the step into the next forward]
 The updates still queued when backward ends are those of the units backward finished last:
@@ -145,7 +146,6 @@ the file (``Unit.reread``).
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterable
 
 import torch
@@ -211,18 +211,6 @@ class ZeroAdamW(ShardedOptimizer):
         for segs in self.unit_segments.values():
             for seg in segs:
                 self.state[seg.key] = {"step": 0}
-        self._overlap: OverlappedStep | None = None  # see [Note: overlapped step]
-        self.launch_order: list[int] = []  # unit indices, as the last overlapped step went
-        # The last overlapped step's pipeline, still running into the next forward, and
-        # the hyper-parameters its updates use (see [Note: carrying the step into the next
-        # forward]).
-        self._carry: OverlappedStep | None = None
-        self._frozen_groups: list[dict] | None = None
-        self._frozen_factor = 1.0
-        # With overlapped(track_norm=True): this rank's sum of grad**2, added chunk by chunk
-        # as the updates read the gradients, and the norm step() fills in.
-        self.norm_sq: torch.Tensor | None = None
-        self.pending_grad_norm: torch.Tensor | None = None
         engine.attach_optimizer(self)
 
     @contextlib.contextmanager
@@ -272,17 +260,7 @@ class ZeroAdamW(ShardedOptimizer):
         self._check_attached()
         overlap, self._overlap = self._overlap, None
         self.settle()  # the step before's, should nothing have needed it since
-        launched: dict[int, None] = {}  # units updated during backward already
-        if overlap is not None:
-            overlap.close()
-            if overlap.clipping:
-                self._prepare()
-                self._clipping_norm(overlap)
-                if not self._overflow:
-                    late = [u for u in self._live_units() if u.index not in overlap.launched]
-                    overlap.release(late)
-            launched = overlap.launched
-            self._carry_or_finish(overlap)
+        launched = self._end_overlap(overlap) if overlap is not None else {}
         self._prepare()
         info = self._step_info()
         if not self._overflow:
@@ -299,40 +277,6 @@ class ZeroAdamW(ShardedOptimizer):
         self.pending_grad_norm = None
         self._end_step()
         return info
-
-    def _carry_or_finish(self, overlap: OverlappedStep) -> None:
-        """Leave the updates still queued to the next forward (see [Note: carrying the step
-        into the next forward]), or run them to their end now."""
-        # step() updates more units itself: the pipeline would be busy.
-        can_carry = overlap.carry and all(u.index in overlap.launched for u in self._live_units())
-        if can_carry:
-            # Units that stay gathered are not gathered again: they need their values now.
-            for unit in self.engine.units_kept_gathered():
-                overlap.settle(unit)
-        if not (can_carry and overlap.unfinished):
-            overlap.finish()
-            return
-        if self.norm_sq is not None:
-            self._add_carried_norm(overlap)
-        # Copies of tensor values too: a scheduler may update a tensor lr in place.
-        self._frozen_groups = [
-            copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.param_groups
-        ]
-        self._frozen_factor = self._factor  # clipping's, for the updates carried
-        self._carry = overlap
-        self.engine.carry_into_forward(True)
-        overlap.carried = True
-        overlap.phase = "after step() (carried into the next forward)"
-
-    def _add_carried_norm(self, carry) -> None:
-        """With ``track_norm``: add the gradients the carried updates have not read yet (the
-        norm is due at ``step()``; those updates then add nothing, ``norm_sq`` being gone)."""
-        for index, unit in carry.unfinished.items():
-            done = carry.progress.get(index, 0)
-            for c0, c1, grad in self.engine.grad_chunks(unit):
-                if c1 > done:
-                    a = max(c0, done)
-                    self.add_sum_of_squares(self.norm_sq, unit, a, c1, grad[a - c0 :])
 
     def update_chunk(self, unit, c0, c1, master, moments, grad) -> None:
         """Update elements ``[c0, c1)`` of ``unit``'s shard: ``master``, ``grad`` and the
@@ -371,15 +315,10 @@ class ZeroAdamW(ShardedOptimizer):
         if c1 == unit.shard_numel:
             self.engine.lowp_done(unit, target)
 
-    def _update_factor(self) -> float:
-        """What the updates multiply the gradients by (clipping, the fp16 loss scale): the
-        step's, or for updates carried into the next forward the one frozen with them."""
-        return self._factor if self._frozen_groups is None else self._frozen_factor
-
     def _segments_in(self, unit, c0: int, c1: int) -> list[tuple[int, int, dict]]:
         """(start, stop) relative to ``c0`` and Adam's arguments of each segment of ``unit``
         within ``[c0, c1)`` that this step updates, in order (the fused op needs it)."""
-        groups = self._frozen_groups if self._frozen_groups is not None else self.param_groups
+        groups = self._update_groups()
         segments = []
         for seg in self.unit_segments[unit.index]:
             a, b = max(seg.start, c0), min(seg.end, c1)
@@ -403,29 +342,6 @@ class ZeroAdamW(ShardedOptimizer):
         """The moments in the engine's optim file start at zero for the next optimizer."""
         super().detach()
         self.store.reset_moments([u for u in self.engine.units if self.owns(u)])
-
-    def settle(self, unit=None, overwrite: bool = False) -> None:
-        """Finish the updates the last step carried into this forward (see [Note: carrying
-        the step into the next forward]): all of them, or ``unit``'s (moved to the front).
-        ``overwrite``: the caller replaces every unit's state (a checkpoint loads), so a
-        carry that failed is dropped instead of raising again."""
-        carry = self._carry
-        if carry is None:
-            return
-        if overwrite and carry.failed:
-            carry.abandon()
-        else:
-            carry.settle(unit)
-        if not carry.unfinished:
-            self._carry = None
-            self.engine.carry_into_forward(False)
-            self._frozen_groups = None
-            carry.finish()
-
-    def promote(self, unit) -> None:
-        """Move ``unit``'s carried update to the front of the queue (it is needed soon)."""
-        if self._carry is not None:
-            self._carry.feed.promote(unit)
 
     def can_preview(self, unit) -> bool:
         """Whether a lookup into ``unit`` (an embedding whose update the last step carried
@@ -479,11 +395,6 @@ class ZeroAdamW(ShardedOptimizer):
         m, v = torch.cat(m), torch.cat(v)
         self._adam(master, g, (m, v), [(0, index.numel(), segments[0][2])], None)
         flat[index] = master
-
-    def pump(self) -> None:
-        """Advance the carried updates as far as their I/O allows, without waiting."""
-        if self._carry is not None:
-            self._carry.pump()
 
     # ------------------------------------------------------------------ step interface
     def state_specs(self, unit) -> list[tuple[str, torch.dtype, int]]:
