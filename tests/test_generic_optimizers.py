@@ -491,3 +491,30 @@ def test_a_checkpoint_after_a_carried_step_holds_the_finished_step(tmp_path):
     for index, state in want[2].items():
         for key, value in state.items():
             assert torch.equal(got[2][index][key], value), (index, key)
+
+
+def _bf16_run(rank, world, name, nvme_path, overlap):
+    from zerotune.memory.aio import IOHandle
+
+    config = {"stage": 3, "dtype": "bf16", "offload_optimizer": "nvme", "offload_param": "nvme",
+              "nvme_path": nvme_path, "staging_bytes": 3 * 16 * 4096}  # fmt: skip
+    done, IOHandle.done = IOHandle.done, lambda self: False  # see run_cases
+    try:
+        return train_zero(rank, world, "gpt2", config, optimizer=name, clip=0.5, overlap=overlap)
+    finally:
+        IOHandle.done = done
+
+
+@pytest.mark.parametrize("name", ["sgd", "adafactor"])
+def test_carried_bf16_updates_equal_the_step_after_backward(name, tmp_path):
+    """bf16 compute: the compute-dtype copies the carried updates refresh before each gather
+    are those of a clipped step after backward (the same losses; the norm, summed unit by
+    unit, may differ in its last bit, and the weights by that)."""
+    after = _bf16_run(0, 1, name, str(tmp_path), overlap=False)
+    carried = _bf16_run(0, 1, name, str(tmp_path), overlap=True)
+    assert carried["carried"] == STEPS
+    assert carried["losses"] == after["losses"]
+    np.testing.assert_allclose(carried["norms"], after["norms"], rtol=1e-6)
+    for k, w in after["weights"].items():
+        got = carried["weights"][k].float().numpy()
+        np.testing.assert_allclose(got, w.float().numpy(), rtol=0, atol=1e-6, err_msg=k)
