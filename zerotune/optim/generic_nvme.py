@@ -112,7 +112,6 @@ class NvmeGenericState(NvmeStore):
     """The inner optimizer's tensors in ``gstate.swap``, scalars in memory, streamed through
     the NVMe store's pipeline; see [Note: a generic optimizer's state on NVMe]."""
 
-    carries = True  # see [Note: a generic optimizer's state on NVMe]
     previews = False
 
     def __init__(self, opt, hyper: list[dict], kwargs: dict) -> None:
