@@ -528,3 +528,50 @@ def test_carried_bf16_updates_equal_the_step_after_backward(name, tmp_path):
     for k, w in after["weights"].items():
         got = carried["weights"][k].float().numpy()
         np.testing.assert_allclose(got, w.float().numpy(), rtol=0, atol=1e-6, err_msg=k)
+
+
+def _clipped_twice(tmp_path, overlap: bool):
+    """Three SGD steps over both tiers on NVMe, each clipped twice (at 0.5, then 0.2), the
+    backward inside ``overlapped(clipping=True)`` or not; or plain (``tmp_path`` None)."""
+    from harness import WD, batches, build, loss_of, no_decay_groups
+
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    if tmp_path is None:
+        runner, opt = model, torch.optim.SGD(groups, lr=0.05)
+        clip = lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m)  # noqa: E731
+    else:
+        config = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+                  "nvme_path": str(tmp_path)}  # fmt: skip
+        runner = zerotune.shard(model, config)
+        opt = zerotune.ZeroOptimizer(runner, torch.optim.SGD, groups, lr=0.05)
+        clip = opt.clip_grad_norm_
+    norms = []
+    for ids in batches("gpt2", 3):
+        loss = loss_of(runner, ids)
+        if overlap:
+            with opt.overlapped(clipping=True):
+                loss.backward()
+        else:
+            loss.backward()
+        norms.append([float(clip(0.5)), float(clip(0.2))])
+        opt.step()
+        opt.zero_grad()
+    if tmp_path is None:
+        return norms, {k: v.detach().numpy() for k, v in model.named_parameters()}
+    weights = {k: v.numpy() for k, v in runner.full_state_dict().items()}
+    runner.close()
+    return norms, weights
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["after", "overlapped"])
+def test_clipping_twice_clips_the_clipped_gradients(tmp_path, overlap):
+    """A second ``clip_grad_norm_`` sees the gradients the first one scaled, as torch's does
+    (it returns their norm and clips them further), also when the norm was summed during an
+    overlapped backward."""
+    ref_norms, ref = _clipped_twice(None, False)
+    norms, weights = _clipped_twice(tmp_path, overlap)
+    assert all(a > 0.5 and 0.2 < b < 0.5 + 1e-5 for a, b in ref_norms)  # both clips clip
+    np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
+    for k, w in ref.items():
+        np.testing.assert_allclose(weights[k], w, rtol=RTOL, atol=WEIGHT_ATOL, err_msg=k)

@@ -112,6 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._overflow = False
         self._factor = 1.0  # applied to gradients in the update: 1/loss scale * clip coef
         self._grad_norm: float | None = None
+        self._summed_norm: float | None = None  # a clipping overlapped step's, unclipped
         self._sum_sq: torch.Tensor | None = None
         self._overlap: OverlappedStep | None = None  # from overlapped() to step()
         self.launch_order: list[int] = []  # unit indices, as the last overlapped step went
@@ -293,7 +294,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if unit.index not in overlap.launched:
                 self.add_unit_sum_of_squares(sq, unit)
         zdist.all_reduce_sum(sq, self.engine.group)
-        self._grad_norm = float(sq.sqrt())
+        self._grad_norm = self._summed_norm = float(sq.sqrt())
         self.pending_grad_norm.fill_(self._grad_norm)
 
     def _end_overlap(self, overlap: OverlappedStep) -> dict[int, None]:
@@ -391,7 +392,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return torch.tensor(float("inf"))
         if self._overlap is not None:  # clipping: summed as backward went
             self._clipping_norm(self._overlap)
-            norm = torch.tensor(self._grad_norm)
+            # A second call sees the gradients the first one scaled, as torch's does.
+            norm = torch.tensor(self._summed_norm * self._factor)
         else:
             if self.engine.scaler is None:
                 sq = self._grad_sum_of_squares()
@@ -428,5 +430,5 @@ class ShardedOptimizer(torch.optim.Optimizer):
             scaler.update(self._overflow)
         self._prepared = False
         self._overflow = False
-        self._grad_norm = None
+        self._grad_norm = self._summed_norm = None
         self.engine.zero_grad()
