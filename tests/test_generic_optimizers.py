@@ -160,6 +160,9 @@ CLIPPED_OVERLAP = {
         ("adafactor", 3, 1, False, "nvme", True),
         ("adagrad", 3, 2, False, "nvme-disk-grads", True),
         ("rmsprop", 2, 1, False, "nvme-chunks", True),
+        ("lion", 3, 1, False, "nvme", True),
+        ("hf_adafactor", 3, 1, False, "nvme-both", True),
+        ("adamw_bnb_8bit", 3, 1, False, "nvme", True),
     ],
     2: [
         ("rmsprop", 3, 2, True, "nvme-disk-grads", True),
