@@ -66,7 +66,6 @@ from ..checkpoint.export import export_dtype
 from ..estimate import check_estimate
 from ..init import from_pretrained, load_weights, zero_init
 from ..memory.probes import accelerator_allocated, current_rss, peak_rss, reset_peak_rss
-from ..optim import ZeroAdamW
 from ..sharding import ZeroEngine
 from .args import ZeroTrainingArguments
 from .checkpoints import (
@@ -386,10 +385,10 @@ class ZeroTrainer(Trainer):
     def overlap_step(self) -> bool:
         """Whether the optimizer step overlaps the last backward of each step (see [Note:
         overlapped step] in optim/zero_adam.py): with the optimizer state on NVMe, where the
-        step is mostly disk traffic, stage 2 or 3 and no fp16 loss scaling (and for another
-        optimizer than AdamW, ``ZeroOptimizer.can_overlap``). With clipping
-        (``--max_grad_norm``, 1.0 by default) the updates wait for the norm and are carried
-        into the next forward ([Note: a clipped overlapped step])."""
+        step is mostly disk traffic, stage 2 or 3, no fp16 loss scaling and an optimizer that
+        ``can_overlap`` (ZeroAdamW; a ZeroOptimizer with per-element state or on one rank).
+        With clipping (``--max_grad_norm``, 1.0 by default) the updates wait for the norm and
+        are carried into the next forward ([Note: a clipped overlapped step])."""
         engine = self.engine
         if not (
             engine.config.offload_optimizer == "nvme"
@@ -397,9 +396,7 @@ class ZeroTrainer(Trainer):
             and engine.scaler is None
         ):
             return False
-        if isinstance(self.optimizer, ZeroAdamW):
-            return True
-        return getattr(self.optimizer, "can_overlap", False)
+        return self.optimizer.can_overlap
 
     def _overlapped_backward(self):
         return self.optimizer.overlapped(track_norm=True, clipping=self._clips)

@@ -412,8 +412,9 @@ class ZeroOptimizer(ShardedOptimizer):
             if got and grad is not None:
                 if owners:
                     key.grad = grad[a:b].view(slot.shape).to(key.device, copy=True)
-                    if self._update_factor() != 1.0:
-                        key.grad.mul_(self._update_factor())
+                    factor = self._update_factor()
+                    if factor != 1.0:
+                        key.grad.mul_(factor)
                 else:
                     key.grad = self._grad_view(unit, a, b, grad).view(slot.shape)
             if nv is not None:
@@ -598,7 +599,7 @@ class ZeroOptimizer(ShardedOptimizer):
     def extra_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """What this rank's checkpoint file holds besides the units' flat tensors: tensors
         named ``opt.<parameter>.<key>`` and an index (for the file's metadata)."""
-        self.engine.settle_optimizer()  # the scalars of updates carried into this forward
+        self.settle()  # the scalars of updates carried into this forward
         tensors: dict[str, torch.Tensor] = {}
         index: dict[str, dict] = {}
         for name, st, flat in self._owned_states():
@@ -627,7 +628,7 @@ class ZeroOptimizer(ShardedOptimizer):
         """Install the inner optimizer's state from a checkpoint: ``index`` maps a parameter
         name to (rank file, its entry of ``extra_state``'s index); ``read(rank, name)`` gives
         a whole tensor of that file. Per-element state comes from ``write_unit``."""
-        self.engine.settle_optimizer(overwrite=True)
+        self.settle(overwrite=True)
         loaded, self._loaded = self._loaded, {}
         if self.inner is None:
             return

@@ -199,6 +199,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _carry_done(self) -> None:
         """The updates carried into the next forward are all made (or dropped)."""
 
+    @property
+    def can_overlap(self) -> bool:
+        """Whether ``overlapped()`` can update units during backward (ZeroAdamW always can;
+        see ``ZeroOptimizer.can_overlap``)."""
+        return True
+
     _detached = False  # another optimizer took the engine's shards over
 
     def detach(self) -> None:
