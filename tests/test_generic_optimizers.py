@@ -3,6 +3,7 @@ on the plain model: losses and weights, every stage and tier, world sizes 1-3.""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 
 import numpy as np
@@ -79,18 +80,29 @@ def reference(name: str, clip: bool) -> dict:
     return _refs[key]
 
 
-def run_cases(rank, world, cases, overlap=False):
-    if overlap:
-        # I/O reports itself done only once waited for: the pipeline falls behind, so
-        # every step() leaves updates to carry into the next forward.
-        from zerotune.memory.aio import IOHandle
+@contextlib.contextmanager
+def io_behind():
+    """I/O reports itself done only once waited for: the pipeline falls behind, so every
+    overlapped step leaves updates to carry into the next forward."""
+    from zerotune.memory.aio import IOHandle
 
-        done, IOHandle.done = IOHandle.done, lambda self: False
-        try:
-            return _run_cases(rank, world, cases, overlap)
-        finally:
-            IOHandle.done = done
-    return _run_cases(rank, world, cases, overlap)
+    done, IOHandle.done = IOHandle.done, lambda self: False
+    try:
+        yield
+    finally:
+        IOHandle.done = done
+
+
+def nvme_both(path, **more) -> dict:
+    """Stage 3, parameters and optimizer state on NVMe under ``path``, staging slots that
+    cut each block's shard into several chunks."""
+    return {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+            "nvme_path": str(path), "staging_bytes": 3 * 16 * 4096, **more}  # fmt: skip
+
+
+def run_cases(rank, world, cases, overlap=False):
+    with io_behind() if overlap else contextlib.nullcontext():
+        return _run_cases(rank, world, cases, overlap)
 
 
 def _run_cases(rank, world, cases, overlap):
@@ -345,11 +357,8 @@ def test_bf16_compute_keeps_the_fp32_master(offload, tmp_path):
 def _overlapped_run(rank, world, name, config, overlap):
     """Six steps with the state on NVMe, the backward inside ``overlapped()`` or not;
     losses, gradient norms (summed by the updates when overlapped; at ``step()`` for those
-    carried into the next forward) and weights. I/O reports itself done only once waited
-    for (see run_cases), so overlapped steps carry."""
+    carried into the next forward) and weights; overlapped steps carry (``io_behind``)."""
     from harness import GLOBAL_BATCH, WD, batches, build, loss_of, make_optimizer, no_decay_groups
-
-    from zerotune.memory.aio import IOHandle
 
     model = build("gpt2")
     groups = no_decay_groups(model, WD)
@@ -357,8 +366,7 @@ def _overlapped_run(rank, world, name, config, overlap):
     opt = make_optimizer(name, groups, engine)
     per = GLOBAL_BATCH // world
     losses, norms, launched, carried = [], [], 0, 0
-    done, IOHandle.done = IOHandle.done, lambda self: False
-    try:
+    with io_behind():
         for ids in batches("gpt2", 6):
             loss = loss_of(engine, ids[rank * per : (rank + 1) * per])
             if overlap:
@@ -372,8 +380,6 @@ def _overlapped_run(rank, world, name, config, overlap):
                 norms.append(float(opt.clip_grad_norm_(float("inf"))))
                 opt.step()
             losses.append(float(loss))
-    finally:
-        IOHandle.done = done
     weights = {k: v.numpy() for k, v in engine.full_state_dict().items()}
     engine.close()
     return {"losses": losses, "norms": norms, "weights": weights, "launched": launched,
@@ -385,8 +391,7 @@ def test_overlapped_updates_during_backward_equal_the_step(name, world, tmp_path
     """With the state on NVMe, ``overlapped()`` updates each unit as backward finishes it:
     the same results as updating after backward, bit for bit, units really launched during
     backward, and the gradient norm summed from what the updates read."""
-    config = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
-              "nvme_path": str(tmp_path), "staging_bytes": 3 * 16 * 4096}  # fmt: skip
+    config = nvme_both(tmp_path)
     plain = run_world(world, _overlapped_run, name, config, False)[0]
     over = run_world(world, _overlapped_run, name, config, True)[0]
     assert over["launched"] > 0 and over["carried"] == 6
@@ -399,25 +404,20 @@ def test_overlapped_updates_during_backward_equal_the_step(name, world, tmp_path
 def _scheduled(tmp_path, cls, kwargs, carried: bool):
     """Six clipped steps of ``cls`` with an LR scheduler stepped right after each
     ``step()``: plain (``carried`` False, no engine) or over the shards, both tiers on NVMe,
-    each step's updates carried into the next forward (I/O reports itself done only once
-    waited for). Losses, norms, steps that carried, weights."""
+    each step's updates carried into the next forward (``io_behind``). Losses, norms, steps
+    that carried, weights."""
     from harness import WD, batches, build, loss_of, no_decay_groups
-
-    from zerotune.memory.aio import IOHandle
 
     model = build("gpt2")
     groups = no_decay_groups(model, WD)
     if carried:
-        config = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
-                  "nvme_path": str(tmp_path), "staging_bytes": 3 * 16 * 4096}  # fmt: skip
-        runner = zerotune.shard(model, config)
+        runner = zerotune.shard(model, nvme_both(tmp_path))
         opt = zerotune.ZeroOptimizer(runner, cls, groups, **kwargs)
     else:
         runner, opt = model, cls(groups, **kwargs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.15 * s)
     losses, norms, carries = [], [], 0
-    done, IOHandle.done = IOHandle.done, lambda self: False
-    try:
+    with io_behind():
         for ids in batches("gpt2", 6):
             loss = loss_of(runner, ids)
             if carried:
@@ -432,8 +432,6 @@ def _scheduled(tmp_path, cls, kwargs, carried: bool):
             opt.zero_grad()
             carries += carried and opt._carry is not None
             losses.append(float(loss.detach()))
-    finally:
-        IOHandle.done = done
     if carried:
         weights = {k: v.numpy() for k, v in runner.full_state_dict().items()}
         runner.close()
@@ -467,16 +465,11 @@ def _state_after_steps(tmp_path, carry: bool):
     checkpoint reads, the optimizer's own part first."""
     from harness import WD, batches, build, loss_of, no_decay_groups
 
-    from zerotune.memory.aio import IOHandle
-
     model = build("gpt2")
     groups = no_decay_groups(model, WD)
-    config = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
-              "nvme_path": str(tmp_path), "staging_bytes": 3 * 16 * 4096}  # fmt: skip
-    engine = zerotune.shard(model, config)
+    engine = zerotune.shard(model, nvme_both(tmp_path))
     opt = zerotune.ZeroOptimizer(engine, torch.optim.Adagrad, groups, lr=0.05)
-    done, IOHandle.done = IOHandle.done, lambda self: False
-    try:
+    with io_behind():
         for ids in batches("gpt2", 3):
             with opt.overlapped(carry=carry, clipping=True):
                 loss_of(engine, ids).backward()
@@ -485,8 +478,6 @@ def _state_after_steps(tmp_path, carry: bool):
         carried = opt._carry is not None
         tensors, index = opt.extra_state()
         units = {u.index: engine.unit_state(u) for u in engine.units if u.trainable}
-    finally:
-        IOHandle.done = done
     engine.close()
     return carried, tensors, index, units
 
@@ -507,15 +498,9 @@ def test_a_checkpoint_after_a_carried_step_holds_the_finished_step(tmp_path):
 
 
 def _bf16_run(rank, world, name, nvme_path, overlap):
-    from zerotune.memory.aio import IOHandle
-
-    config = {"stage": 3, "dtype": "bf16", "offload_optimizer": "nvme", "offload_param": "nvme",
-              "nvme_path": nvme_path, "staging_bytes": 3 * 16 * 4096}  # fmt: skip
-    done, IOHandle.done = IOHandle.done, lambda self: False  # see run_cases
-    try:
+    config = nvme_both(nvme_path, dtype="bf16")
+    with io_behind():
         return train_zero(rank, world, "gpt2", config, optimizer=name, clip=0.5, overlap=overlap)
-    finally:
-        IOHandle.done = done
 
 
 @pytest.mark.parametrize("name", ["sgd", "adafactor"])
