@@ -11,6 +11,8 @@ from trainer_cases import COMMON, dataset, logged, model, plain_run, zero_run
 
 import zerotune
 from zerotune.hf import ZeroTrainer, ZeroTrainingArguments
+from zerotune.memory.aio import IOHandle
+from zerotune.sharding.engine import ZeroEngine
 
 RTOL = 1e-5
 # (--optim, ZeroTrainer overrides): stage 3 unless said otherwise
@@ -171,7 +173,8 @@ def test_nvme_updates_overlap_backward_with_clipping_or_without(tmp_path, monkey
     """The state of an --optim other than AdamW on NVMe: ZeroTrainer runs each step's last
     backward inside overlapped() (with clipping=True unless --max_grad_norm 0, the updates
     then carried into the next forward) and logs the plain Trainer's losses and gradient
-    norms, with clipping that clips."""
+    norms, with clipping that clips; evaluations between steps (their forward finishes the
+    carried updates first) give the plain Trainer's losses."""
     calls = []
     overlapped = zerotune.ZeroOptimizer.overlapped
 
@@ -180,10 +183,21 @@ def test_nvme_updates_overlap_backward_with_clipping_or_without(tmp_path, monkey
         return overlapped(self, *args, **kwargs)
 
     monkeypatch.setattr(zerotune.ZeroOptimizer, "overlapped", spy)
-    plain = plain_run(str(tmp_path / "plain"), optim="adagrad", max_grad_norm=max_norm)
+    carried = []
+    carry = ZeroEngine.carry_into_forward
+    monkeypatch.setattr(
+        ZeroEngine, "carry_into_forward", lambda self, on: (carried.append(on), carry(self, on))
+    )
+    run = dict(optim="adagrad", max_grad_norm=max_norm, eval_strategy="steps", eval_steps=2)
+    plain = plain_run(str(tmp_path / "plain"), **run)
     nvme = dict(offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path))
-    zero = zero_run(str(tmp_path / "zero"), optim="adagrad", max_grad_norm=max_norm, **nvme)
+    # I/O done only once waited for: each step's updates are carried into the next forward.
+    monkeypatch.setattr(IOHandle, "done", lambda self: False)
+    zero = zero_run(str(tmp_path / "zero"), **run, **nvme)
     assert zero.overlap_step and calls == [max_norm > 0] * 6
+    assert carried.count(True) == 6
+    assert len(logged(zero, "eval_loss")) == 3
+    np.testing.assert_allclose(logged(zero, "eval_loss"), logged(plain, "eval_loss"), rtol=RTOL)
     if max_norm:
         assert max(logged(plain, "grad_norm")) > max_norm  # the clipping clips
     np.testing.assert_allclose(logged(zero), logged(plain), rtol=RTOL)

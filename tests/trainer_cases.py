@@ -63,7 +63,7 @@ def plain_run(output_dir: str, **overrides):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(output_dir=output_dir, **{**COMMON, **overrides})
-    trainer = Trainer(model=model(), args=args, train_dataset=dataset())
+    trainer = Trainer(model=model(), args=args, train_dataset=dataset(), eval_dataset=dataset(16))
     trainer.train()
     return trainer
 
