@@ -381,7 +381,8 @@ def test_the_master_is_updated_in_the_page_cache(overlap, tmp_path, monkeypatch,
     """With fp32 moments the step updates the master in the parameter file's pages through
     a shared mapping (see [Note: the master updated in the page cache]): bit for bit what
     the copying path gives (losses, weights, moments), with the master's bytes neither read
-    nor written through staging; buffered files take 4 MiB blocks; a kernel without
+    nor written through staging but asked of the page cache ahead (each chunk's exactly,
+    once a step); buffered files take 4 MiB blocks; a kernel without
     MADV_POPULATE_WRITE, or a filesystem refusing shared mappings, makes the store copy the
     chunks started after the first one, with one log line and the same results."""
     import errno
@@ -397,7 +398,17 @@ def test_the_master_is_updated_in_the_page_cache(overlap, tmp_path, monkeypatch,
     def refuse(self, offset, nbytes):
         raise OSError(errno.ENODEV, "No such device")
 
+    asked = []
+    will_need = SwapFile.will_need
+
+    def spy(self, offset, nbytes):
+        asked.append((offset, nbytes))
+        return will_need(self, offset, nbytes)
+
+    monkeypatch.setattr(SwapFile, "will_need", spy)
+
     def run(name, in_place=True, populate=None, shared_maps=True):
+        asked.clear()
         if populate is not None:
             monkeypatch.setattr(state_store, "_MADV_POPULATE_WRITE", populate)
         if not shared_maps:  # a filesystem that maps files copy-on-write only
@@ -433,13 +444,22 @@ def test_the_master_is_updated_in_the_page_cache(overlap, tmp_path, monkeypatch,
         offsets = [e.offset for (kind, _), e in swap.extents.items() if kind == "param"]
         blocks = {kind: f.block_bytes for kind, f in swap.files.items()}
         masters = sum(u.shard_numel * 4 for u in engine.units if u.trainable)
+        extents = [u.params.extent for u in engine.units if u.trainable]
+        inside = [
+            any(e.offset <= a and a + n <= e.offset + e.nbytes for e in extents) for a, n in asked
+        ]
         engine.close()
-        return out, offsets, blocks, masters
+        return out, offsets, blocks, (masters, sorted(asked), all(inside))
 
-    (losses, weights, states, read, kept), offsets, blocks, masters = run("in-place")
+    (losses, weights, states, read, kept), offsets, blocks, (masters, asked, inside) = run(
+        "in-place"
+    )
     assert kept and len(offsets) > 3
+    assert inside and len(set(asked)) > len(offsets)  # several chunks per unit
+    if not overlap:  # (overlapped, reads ahead given up ask again)
+        assert sum(n for _, n in asked) == 3 * masters and len(set(asked)) * 3 == len(asked)
     assert blocks == {"param": 4 << 20, "optim": 1 << 20}, blocks
-    copied, *_ = run("copied", in_place=False)
+    copied, _, _, (_, copied_asked, _) = run("copied", in_place=False)
     with caplog.at_level(logging.INFO, logger="zerotune.optim.state_store"):
         unsupported, *_ = run("no-populate", populate=0x7FFF)  # EINVAL, as an old kernel
         unmapped, *_ = run("no-shared-maps", shared_maps=False)
@@ -455,6 +475,7 @@ def test_the_master_is_updated_in_the_page_cache(overlap, tmp_path, monkeypatch,
                 assert torch.equal(theirs[key], value), key
         assert not other[4]
         assert other[3] > read
+    assert copied_asked == []  # the copying path reads the master through staging
     if not overlap:  # (overlapped, reads ahead given up add bytes that depend on timing)
         assert copied[3] - read == 3 * masters  # each master chunk once a step
 

@@ -258,6 +258,14 @@ class SwapFile:
         if offset < 0 or offset % mmap.ALLOCATIONGRANULARITY or nbytes <= 0:
             raise ValueError(f"map of {self.path}: bad region ({offset}, {nbytes})")
 
+    def will_need(self, offset: int, nbytes: int) -> None:
+        """Start reading the file's bytes ``[offset, offset + nbytes)`` into the page cache
+        without waiting (``POSIX_FADV_WILLNEED``): a later mapping or buffered read of them
+        finds them there or on their way. Buffered files only; cached pages cost nothing."""
+        if self._closed or self.direct:
+            raise ValueError(f"will_need on {self.path}: closed, or opened with O_DIRECT")
+        os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+
     def map_shared(self, offset: int, nbytes: int) -> mmap.mmap:
         """The file's bytes ``[offset, offset + nbytes)`` as a shared, writable mapping:
         writes into it change the file's page-cache pages, that is the file (as a ``write``

@@ -25,32 +25,24 @@ moments the master is not even copied: the update runs on the page-cache pages t
 and written back, and a gather of the unit waits for that write (``Unit.param_file_writes``).
 
 [Note: the master updated in the page cache]
-Reading the master chunk from the page cache into staging and writing it back were two
-copies of 4 bytes per parameter and step (gpt2-medium: 1.4 GB each way, 0.43 CPU-seconds a
-step on a 2-core VM whose step is CPU-bound). Instead, the chunk's range of the parameter
-file is mapped shared and writable (rounded out to 2 MiB boundaries, so that huge pages map
-whole; only the chunk's own pages are filled and written) and the C++ Adam updates the
-master there, in place; its moments still come and go through staging with O_DIRECT. The
-kernel writes the dirty pages back when it likes, as it does after a ``pwrite``. Before the
-update the unit gives up a copy-on-write gather still mapping the same pages
-(``Unit.keep_private``) and waits for earlier writes of its parameter extent; nothing waits
-afterwards (the pages are the file). The result is bit-identical to the copying path: the
-same kernel on the same values.
-The mapping is filled in one call, ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14), before
-the update touches it: first writes into a shared file mapping otherwise trap once per 4 KiB
-page, which measured here (a file written in 1 MiB pieces) five times the copies' cost. The
-call takes one fault per page-cache folio, which the layout makes 2 MiB (see [Note: huge
-page-cache pages] in memory/swap.py): for a 16 MiB chunk 8 faults and 0.4 ms, and even a
-file of 4 KiB pages took 5 ms against 13 ms for the read and the write it replaces. A disk
-error while it reads a page comes back from the call as an exception (instead of SIGBUS on
-access). A kernel without it (EINVAL), or a filesystem that refuses shared mappings, gets
-the copying path for the chunks started from then on (those already started are updated
-in place, unfilled, or read and written synchronously), logged once; ``map_param_file:
-false`` chooses that path from the start. Unlike the copy, an update that fails halfway
-(the C++ Adam refusing a later segment's hyper-parameters, an interrupt) leaves the
-segments before it updated in the file while their moments are not written. A step that
-fails is not one to go on from either way: the units before the failing chunk are updated,
-those after it are not.
+With fp32 moments the master is not copied through staging: the chunk's range of the
+parameter file is mapped shared and writable (rounded out to 2 MiB boundaries, so that huge
+pages map whole; only the chunk's own pages are filled and written) and the C++ Adam updates
+the master there, in place, while the moments come and go through staging with O_DIRECT.
+The kernel writes the dirty pages back when it likes, as after a ``pwrite``. Before the
+update the unit gives up a copy-on-write gather still mapping those pages
+(``Unit.keep_private``) and waits for earlier writes of its parameter extent. The result is
+bit-identical to the copying path: the same kernel on the same values.
+The mapping is filled in one call, ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14), one fault
+per page-cache folio (2 MiB, see [Note: huge page-cache pages] in memory/swap.py) instead of
+a trap per 4 KiB page on first write; a disk error reading a page comes back from it as an
+exception instead of SIGBUS. Pages the page cache gave up (host memory short) would be read
+by that call synchronously, so they are asked for (``SwapFile.will_need``) when the chunk's
+moments are read, and come in alongside. A kernel without the call (EINVAL), or a filesystem
+that refuses shared mappings, gets the copying path for the chunks started from then on,
+logged once; ``map_param_file: false`` chooses it from the start. Unlike the copy, an update
+that fails halfway leaves the segments before it updated in the file while their moments are
+not written; a failed step is not one to go on from either way.
 
 With 8-bit moments (see [Note: 8-bit optimizer states] in quant8.py) a quantized unit's
 moments are codes and absmax values. ``ResidentStore`` then works in chunks of
@@ -519,6 +511,9 @@ class NvmeStore:
         grad_room = n * unit.grad_dtype.itemsize if unit.grads.on_disk else 0
         buf = self.acquire(state_bytes + grad_room)
         in_place = self.updates_in_place(unit)
+        if in_place:  # its pages, should the page cache have dropped them
+            p = unit.params.extent
+            p.file.will_need(p.offset + c0 * _F32, n * _F32)
         pieces = self._pieces(unit, c0, c1, buf, in_place)
         handles = [file.read(part, off) for part, file, off in pieces]
         self.bytes_read += sum(part.numel() for part, _, _ in pieces)
