@@ -509,3 +509,60 @@ def test_disabled_ops_use_the_python_fallback(children):
     assert rep["backend"] == "python-threads"
     assert rep["equal"] == [True, True] and rep["direct"] is False
     assert len(rep["logs"]) == 1, rep["logs"]  # logged once
+
+
+def _resident_bytes(fd: int, offset: int, nbytes: int) -> int:
+    """Bytes of the file's range that are in the page cache (``mincore`` on a mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    view = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, offset=offset)
+    try:
+        pages = (ctypes.c_ubyte * (nbytes // mmap.PAGESIZE))()
+        buf = (ctypes.c_char * nbytes).from_buffer(view)
+        try:
+            rc = libc.mincore(
+                ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(nbytes), pages
+            )
+        finally:
+            del buf
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        return sum(p & 1 for p in pages) * mmap.PAGESIZE
+    finally:
+        view.close()
+
+
+def test_will_need_reads_the_whole_range_into_the_page_cache(tmp_path):
+    """One readahead advice reads at most the device's window; ``will_need`` asks for a
+    range of several windows one window at a time, so all of it comes into the page cache
+    (and the pages of a mapped gather with it)."""
+    folder = os.open(tmp_path, os.O_RDONLY)
+    window = aio.readahead_bytes(folder)  # the device's, as for a file in the folder
+    os.close(folder)
+    assert window >= 128 << 10 and window % 4096 == 0
+    nbytes = max(32 * MiB, 4 * window)
+    with SwapFile(tmp_path / "f.swap", 2 * nbytes, direct=False) as f:
+        fd = os.open(f.path, os.O_RDONLY)  # the same file's pages
+        f.write(aligned_empty(2 * nbytes // 4, torch.float32).fill_(1), 0).wait()
+        os.fsync(fd)
+
+        def asked(call, settle: float = 10) -> int:
+            os.posix_fadvise(fd, 0, 2 * nbytes, os.POSIX_FADV_DONTNEED)
+            if _resident_bytes(fd, 0, 2 * nbytes) > nbytes // 8:
+                pytest.skip("this filesystem keeps its pages (tmpfs?): nothing to read ahead")
+            call()
+            deadline = time.monotonic() + settle
+            while _resident_bytes(fd, 0, 2 * nbytes) < nbytes and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return _resident_bytes(fd, 0, 2 * nbytes)
+
+        # One advice for the whole range: one window of it.
+        one = asked(lambda: os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_WILLNEED), 1)
+        assert one < nbytes // 2
+        assert asked(lambda: f.will_need(0, nbytes)) == nbytes  # and nothing past it
+        held = []
+        assert asked(lambda: held.append(f.map(nbytes, nbytes))) == nbytes
+        assert torch.equal(held[0].view(torch.float32)[:4], torch.ones(4))
+        held.clear()
+        os.close(fd)

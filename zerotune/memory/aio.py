@@ -183,6 +183,7 @@ class SwapFile:
         self._pending: list[IOHandle] = []
         self._pending_lock = threading.Lock()
         self._prune_at = 64
+        self._window: int | None = None  # bytes one readahead advice reads (will_need)
         op = load_aio_op()
         self._fd = _create(self.path, self.size)
         try:
@@ -229,9 +230,10 @@ class SwapFile:
         (copy-on-write) mapping: reads are served from the page cache without a copy, writes
         into the tensor never reach the file, and the mapping goes when the last tensor
         using it does. Buffered files only (O_DIRECT writes bypass the pages a mapping
-        shows). Readahead of the range starts at once. A region past the file's end is
-        refused here; a disk error while a page is read through the mapping ends the
-        process with SIGBUS (there is no call to raise from), unlike ``read``."""
+        shows). The whole range is asked of the page cache at once (``will_need``). A
+        region past the file's end is refused here; a disk error while a page is read
+        through the mapping ends the process with SIGBUS (there is no call to raise from),
+        unlike ``read``."""
         self._check_mappable(offset, nbytes)
         end = os.fstat(self._fd).st_size
         if offset + nbytes > end:
@@ -247,7 +249,7 @@ class SwapFile:
             prot=mmap.PROT_READ | mmap.PROT_WRITE,
             offset=offset,
         )
-        view.madvise(mmap.MADV_WILLNEED)
+        self.will_need(offset, nbytes)
         return torch.frombuffer(view, dtype=torch.uint8)
 
     def _check_mappable(self, offset: int, nbytes: int) -> None:
@@ -260,11 +262,16 @@ class SwapFile:
 
     def will_need(self, offset: int, nbytes: int) -> None:
         """Start reading the file's bytes ``[offset, offset + nbytes)`` into the page cache
-        without waiting (``POSIX_FADV_WILLNEED``): a later mapping or buffered read of them
-        finds them there or on their way. Buffered files only; cached pages cost nothing."""
+        without waiting for them: a later mapping or buffered read finds them there or on
+        their way. Buffered files only; cached pages cost a lookup. One advice reads at most
+        the device's readahead window (``readahead_bytes``), so a range takes one per window."""
         if self._closed or self.direct:
             raise ValueError(f"will_need on {self.path}: closed, or opened with O_DIRECT")
-        os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+        if self._window is None:
+            self._window = readahead_bytes(self._fd)
+        for at in range(offset, offset + nbytes, self._window):
+            n = min(self._window, offset + nbytes - at)
+            os.posix_fadvise(self._fd, at, n, os.POSIX_FADV_WILLNEED)
 
     def map_shared(self, offset: int, nbytes: int) -> mmap.mmap:
         """The file's bytes ``[offset, offset + nbytes)`` as a shared, writable mapping:
@@ -449,6 +456,22 @@ def load_aio_op() -> ModuleType | None:
                     "with buffered I/O (no O_DIRECT)"
                 )
     return op
+
+
+def readahead_bytes(fd: int) -> int:
+    """The most bytes one ``POSIX_FADV_WILLNEED`` reads of the file ``fd`` (Linux caps each
+    advice at the larger of its device's readahead window and largest request), or 128 KiB
+    (the kernel's default window) where sysfs does not say (no block device, another OS)."""
+    dev = os.fstat(fd).st_dev
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (base / "queue", base.resolve().parent / "queue"):  # a disk, a partition
+        try:
+            kib = [int((queue / f).read_text()) for f in ("read_ahead_kb", "max_sectors_kb")]
+        except (OSError, ValueError):
+            continue
+        if max(kib) > 0:
+            return max(kib) << 10
+    return 128 << 10
 
 
 def _round_up(n: int, align: int) -> int:
