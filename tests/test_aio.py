@@ -566,3 +566,19 @@ def test_will_need_reads_the_whole_range_into_the_page_cache(tmp_path):
         assert torch.equal(held[0].view(torch.float32)[:4], torch.ones(4))
         held.clear()
         os.close(fd)
+
+
+def test_will_need_is_advice_a_filesystem_may_refuse(tmp_path, monkeypatch):
+    """A filesystem that refuses readahead advice: ``will_need`` and mapped gathers go on,
+    the pages read on use; misuse still raises."""
+
+    def refuse(fd, offset, nbytes, advice):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    with SwapFile(tmp_path / "f.swap", 1 * MiB, direct=False) as f:
+        f.write(aligned_empty(MiB // 4, torch.float32).fill_(2), 0).wait()
+        monkeypatch.setattr(os, "posix_fadvise", refuse)
+        f.will_need(0, MiB)
+        assert torch.equal(f.map(0, MiB).view(torch.float32)[-2:], torch.full((2,), 2.0))
+    with pytest.raises(ValueError, match="closed"):
+        f.will_need(0, MiB)

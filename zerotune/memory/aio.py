@@ -264,14 +264,18 @@ class SwapFile:
         """Start reading the file's bytes ``[offset, offset + nbytes)`` into the page cache
         without waiting for them: a later mapping or buffered read finds them there or on
         their way. Buffered files only; cached pages cost a lookup. One advice reads at most
-        the device's readahead window (``readahead_bytes``), so a range takes one per window."""
+        the device's readahead window (``readahead_bytes``), so a range takes one per window.
+        A filesystem that refuses the advice gets none: the reads then happen on use."""
         if self._closed or self.direct:
             raise ValueError(f"will_need on {self.path}: closed, or opened with O_DIRECT")
         if self._window is None:
             self._window = readahead_bytes(self._fd)
-        for at in range(offset, offset + nbytes, self._window):
-            n = min(self._window, offset + nbytes - at)
-            os.posix_fadvise(self._fd, at, n, os.POSIX_FADV_WILLNEED)
+        try:
+            for at in range(offset, offset + nbytes, self._window):
+                n = min(self._window, offset + nbytes - at)
+                os.posix_fadvise(self._fd, at, n, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return  # advice only
 
     def map_shared(self, offset: int, nbytes: int) -> mmap.mmap:
         """The file's bytes ``[offset, offset + nbytes)`` as a shared, writable mapping:
