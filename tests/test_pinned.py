@@ -77,3 +77,12 @@ def test_registrations_never_share_a_page(driver):
     assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
     for t, (ptr, _) in zip(sorted(kept, key=lambda t: t.data_ptr()), spans):
         assert t.data_ptr() == ptr
+
+
+def test_an_empty_tensor_locks_nothing(driver):
+    """An empty tensor's ``data_ptr()`` is 0, which the driver refuses: it is not registered
+    (a tied head's unit owns no parameter: its shard is empty)."""
+    t = pinned.pinned_empty(0, torch.float32)
+    assert t.shape == (0,) and t.dtype == torch.float32 and driver["registered"] == {}
+    assert pinned.pinned_copy(torch.empty(0, 4, dtype=torch.bfloat16)).shape == (0, 4)
+    assert driver["registered"] == {}

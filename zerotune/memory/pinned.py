@@ -15,8 +15,8 @@ torch's pinned blocks) and unregisters them from a finalizer on their storage, b
 storage's memory is freed, as torch's own checkpoint stager does for the buffers it pins.
 The registered pages are the allocation's own (two registrations never share a page, which
 the driver would refuse). A registration that fails anyway (no RAM or locked-memory limit
-left) raises, as torch's pinned allocator does when it cannot pin: the driver keeps the
-failure as its last error, which torch's next kernel launch would report in its place.
+left) raises, as torch's pinned allocator does when it cannot pin, after reading the
+driver's last error, which torch's next kernel launch would otherwise report as its own.
 """
 
 from __future__ import annotations
@@ -43,14 +43,29 @@ def _unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+def _forget_error() -> None:
+    """Read the driver's last error (a failed registration), so that torch's next kernel
+    launch does not report it in place of its own: a launch's check reads and clears it."""
+    if torch.cuda.is_available():
+        try:
+            torch.empty(1, device="cuda").zero_()
+        except RuntimeError:
+            pass
+
+
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized 1-D host tensor whose memory is page-locked and takes its own size,
-    rounded to whole pages (see [Note: exact-size pinned memory])."""
+    rounded to whole pages (see [Note: exact-size pinned memory]). An empty one locks
+    nothing: it has no memory to copy from (its ``data_ptr()`` is 0, which the driver
+    refuses)."""
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
     page = mmap.PAGESIZE
     t = aligned_empty(numel, dtype, align=page)  # whole pages of its own
     ptr, nbytes = t.data_ptr(), max(round_up(numel * dtype.itemsize, page), page)
     error = _register(ptr, nbytes)
     if error:
+        _forget_error()
         raise RuntimeError(
             f"cannot pin {nbytes:,} bytes of host memory for a host shard (cudaHostRegister "
             f"error {error}): free RAM or the locked-memory limit (ulimit -l) is too small "
