@@ -9,6 +9,7 @@ with the ZeroTrainer case as a step of its own through ``benchmarks/gpu_suite.sh
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -253,6 +254,10 @@ def test_estimate_of_device_memory_matches_the_measured_peak(config):
 
     seq, micro = 256, 4
     cfg = GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, n_positions=seq)
+    # An earlier case's engine and optimizer (reference cycles) would be collected in the
+    # middle of this one, and the peak above the base would miss what they held.
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -280,6 +285,7 @@ def test_a_device_named_without_its_index_keeps_the_shards():
 
     cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32)
     engine = zerotune.zero_init(cfg, {"stage": 3}, device="cuda")
+    engine.module.eval()  # no dropout: the two passes see the same weights, the same way
     assert engine.device == torch.device("cuda", torch.cuda.current_device())
     ids = batches("gpt2", 1)[0].cuda()
     with torch.no_grad():
@@ -354,9 +360,16 @@ GENERIC_CASES = [
 
 
 @pytest.mark.parametrize("name, config", GENERIC_CASES, ids=lambda c: str(c))
-def test_generic_optimizers_match_the_plain_optimizer_on_the_device(name, config, tmp_path):
+def test_generic_optimizers_match_the_plain_optimizer_on_the_device(
+    name, config, tmp_path, monkeypatch
+):
     """zerotune.ZeroOptimizer on the device (and with its state on the host or NVMe) against
     the same optimizer on the plain model on the same device."""
+    import test_generic_optimizers
+
+    # bitsandbytes' CUDA kernels flip more 8-bit codes on last-bit gradient differences than
+    # its CPU ones (1.4% and 2.1% of a small weight seen, each by at most 6e-4).
+    monkeypatch.setitem(test_generic_optimizers.FLIPS, "adamw_bnb_8bit", (0.05, 1e-3))
     if "nvme" in config.values():
         config = dict(config, nvme_path=str(tmp_path))
     from test_generic_optimizers import MODEL

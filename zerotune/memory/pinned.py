@@ -8,15 +8,17 @@ from a block rounded up to the next power of two and keeps freed blocks for reus
 step in the same sizes, and it is what the host pool and activation records keep using.
 The shards that live as long as the engine (the compute-dtype and fp32 master shards kept
 on the host, the gradient shards of an offloaded optimizer) would lose up to half of the
-host memory they lock to the rounding. ``pinned_empty`` instead takes an ordinary
-allocation of the tensor's size (rounded to whole pages), registers those pages with the
-driver (``cudaHostRegister``; copies from and to them are then asynchronous like those of
-torch's pinned blocks) and unregisters them from a finalizer on their storage, before the
-storage's memory is freed, as torch's own checkpoint stager does for the buffers it pins.
-The registered pages are the allocation's own (two registrations never share a page, which
-the driver would refuse). A registration that fails anyway (no RAM or locked-memory limit
-left) raises, as torch's pinned allocator does when it cannot pin, after reading the
-driver's last error, which torch's next kernel launch would otherwise report as its own.
+host memory they lock to the rounding. ``pinned_empty`` instead maps anonymous pages of
+the tensor's size (rounded to whole pages), registers them with the driver
+(``cudaHostRegister``; copies from and to them are then asynchronous like those of torch's
+pinned blocks) and unregisters them from a finalizer on their storage, which keeps the
+mapping until then, as torch's own checkpoint stager does for the buffers it pins. The
+storage begins at the mapping's first byte: ``Tensor.is_pinned`` asks the driver about the
+storage's first byte, not the tensor's. The pages are the mapping's own (two registrations
+never share a page, which the driver would refuse). A registration that fails anyway (no
+RAM or locked-memory limit left) raises, as torch's pinned allocator does when it cannot
+pin, after reading the driver's last error, which torch's next kernel launch would
+otherwise report as its own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import weakref
 
 import torch
 
-from .aio import aligned_empty
 from .swap import round_up
 
 __all__ = ["pinned_copy", "pinned_empty"]
@@ -60,9 +61,10 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     refuses)."""
     if numel == 0:
         return torch.empty(0, dtype=dtype)
-    page = mmap.PAGESIZE
-    t = aligned_empty(numel, dtype, align=page)  # whole pages of its own
-    ptr, nbytes = t.data_ptr(), max(round_up(numel * dtype.itemsize, page), page)
+    nbytes = round_up(numel * dtype.itemsize, mmap.PAGESIZE)
+    pages = mmap.mmap(-1, nbytes)  # anonymous, page-aligned, private to this process
+    t = torch.frombuffer(pages, dtype=dtype, count=numel)  # its storage starts at the pages
+    ptr = t.data_ptr()
     error = _register(ptr, nbytes)
     if error:
         _forget_error()
@@ -71,9 +73,15 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
             f"error {error}): free RAM or the locked-memory limit (ulimit -l) is too small "
             "for the offloaded state; `zerotune estimate` gives its size"
         )
-    # Not at interpreter exit: the CUDA context may be gone by then.
-    weakref.finalize(t.untyped_storage(), _unregister, ptr).atexit = False
+    # The finalizer holds the mapping: unregistered before it is unmapped. Not at
+    # interpreter exit: the CUDA context may be gone by then.
+    weakref.finalize(t.untyped_storage(), _release, ptr, pages).atexit = False
     return t
+
+
+def _release(ptr: int, pages: mmap.mmap) -> None:
+    _unregister(ptr)
+    del pages  # unmapped once the storage's own reference is gone too
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:
