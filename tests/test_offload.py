@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 import pytest
 from conftest import run_together, run_world
@@ -546,7 +547,26 @@ OVERLAP_CONFIGS = [
     {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "grad_host_bytes": 0},
     {"stage": 3, "offload_optimizer": "nvme", "optim_state_bits": 8},
     {"stage": 2, "offload_optimizer": "cpu"},
+    # The arithmetic on the store's update thread, as on an accelerator; the norm tracked.
+    {"stage": 2, "offload_optimizer": "cpu", "thread": True},
+    {"stage": 3, "offload_optimizer": "cpu", "thread": True},
 ]
+
+
+def _record_threads(opt, names: set) -> None:
+    """Add to ``names`` the thread that runs each chunk's arithmetic."""
+    begin = opt.begin_chunk
+
+    def spied(*args):
+        math, finish = begin(*args)
+
+        def recorded():
+            names.add(threading.current_thread().name)
+            math()
+
+        return recorded, finish
+
+    opt.begin_chunk = spied
 
 
 def run_overlapped(rank, world, nvme_root, configs):
@@ -559,26 +579,32 @@ def run_overlapped(rank, world, nvme_root, configs):
     for config in configs:
         config = dict(config)
         clip = config.pop("clip", None)  # overlapped(clipping=True) and clip_grad_norm_
+        thread = config.pop("thread", None)  # opt.update_thread
         if "nvme" in (config.get("offload_param"), config.get("offload_optimizer")):
             config.update(nvme_path=nvme_root, staging_bytes=3 * 16 * 4096 * 3)
         model = build("gpt2")
         groups = no_decay_groups(model, WD)
         engine = zerotune.shard(model, config)
         opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
+        opt.update_thread = thread
+        threads, carried = set(), []
+        if thread:
+            _record_threads(opt, threads)
         per_rank = 12 // world
-        losses, early, norms = [], [], []
+        losses, early, norms, tracked = [], [], [], []
         for ids in batches("gpt2"):
             mine = ids[rank * per_rank : (rank + 1) * per_rank]
             loss = loss_of(engine, mine[: per_rank // 2]) / 2  # accumulation: first half
             engine.backward(loss)
             total = loss.detach()
-            with opt.overlapped(clipping=clip is not None):
+            with opt.overlapped(clipping=clip is not None, track_norm=thread is not None):
                 loss = loss_of(engine, mine[per_rank // 2 :]) / 2
                 engine.backward(loss)
             early.append(len(opt._overlap.launched))  # units launched during backward
             if clip is not None:
                 norms.append(float(opt.clip_grad_norm_(clip)))
-            opt.step()
+            tracked.append(opt.step().grad_norm)
+            carried.append(opt._carry is not None)
             total = total + loss.detach()
             if world > 1:
                 dist.all_reduce(total)
@@ -597,6 +623,9 @@ def run_overlapped(rank, world, nvme_root, configs):
                 else 0,
                 "held_peak": held_peak,
                 "norms": norms,
+                "tracked": tracked,
+                "threads": threads,
+                "carried": carried,
             }
         )
     return out
@@ -608,6 +637,7 @@ def run_overlapped(rank, world, nvme_root, configs):
 CLIPPED_CONFIGS = [
     {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "grad_host_bytes": 2**15},
     {"stage": 2, "offload_optimizer": "nvme", "grad_host_bytes": 0},
+    {"stage": 3, "offload_optimizer": "cpu", "thread": True},
 ]
 
 
@@ -616,7 +646,7 @@ def test_overlapped_step_matches_plain_adamw(world, tmp_path):
     import numpy as np
     from harness import MAX_NORM, train_reference
 
-    ref = train_reference("gpt2", clip=None)
+    ref = train_reference("gpt2", clip=float("inf"))  # its norms, never clipped
     clipped = train_reference("gpt2", clip=MAX_NORM)
     assert min(clipped["norms"]) > MAX_NORM  # clipping clips every step
     configs = OVERLAP_CONFIGS + [dict(c, clip=MAX_NORM) for c in CLIPPED_CONFIGS]
@@ -625,6 +655,15 @@ def test_overlapped_step_matches_plain_adamw(world, tmp_path):
         # Most units were launched while backward still ran (all but those whose gradient
         # is final only at the end: the tied embedding's unit, the root).
         assert min(res["early"]) >= 3, (config, res["early"])
+        if config.get("thread"):
+            assert res["threads"] == {"zerotune-update_0"}, res["threads"]
+            np.testing.assert_allclose(
+                res["tracked"], (clipped if "clip" in config else ref)["norms"], rtol=1e-5
+            )
+            if "clip" in config:  # every update waits for the norm: all carried
+                assert res["carried"] == [True] * len(res["carried"]), res["carried"]
+        else:
+            assert res["threads"] == set()
         bits8 = config.get("optim_state_bits") == 8
         rtol = 2e-2 if bits8 else 1e-5  # 8-bit moments: bitsandbytes' quantization error
         if "clip" in config:
@@ -818,6 +857,48 @@ def test_a_failed_overlapped_update_is_not_a_step(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="update pipeline failed during backward"):
         opt.step()
     assert len(staging._free) * staging.slot == staging.allocated
+    engine.close()
+
+
+def test_a_failed_update_on_the_update_thread_is_not_a_step():
+    """An update whose arithmetic fails on the update thread fails the call that finds it
+    (backward's pump or ``step()``); a step after a failure found in backward refuses."""
+    from harness import batches, build, loss_of
+
+    import zerotune
+
+    engine = zerotune.shard(build("gpt2"), {"stage": 3, "offload_optimizer": "cpu"})
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    opt.update_thread = True
+    begin, calls = opt.begin_chunk, []
+
+    def failing(*args):
+        math, finish = begin(*args)
+        calls.append(args[0].index)
+        nth = len(calls)
+
+        def maybe():
+            if nth == 2:
+                raise ValueError("update failed on purpose")
+            math()
+
+        return maybe, finish
+
+    opt.begin_chunk = failing
+    ids = batches("gpt2", 1)[0]
+    try:
+        with opt.overlapped(carry=False):
+            engine.backward(loss_of(engine, ids))
+    except ValueError as exc:
+        assert "on purpose" in str(exc)
+        with pytest.raises(RuntimeError, match="update pipeline failed during backward"):
+            opt.step()
+    else:
+        with pytest.raises(ValueError, match="on purpose"):
+            opt.step()
+    assert len(calls) >= 2
+    thread = opt.store.thread
+    assert thread is not None and thread.submit(lambda: None).wait() is None  # idle, alive
     engine.close()
 
 

@@ -30,6 +30,9 @@ class OverlappedStep:
         self.launched: dict[int, None] = {}  # unit indices, in launch order
         self.unfinished: dict[int, object] = {}  # launched units not updated yet
         self.progress: dict[int, int] = {}  # unit index -> shard elements updated (in order)
+        # unit index -> shard elements whose update has begun (their squares are summed for
+        # a tracked norm by then); ahead of ``progress`` where updates run on a thread.
+        self.begun: dict[int, int] = {}
         units = opt.engine.units  # a unit's index is its place in this list
         if clipping:
             # Released in the order the next forward gathers them; the first ones, up to
@@ -50,12 +53,37 @@ class OverlappedStep:
         self.phase = "during backward"  # when it runs, for the error message
         self._refused = False  # a second backward was refused (check_second_backward)
         self.carried = False  # step() left its updates to the next forward
+        # The arithmetic on the store's update thread ([Note: host updates off the launching
+        # thread] in zero_adam.py).
+        self.threaded: bool = opt.updates_off_thread()
         if expected:
-            self._job = opt.store.pipeline(self.feed, self._update)
+            self._job = self._pipeline()
             self.pump()  # reads ahead start before backward does
 
+    def _pipeline(self):
+        begin = self._begin if self.threaded else None
+        if begin is None:
+            return self.opt.store.pipeline(self.feed, self._update)
+        return self.opt.store.pipeline(self.feed, self._update, begin=begin)
+
     def _update(self, unit, c0, c1, *state) -> None:
+        self.begun[unit.index] = c1
         self.opt.update_chunk(unit, c0, c1, *state)
+        self._updated(unit, c1)
+
+    def _begin(self, unit, c0, c1, *state):
+        """``_update`` in two: the bookkeeping now, the arithmetic for the update thread,
+        then ``finish`` (here again, once the arithmetic is done)."""
+        math, finish = self.opt.begin_chunk(unit, c0, c1, *state)
+        self.begun[unit.index] = c1
+
+        def done() -> None:
+            finish()
+            self._updated(unit, c1)
+
+        return math, done
+
+    def _updated(self, unit, c1: int) -> None:
         self.progress[unit.index] = c1
         if c1 == unit.shard_numel:
             self.unfinished.pop(unit.index, None)
@@ -87,7 +115,7 @@ class OverlappedStep:
     def _queue(self, unit) -> None:
         self.feed.items.extend((unit, c0, c1) for c0, c1 in self.opt.store.chunks(unit))
         if self._job is None:
-            self._job = self.opt.store.pipeline(self.feed, self._update)
+            self._job = self._pipeline()
 
     def release(self, late=()) -> None:
         """Clipping, in step(): the norm is known; queue every launched unit's update, and

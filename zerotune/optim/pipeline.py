@@ -5,8 +5,9 @@ reading ahead of backward] and [Note: overlapped step] in zero_adam.py."""
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["IDLE", "Entry", "Feed", "StepPipeline", "gate_writes"]
+__all__ = ["IDLE", "Entry", "Feed", "StepPipeline", "UpdateThread", "gate_writes"]
 
 IDLE = object()  # yielded by a pipeline whose open feed has nothing to do yet
 
@@ -78,6 +79,92 @@ def gate_writes(unit):
         if not handle.done():
             yield handle
     unit.wait_writes()
+
+
+class UpdateThread:
+    """One thread that runs the arithmetic of host updates (see [Note: host updates off the
+    launching thread]); made on first use, it ends with its owner."""
+
+    DEPTH = 2  # chunks handed to it at once: the next one is queued as one runs
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, fn) -> _Job:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                1, thread_name_prefix="zerotune-update", initializer=_leave_a_core
+            )
+        return _Job(self._pool.submit(fn))
+
+    def run(self, feed: Feed, begin):
+        """The chunks of ``feed`` as a generator over this thread: ``begin(item)`` does a
+        chunk's bookkeeping here and returns ``(math, finish)``; ``math`` runs on the
+        thread, ``finish`` here once it is done, chunk after chunk in order. It yields
+        what it waits for (``IDLE``: more work) as a store's pipeline does."""
+        in_flight: deque = deque()  # (job, finish), oldest first
+        try:
+            while True:
+                room = len(in_flight) < self.DEPTH
+                if room and (item := feed.take()) is not None:
+                    yield from gate_writes(item[0])
+                    math, finish = begin(item)
+                    in_flight.append((self.submit(math), finish))
+                    continue
+                if not in_flight:
+                    if feed.closed:
+                        return
+                    yield IDLE
+                    continue
+                job, finish = in_flight[0]
+                if not job.done():
+                    yield _Ready(job, feed if room else None)
+                    if room and feed.items:
+                        continue  # more work came: hand it over first
+                job.wait()
+                in_flight.popleft()
+                finish()
+        finally:
+            for job, _ in in_flight:  # a failure or an abandoned step: nothing left running
+                job.wait_quietly()
+
+
+def _leave_a_core() -> None:
+    """The update thread's kernels use one thread fewer than torch's count: the calling
+    thread keeps a core to launch the accelerator's work on (this thread's own setting;
+    threads that already run keep theirs)."""
+    import torch
+
+    torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+
+
+class _Job:
+    __slots__ = ("_future",)
+
+    def __init__(self, future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def wait_quietly(self) -> None:
+        self._future.exception()
+
+
+class _Ready:
+    """What ``UpdateThread.run`` waits for: its oldest chunk, or (with room on the thread)
+    more work in the feed."""
+
+    __slots__ = ("feed", "job")
+
+    def __init__(self, job: _Job, feed: Feed | None) -> None:
+        self.job, self.feed = job, feed
+
+    def done(self) -> bool:
+        return self.job.done() or (self.feed is not None and bool(self.feed.items))
 
 
 def _pending(handles):

@@ -199,6 +199,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _carry_done(self) -> None:
         """The updates carried into the next forward are all made (or dropped)."""
 
+    def updates_off_thread(self) -> bool:
+        """Whether an overlapped step's arithmetic runs on the store's update thread (see
+        [Note: host updates off the launching thread] in zero_adam.py; ZeroAdamW's)."""
+        return False
+
     @property
     def can_overlap(self) -> bool:
         """Whether ``overlapped()`` can update units during backward (ZeroAdamW always can;
@@ -345,7 +350,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """With ``track_norm``: add the gradients the carried updates have not read yet (the
         norm is due at ``step()``; those updates then add nothing, ``norm_sq`` being gone)."""
         for index, unit in carry.unfinished.items():
-            done = carry.progress.get(index, 0)
+            done = carry.begun.get(index, 0)
             for c0, c1, grad in self.engine.grad_chunks(unit):
                 if c1 > done:
                     a = max(c0, done)

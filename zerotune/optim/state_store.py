@@ -75,7 +75,7 @@ import torch
 
 from ..memory.aio import aligned_empty
 from ..memory.swap import ALIGN, HUGE, round_up
-from .pipeline import IDLE, Entry, Feed, StepPipeline, gate_writes
+from .pipeline import IDLE, Entry, Feed, StepPipeline, UpdateThread, gate_writes
 from .quant8 import MOMENTS, Q8Moments, blocks, quantized, require_bitsandbytes
 
 __all__ = [
@@ -273,6 +273,7 @@ class ResidentStore:
     carries = False  # nothing to wait for: an overlapped step finishes in step()
 
     def __init__(self, units, bits: int = 32):
+        self.thread: UpdateThread | None = None  # where updates run off the calling thread
         self.moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.q8: dict[int, Q8Moments] = {}
         for u in units:
@@ -292,10 +293,18 @@ class ResidentStore:
             return unit.grads.ranges(unit)
         return [(c0, min(c0 + _Q8_CHUNK, n)) for c0 in range(0, n, _Q8_CHUNK)]
 
-    def pipeline(self, feed, update):
+    def pipeline(self, feed, update, begin=None):
         """``run`` over a :class:`Feed`, as a generator: it waits for nothing but the
-        units' own writes and for more work (``IDLE``)."""
+        units' own writes and for more work (``IDLE``). With ``begin`` (``update`` split in
+        two, see ``UpdateThread.run``) the arithmetic runs on the store's update thread."""
         feed = Feed.of(feed)
+        if begin is not None:
+            if self.thread is None:
+                self.thread = UpdateThread()
+            return self.thread.run(feed, lambda item: begin(*self._chunk(*item)))
+        return self._pipeline(feed, update)
+
+    def _pipeline(self, feed, update):
         while (item := feed.take()) is not None or not feed.closed:
             if item is None:
                 yield IDLE
@@ -304,14 +313,17 @@ class ResidentStore:
             self.run([item], update)
 
     def run(self, items, update) -> None:
-        for unit, c0, c1 in items:
-            master, grad = unit.master[c0:c1], unit.grads.view(unit, c0, c1)
-            q8 = self.q8.get(unit.index)
-            if q8 is None:
-                m, v = self.moments[unit.index]
-                update(unit, c0, c1, master, (m[c0:c1], v[c0:c1]), grad)
-                continue
-            update(unit, c0, c1, master, q8.slice(c0, c1), grad)
+        for item in items:
+            update(*self._chunk(*item))
+
+    def _chunk(self, unit, c0: int, c1: int) -> tuple:
+        """``(unit, c0, c1, master, moments, grad)`` of a chunk, views into memory."""
+        master, grad = unit.master[c0:c1], unit.grads.view(unit, c0, c1)
+        q8 = self.q8.get(unit.index)
+        if q8 is None:
+            m, v = self.moments[unit.index]
+            return unit, c0, c1, master, (m[c0:c1], v[c0:c1]), grad
+        return unit, c0, c1, master, q8.slice(c0, c1), grad
 
     def state_specs(self, unit) -> list[tuple[str, torch.dtype, int]]:
         return state_specs(unit, unit.index in self.q8)

@@ -56,11 +56,12 @@ moments; 8 and 2 through O_DIRECT when the parameter file holds the master) and 
 the disk while the processor idles. ``with opt.overlapped():`` around
 the last backward of a step lets each unit's update start as soon as that unit's gradient
 shard is final (the engine's post-backward hook, after the reduce-scatter), while backward
-goes on with the units before it. Nothing runs on another Python thread: a unit's update is
-the store's pipeline as a generator (``pipeline``) that yields whenever the next I/O it needs
-has not arrived, and the engine's backward hooks resume it ("pump") between layers, so disk
-transfers proceed in the aio threads during backward compute, and the C++ Adam runs on this
-thread between layers. ``step()`` then finishes what is still in flight and updates the units
+goes on with the units before it. A unit's update is the store's pipeline as a generator
+(``pipeline``) that yields whenever the next I/O it needs has not arrived, and the engine's
+backward hooks resume it ("pump") between layers, so disk transfers proceed in the aio
+threads during backward compute, and the C++ Adam runs on this thread between layers
+(with the state in host memory and the model on an accelerator, on a thread of its own:
+[Note: host updates off the launching thread]). ``step()`` then finishes what is still in flight and updates the units
 whose gradients became final only at the end of backward. The updates are the same as
 ``step()``'s (same chunks, same kernel, same step counts), so results are identical.
 The launched units feed one pipeline for the whole backward (``state_store.Feed``): the
@@ -119,8 +120,25 @@ An error in a carried update comes out of the call that resumed it (a forward, a
 and from every later one: some units of that step were updated and some not, so it says to
 resume from a checkpoint. With ``track_norm`` the gradients the carried updates have not
 read yet are summed at ``step()`` (read back from the gradient file where they were
-spilled), so the norm is there when ``step()`` returns. Not with a store in memory (nothing
-to wait for).
+spilled), so the norm is there when ``step()`` returns. With a store in memory only where
+its updates run on their own thread (else there is nothing to wait for).
+
+[Note: host updates off the launching thread]
+With the optimizer state in host memory and the model on an accelerator, the thread that
+runs the C++ Adam between backward's layers is the one that launches the accelerator's
+kernels: while a unit's update runs, the device drains its queue and waits. There, the
+store hands the arithmetic of each chunk (the Adam kernel, the compute-dtype copy) to one
+thread of its own (``UpdateThread`` in pipeline.py), two chunks at a time, whose kernels
+use one core fewer, and the calling thread goes on launching. What reads or changes shared state stays on the calling
+thread, in order: before the arithmetic, the hyper-parameters, step counts, the tracked
+norm's sum and the host buffer (``begin_chunk``); after it, the copy to the device and
+the unit's "updated" mark (``finish``), run when the pipeline is resumed and finds the
+chunk done. The C++ kernels release the GIL. The step carries into the next forward as
+an NVMe step does, so the updates of the first units overlap that forward too. The
+chunks, kernel and arguments are those of the calling thread's path: results are bit for
+bit the same (``update_thread`` forces either path; None chooses by the device). A
+failing chunk fails the step as on the calling thread, after the chunk queued behind it
+is finished.
 
 [Note: looked-up rows before their update]
 The input embedding is the first unit the next forward gathers and the last whose gradient
@@ -154,7 +172,7 @@ from .cpu_adam import adam_arguments, adam_update, adam_update_8bit, multi_tenso
 from .overlap import OverlappedStep
 from .quant8 import Q8Moments
 from .sharded import ShardedOptimizer, StepInfo
-from .state_store import Scratch
+from .state_store import ResidentStore, Scratch
 
 __all__ = ["StepInfo", "ZeroAdamW"]
 
@@ -199,6 +217,10 @@ class ZeroAdamW(ShardedOptimizer):
         live_units = [u for u in engine.units if u.index in self.unit_segments]
         self.store = engine.make_optimizer_store(live_units)
         self._scratch = Scratch()  # fp32 moments of an 8-bit chunk without the C++ op
+        # Overlapped steps with the state in host memory: the arithmetic on the store's
+        # update thread (True), on the calling thread (False), or None: on the thread when
+        # the engine computes on an accelerator ([Note: host updates off the launching thread]).
+        self.update_thread: bool | None = None
         torch_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups
         ]
@@ -228,7 +250,7 @@ class ZeroAdamW(ShardedOptimizer):
         self.settle()
         engine = self.engine
         self._start_overlap(track_norm, clipping)
-        carry = carry and self.store.carries
+        carry = carry and (self.store.carries or self.updates_off_thread())
         self._overlap = OverlappedStep(self, carry=carry, clipping=clipping)
         engine.reducer.begin_overlapped_step(self._overlap)
         try:
@@ -281,10 +303,19 @@ class ZeroAdamW(ShardedOptimizer):
     def update_chunk(self, unit, c0, c1, master, moments, grad) -> None:
         """Update elements ``[c0, c1)`` of ``unit``'s shard: ``master``, ``grad`` and the
         moments (a pair of fp32 tensors, or a :class:`Q8Moments`) are that chunk's."""
+        math, finish = self.begin_chunk(unit, c0, c1, master, moments, grad)
+        math()
+        finish()
+
+    def begin_chunk(self, unit, c0, c1, master, moments, grad):
+        """``update_chunk`` in three: what reads the optimizer's and the engine's state (now),
+        the arithmetic on the chunk's own tensors (``math``, which may run on another
+        thread) and what hands the result to the engine (``finish``, after ``math``)."""
         factor = self._update_factor()
-        if factor != 1.0:
-            grad.mul_(factor)
-        if self.norm_sq is not None:
+        if self.norm_sq is not None:  # summed now: step() may read it before math runs
+            if factor != 1.0:
+                grad.mul_(factor)
+                factor = 1.0
             self.add_sum_of_squares(self.norm_sq, unit, c0, c1, grad)
         target = self.engine.lowp_target(unit)  # compute-dtype shard to refresh, or None
         fused = (
@@ -292,28 +323,47 @@ class ZeroAdamW(ShardedOptimizer):
         )
         out = target[c0:c1] if fused else None
         segments = self._segments_in(unit, c0, c1)
-        if isinstance(moments, Q8Moments):
-            # One pass per block with the C++ op (see [Note: fused 8-bit step]), or
-            # dequantize, update and quantize the chunk; nothing, when nothing in the chunk
-            # got a gradient (its moments stay as they are).
-            if segments and not adam_update_8bit(master, grad, moments, segments, out):
-                work = moments.dequantize(self._scratch.moments(c1 - c0, master.device))
-                self._adam(master, grad, (work["exp_avg"], work["exp_avg_sq"]), segments, out)
-                moments.quantize_reached(work, segments)
-        else:
-            self._adam(master, grad, moments, segments, out)
-        if target is not None and not fused:
-            target[c0:c1].copy_(master)
-        elif fused:
-            # The update wrote its segments; the rest of the chunk (frozen parameters,
-            # parameters without a gradient, padding) keeps the master's values.
-            at = 0
-            for a, b, _ in segments + [(c1 - c0, c1 - c0, None)]:
-                if at < a:
-                    out[at:a].copy_(master[at:a])
-                at = b
-        if c1 == unit.shard_numel:
-            self.engine.lowp_done(unit, target)
+
+        def math() -> None:
+            if factor != 1.0:
+                grad.mul_(factor)
+            if isinstance(moments, Q8Moments):
+                # One pass per block with the C++ op (see [Note: fused 8-bit step]), or
+                # dequantize, update and quantize the chunk; nothing, when nothing in the
+                # chunk got a gradient (its moments stay as they are).
+                if segments and not adam_update_8bit(master, grad, moments, segments, out):
+                    work = moments.dequantize(self._scratch.moments(c1 - c0, master.device))
+                    m, v = work["exp_avg"], work["exp_avg_sq"]
+                    self._adam(master, grad, (m, v), segments, out)
+                    moments.quantize_reached(work, segments)
+            else:
+                self._adam(master, grad, moments, segments, out)
+            if target is not None and not fused:
+                target[c0:c1].copy_(master)
+            elif fused:
+                # The update wrote its segments; the rest of the chunk (frozen parameters,
+                # parameters without a gradient, padding) keeps the master's values.
+                at = 0
+                for a, b, _ in segments + [(c1 - c0, c1 - c0, None)]:
+                    if at < a:
+                        out[at:a].copy_(master[at:a])
+                    at = b
+
+        def finish() -> None:
+            if c1 == unit.shard_numel:
+                self.engine.lowp_done(unit, target)
+
+        return math, finish
+
+    def updates_off_thread(self) -> bool:
+        """See [Note: host updates off the launching thread]."""
+        if not isinstance(self.store, ResidentStore):
+            return False
+        if self.update_thread is not None:
+            return self.update_thread
+        owned = [u for u in self.engine.units if u.index in self.unit_segments]
+        on_host = all(u.master is not None and u.master.device.type == "cpu" for u in owned)
+        return self.engine.device.type != "cpu" and on_host
 
     def _segments_in(self, unit, c0: int, c1: int) -> list[tuple[int, int, dict]]:
         """(start, stop) relative to ``c0`` and Adam's arguments of each segment of ``unit``
