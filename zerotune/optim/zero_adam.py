@@ -57,13 +57,14 @@ the disk while the processor idles. ``with opt.overlapped():`` around
 the last backward of a step lets each unit's update start as soon as that unit's gradient
 shard is final (the engine's post-backward hook, after the reduce-scatter), while backward
 goes on with the units before it. A unit's update is the store's pipeline as a generator
-(``pipeline``) that yields whenever the next I/O it needs has not arrived, and the engine's
-backward hooks resume it ("pump") between layers, so disk transfers proceed in the aio
-threads during backward compute, and the C++ Adam runs on this thread between layers
-(with the state in host memory and the model on an accelerator, on a thread of its own:
-[Note: host updates off the launching thread]). ``step()`` then finishes what is still in flight and updates the units
-whose gradients became final only at the end of backward. The updates are the same as
-``step()``'s (same chunks, same kernel, same step counts), so results are identical.
+(``pipeline``) that yields whenever the next I/O it needs has not arrived, and the
+engine's backward hooks resume it ("pump") between layers, so disk transfers proceed in
+the aio threads during backward compute, and the C++ Adam runs on this thread between
+layers (with the state in host memory and the model on an accelerator, on a thread of its
+own: [Note: host updates off the launching thread]). ``step()`` then finishes what is
+still in flight and updates the units whose gradients became final only at the end of
+backward. The updates are the same as ``step()``'s (same chunks, same kernel, same step
+counts), so results are identical.
 The launched units feed one pipeline for the whole backward (``state_store.Feed``): the
 next unit's first chunk is read while the last chunk of the one before is updated, and
 with NVMe the chunks of the units the last overlapped step launched next are read before
@@ -129,17 +130,16 @@ runs the C++ Adam between backward's layers is the one that launches the acceler
 kernels: while a unit's update runs, the device drains its queue and waits. There, the
 store hands the arithmetic of each chunk (the Adam kernel, the compute-dtype copy) to one
 thread of its own (``UpdateThread`` in pipeline.py), two chunks at a time, whose kernels
-use one core fewer, and the calling thread goes on launching. What reads or changes shared state stays on the calling
-thread, in order: before the arithmetic, the hyper-parameters, step counts, the tracked
-norm's sum and the host buffer (``begin_chunk``); after it, the copy to the device and
-the unit's "updated" mark (``finish``), run when the pipeline is resumed and finds the
-chunk done. The C++ kernels release the GIL. The step carries into the next forward as
-an NVMe step does, so the updates of the first units overlap that forward too. The
-chunks, kernel and arguments are those of the calling thread's path: results are bit for
-bit the same (``update_thread`` forces either path; None chooses by the device). A
-failing chunk fails the step as on the calling thread, after the chunk queued behind it
-is finished.
-
+use one core fewer, and the calling thread goes on launching. What reads or changes shared
+state stays on the calling thread, in order: before the arithmetic, the hyper-parameters,
+step counts, the tracked norm's sum and the host buffer (``begin_chunk``); after it, the
+copy to the device and the unit's "updated" mark (``finish``), run when the pipeline is
+resumed and finds the chunk done. The C++ kernels release the GIL. The step carries into
+the next forward as an NVMe step does, so the updates of the first units overlap that
+forward too. The chunks, kernel and arguments are those of the calling thread's path:
+results are bit for bit the same (``update_thread`` forces either path; None chooses by
+the device). A failing chunk fails the step as on the calling thread, after the chunk
+queued behind it is finished.
 [Note: looked-up rows before their update]
 The input embedding is the first unit the next forward gathers and the last whose gradient
 is final, so a carried step would make the forward wait for the whole of its update (at
