@@ -140,6 +140,7 @@ forward too. The chunks, kernel and arguments are those of the calling thread's 
 results are bit for bit the same (``update_thread`` forces either path; None chooses by
 the device). A failing chunk fails the step as on the calling thread, after the chunk
 queued behind it is finished.
+
 [Note: looked-up rows before their update]
 The input embedding is the first unit the next forward gathers and the last whose gradient
 is final, so a carried step would make the forward wait for the whole of its update (at
