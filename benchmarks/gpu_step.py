@@ -11,7 +11,8 @@ Each variant runs in a fresh subprocess (its own peak GPU memory and RSS):
 * ``zerotune-both-cpu``: parameter shards on the host too (ZeRO-Infinity, CPU tier);
 * ``zerotune-optim-cpu-overlap``: ``zerotune-optim-cpu`` with the last micro-batch's backward
   inside ``optimizer.overlapped()``: each unit's CPU Adam runs as soon as its gradient shard
-  is final, while the GPU goes on with backward (same updates, so the same losses);
+  is final, on the optimizer's update thread while the GPU goes on with backward, the rest
+  carried into the next forward (same updates, so the same losses);
 * ``fsdp2-cpu-offload``: torch's ``fully_shard`` on every transformer block and the root,
   world size 1, ``CPUOffloadPolicy`` (fp32 parameter shards and gradients in pinned host
   memory), ``MixedPrecisionPolicy`` computing in ``--dtype`` and reducing in fp32 (the same
