@@ -13,6 +13,8 @@ Each variant runs in a fresh subprocess (its own peak GPU memory and RSS):
   inside ``optimizer.overlapped()``: each unit's CPU Adam runs as soon as its gradient shard
   is final, on the optimizer's update thread while the GPU goes on with backward, the rest
   carried into the next forward (same updates, so the same losses);
+* ``zerotune-optim-cpu-overlap-inline``: the same with ``update_thread = False``: the CPU
+  Adam on the thread that launches the GPU's kernels, as before the update thread;
 * ``fsdp2-cpu-offload``: torch's ``fully_shard`` on every transformer block and the root,
   world size 1, ``CPUOffloadPolicy`` (fp32 parameter shards and gradients in pinned host
   memory), ``MixedPrecisionPolicy`` computing in ``--dtype`` and reducing in fp32 (the same
@@ -54,6 +56,7 @@ VARIANTS = [
     "zerotune-both-cpu",
     "fsdp2-cpu-offload",
     "zerotune-optim-cpu-overlap",
+    "zerotune-optim-cpu-overlap-inline",
 ]
 
 
@@ -156,6 +159,7 @@ def run_variant(args: argparse.Namespace) -> dict:
             "zerotune-optim-cpu",
             "zerotune-both-cpu",
             "zerotune-optim-cpu-overlap",
+            "zerotune-optim-cpu-overlap-inline",
         ):
             zcfg["offload_optimizer"] = "cpu"
         if args.variant == "zerotune-both-cpu":
@@ -163,6 +167,8 @@ def run_variant(args: argparse.Namespace) -> dict:
         runner = zerotune.zero_init(config, zcfg, device=device)
         model = runner.module
         opt = zerotune.ZeroAdamW(runner, lr=1e-5)
+        if args.variant == "zerotune-optim-cpu-overlap-inline":
+            opt.update_thread = False  # the Adam on the thread that launches the GPU's work
         backward, close = runner.backward, runner.close
     if args.checkpointing:
         model.gradient_checkpointing_enable()
@@ -176,7 +182,8 @@ def run_variant(args: argparse.Namespace) -> dict:
         total = 0.0
         for i in range(args.accum):
             loss = runner(input_ids=ids, labels=ids).loss / args.accum
-            if args.variant == "zerotune-optim-cpu-overlap" and i == args.accum - 1:
+            overlap = args.variant.startswith("zerotune-optim-cpu-overlap")
+            if overlap and i == args.accum - 1:
                 with opt.overlapped():
                     backward(loss)
             else:
@@ -227,15 +234,15 @@ def main() -> None:
         f"{args.seq} tokens a step, median of {args.steps} steps after {args.warmup} warm-up"
     )
     print(
-        f"{'variant':<28}{'fwd+bwd s':>10}{'step s':>9}{'tokens/s':>11}{'GPU GiB':>10}"
+        f"{'variant':<35}{'fwd+bwd s':>10}{'step s':>9}{'tokens/s':>11}{'GPU GiB':>10}"
         f"{'RSS GiB':>10}"
     )
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<28}{r['error']}")
+            print(f"{name:<35}{r['error']}")
             continue
         print(
-            f"{name:<28}{r['fwd_bwd_s']:>10.3f}{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}"
+            f"{name:<35}{r['fwd_bwd_s']:>10.3f}{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}"
             f"{r['gpu_peak_gib']:>10.2f}{r['peak_rss_gib']:>10.2f}  losses {r['losses']}"
         )
     done = [r for r in results.values() if "error" not in r]
@@ -271,6 +278,9 @@ def main() -> None:
         "both_cpu_vs_fsdp2_tokens_ratio": ratio(results, "zerotune-both-cpu", "fsdp2-cpu-offload"),
         "optim_cpu_overlap_vs_plain_tokens_ratio": ratio(
             results, "zerotune-optim-cpu-overlap", "plain"
+        ),
+        "optim_cpu_overlap_thread_vs_inline_tokens_ratio": ratio(
+            results, "zerotune-optim-cpu-overlap", "zerotune-optim-cpu-overlap-inline"
         ),
     }
     summary.update({k: v for k, v in ratios.items() if v is not None})
