@@ -860,6 +860,32 @@ def test_a_failed_overlapped_update_is_not_a_step(tmp_path, monkeypatch):
     engine.close()
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        # fp32: the gradients left in the parameters, kept by zero_grad for the carried update
+        {"stage": 3, "offload_optimizer": "cpu"},
+        {"stage": 3, "offload_optimizer": "cpu", "dtype": "bf16"},  # the fused bf16 copy
+        {"stage": 3, "offload_optimizer": "cpu", "optim_state_bits": 8},  # 8-bit moments
+    ],
+    ids=["fp32", "bf16", "8bit"],
+)
+def test_updates_on_the_update_thread_equal_those_on_the_calling_thread(config):
+    """Bit for bit: the same chunks, kernels and arguments on either thread ([Note: host
+    updates off the launching thread]), with the step carried into the next forward."""
+    import numpy as np
+
+    thread, inline = (
+        run_world(1, run_overlapped, "", [dict(config, thread=t)])[0][0] for t in (True, False)
+    )
+    assert thread["threads"] == {"zerotune-update_0"} and inline["threads"] == set()
+    assert thread["losses"] == inline["losses"] and thread["tracked"] == inline["tracked"]
+    assert thread["carried"] == [True] * len(thread["carried"]), thread["carried"]
+    assert inline["carried"] == [False] * len(inline["carried"])  # nothing to wait for
+    for name, w in inline["weights"].items():
+        np.testing.assert_array_equal(np.asarray(thread["weights"][name]), np.asarray(w), name)
+
+
 def test_a_failed_update_on_the_update_thread_is_not_a_step():
     """An update whose arithmetic fails on the update thread fails the call that finds it
     (backward's pump or ``step()``); a step after a failure found in backward refuses."""

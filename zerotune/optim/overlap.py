@@ -87,6 +87,8 @@ class OverlappedStep:
         self.progress[unit.index] = c1
         if c1 == unit.shard_numel:
             self.unfinished.pop(unit.index, None)
+            # A carried update read gradients that zero_grad left for it: they go now.
+            unit.accumulator.drop_held()
             unit.update_done()
 
     def launch(self, unit) -> None:
