@@ -88,3 +88,51 @@ def test_bad_hyper_parameters_and_groups_are_rejected():
     params = list(model.parameters())
     with pytest.raises(ValueError, match="more than one parameter group"):
         zerotune.ZeroAdamW(engine, [{"params": params}, {"params": params[:1]}])
+
+
+def _fused_run(dtype: str, batched: bool, monkeypatch) -> dict:
+    """ZeroAdamW at stage 3 on the CPU through torch's fused multi-tensor step (what a
+    device runs): in one call over every unit (``batched``) or chunk by chunk."""
+    import zerotune
+    from zerotune.optim import cpu_adam, zero_adam
+    from zerotune.optim.zero_adam import ZeroAdamW
+
+    def multi_tensor(master, grad, moments, segments, out):
+        cpu_adam.multi_tensor_adam_update(master, grad, *moments, segments, out)
+
+    monkeypatch.setattr(ZeroAdamW, "_adam", staticmethod(multi_tensor))
+    calls = []  # shards per call of the batched entry
+    batched_entry = zero_adam.multi_tensor_adam_update_shards
+
+    def counted(shards):
+        calls.append(len(shards))
+        batched_entry(shards)
+
+    monkeypatch.setattr(zero_adam, "multi_tensor_adam_update_shards", counted)
+    model = build("gpt2")
+    groups = no_decay_groups(model, WD)
+    engine = zerotune.shard(model, {"stage": 3, "dtype": dtype})
+    opt = zerotune.ZeroAdamW(engine, groups, lr=LR)
+    opt._on_device = lambda units: batched
+    losses, norms = [], []
+    for ids in batches("gpt2", STEPS):
+        loss = loss_of(engine, ids)
+        engine.backward(loss)
+        norms.append(float(opt.clip_grad_norm_(0.5)))  # clips: the factor is applied too
+        opt.step()
+        losses.append(float(loss.detach()))
+    weights = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "norms": norms, "weights": weights, "calls": calls}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_fused_step_over_all_units_equals_the_chunk_by_chunk_step(dtype, monkeypatch):
+    """[Note: one fused step over a device's units]: bit for bit, clipped, two groups."""
+    one = _fused_run(dtype, True, monkeypatch)
+    each = _fused_run(dtype, False, monkeypatch)
+    assert min(one["norms"]) > 0.5  # every step clips
+    assert len(one["calls"]) == STEPS and min(one["calls"]) >= 5 and each["calls"] == []
+    assert one["losses"] == each["losses"] and one["losses"][-1] < one["losses"][0] - 0.1
+    for name, w in each["weights"].items():
+        assert torch.equal(one["weights"][name], w), name

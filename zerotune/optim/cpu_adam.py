@@ -33,6 +33,7 @@ __all__ = [
     "backend",
     "fallback_adam_update",
     "multi_tensor_adam_update",
+    "multi_tensor_adam_update_shards",
 ]
 
 _FP32_ONLY = torch.float32
@@ -227,28 +228,39 @@ def multi_tensor_adam_update(
     numbers are those of ``torch.optim.AdamW(fused=True)``). A gradient in another dtype
     than the master is converted ``_FUSED_CONVERT`` elements at a time; a segment without
     bias correction, which the fused step does not offer, takes the fallback."""
-    groups: dict[tuple, list[tuple[int, int]]] = {}
-    for a, b, kw in segments:
-        if not kw["bias_correction"]:
-            lowp = out_lowp[a:b] if out_lowp is not None else None
-            fallback_adam_update(
-                param[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], out_lowp=lowp, **kw
-            )
-            continue
-        key = tuple(float(kw[k]) for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
-        groups.setdefault((*key, kw["adamw"], _as_step(kw["step"])), []).append((a, b))
-    convert = grad.dtype != param.dtype
+    multi_tensor_adam_update_shards([(param, grad, exp_avg, exp_avg_sq, segments, out_lowp)])
+
+
+@torch.no_grad()
+def multi_tensor_adam_update_shards(shards: list[tuple]) -> None:
+    """``multi_tensor_adam_update`` over several shards at once, each ``(param, grad,
+    exp_avg, exp_avg_sq, segments, out_lowp)``: the segments of every shard that share
+    their arguments go in one call (a step over a device's units launches a few kernels,
+    not a few per unit). Element by element the same arithmetic."""
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}
+    for i, (param, grad, exp_avg, exp_avg_sq, segments, out_lowp) in enumerate(shards):
+        for a, b, kw in segments:
+            if not kw["bias_correction"]:
+                lowp = out_lowp[a:b] if out_lowp is not None else None
+                fallback_adam_update(
+                    param[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], out_lowp=lowp, **kw
+                )
+                continue
+            key = tuple(float(kw[n]) for n in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+            groups.setdefault((*key, kw["adamw"], _as_step(kw["step"])), []).append((i, a, b))
+    convert = any(sh[1].dtype != sh[0].dtype for sh in shards)
     for (lr, beta1, beta2, eps, weight_decay, adamw, step), spans in groups.items():
         # The fused step reads each tensor's step count (torch.optim adds one before).
-        count = torch.full((), float(step), device=param.device)
+        count = torch.full((), float(step), device=shards[spans[0][0]][0].device)
         fused = torch._fused_adamw_ if adamw else torch._fused_adam_
         for batch in _batches(spans, _FUSED_CONVERT) if convert else [spans]:
-            params = [param[a:b] for a, b in batch]
+            views = [[t[a:b] for t in shards[k][:4]] for k, a, b in batch]
+            params = [v[0] for v in views]
             fused(
                 params,
-                [grad[a:b].to(param.dtype) for a, b in batch],
-                [exp_avg[a:b] for a, b in batch],
-                [exp_avg_sq[a:b] for a, b in batch],
+                [g.to(p.dtype) for p, g, _, _ in views],
+                [v[2] for v in views],
+                [v[3] for v in views],
                 [],
                 [count] * len(batch),
                 lr=lr,
@@ -261,17 +273,20 @@ def multi_tensor_adam_update(
                 grad_scale=None,
                 found_inf=None,
             )
-            if out_lowp is not None:
-                torch._foreach_copy_([out_lowp[a:b] for a, b in batch], params)
+            outs = [(shards[k][5], a, b, p) for (k, a, b), p in zip(batch, params)]
+            outs = [(out[a:b], p) for out, a, b, p in outs if out is not None]
+            if outs:
+                torch._foreach_copy_([o for o, _ in outs], [p for _, p in outs])
 
 
-def _batches(spans: list[tuple[int, int]], cap: int):
-    """``spans`` in lists of at most ``cap`` elements in all (a longer span is cut)."""
+def _batches(spans: list[tuple[int, int, int]], cap: int):
+    """``spans`` ``(shard, start, stop)`` in lists of at most ``cap`` elements in all (a
+    longer span is cut)."""
     batch, size = [], 0
-    for a, b in spans:
+    for k, a, b in spans:
         while a < b:
             take = min(b - a, cap - size)
-            batch.append((a, a + take))
+            batch.append((k, a, a + take))
             size += take
             a += take
             if size == cap:

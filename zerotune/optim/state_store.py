@@ -301,7 +301,7 @@ class ResidentStore:
         if begin is not None:
             if self.thread is None:
                 self.thread = UpdateThread()
-            return self.thread.run(feed, lambda item: begin(*self._chunk(*item)))
+            return self.thread.run(feed, lambda item: begin(*self.chunk_views(*item)))
         return self._pipeline(feed, update)
 
     def _pipeline(self, feed, update):
@@ -314,9 +314,9 @@ class ResidentStore:
 
     def run(self, items, update) -> None:
         for item in items:
-            update(*self._chunk(*item))
+            update(*self.chunk_views(*item))
 
-    def _chunk(self, unit, c0: int, c1: int) -> tuple:
+    def chunk_views(self, unit, c0: int, c1: int) -> tuple:
         """``(unit, c0, c1, master, moments, grad)`` of a chunk, views into memory."""
         master, grad = unit.master[c0:c1], unit.grads.view(unit, c0, c1)
         q8 = self.q8.get(unit.index)
