@@ -13,6 +13,11 @@ Each variant runs in a fresh subprocess (its own peak GPU memory and RSS):
   inside ``optimizer.overlapped()``: each unit's CPU Adam runs as soon as its gradient shard
   is final, on the optimizer's update thread while the GPU goes on with backward, the rest
   carried into the next forward (same updates, so the same losses);
+* ``zerotune-optim-cpu-clipped``: ``zerotune-optim-cpu`` with ``clip_grad_norm_(1.0)`` before
+  each step (the Trainer's default);
+* ``zerotune-optim-cpu-clipped-overlap``: the same through ``overlapped(clipping=True)``: the
+  norm summed as backward finishes each unit, the updates after it on the update thread,
+  carried into the next forward (the same updates, so the same losses as the one before);
 * ``zerotune-optim-cpu-overlap-inline``: the same with ``update_thread = False``: the CPU
   Adam on the thread that launches the GPU's kernels, as before the update thread;
 * ``fsdp2-cpu-offload``: torch's ``fully_shard`` on every transformer block and the root,
@@ -56,6 +61,8 @@ VARIANTS = [
     "zerotune-both-cpu",
     "fsdp2-cpu-offload",
     "zerotune-optim-cpu-overlap",
+    "zerotune-optim-cpu-clipped",
+    "zerotune-optim-cpu-clipped-overlap",
     "zerotune-optim-cpu-overlap-inline",
 ]
 
@@ -155,12 +162,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         runner, backward, close = model, lambda loss: loss.backward(), dist.destroy_process_group
     else:
         zcfg = {"stage": 3, "dtype": args.dtype}
-        if args.variant in (
-            "zerotune-optim-cpu",
-            "zerotune-both-cpu",
-            "zerotune-optim-cpu-overlap",
-            "zerotune-optim-cpu-overlap-inline",
-        ):
+        if args.variant.startswith(("zerotune-optim-cpu", "zerotune-both-cpu")):
             zcfg["offload_optimizer"] = "cpu"
         if args.variant == "zerotune-both-cpu":
             zcfg["offload_param"] = "cpu"
@@ -176,21 +178,23 @@ def run_variant(args: argparse.Namespace) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device, generator=g)
     times, fwd_bwd, losses = [], [], []
+    clipped = "clipped" in args.variant
     for step in range(args.warmup + args.steps):
         sync()
         t0 = time.perf_counter()
         total = 0.0
         for i in range(args.accum):
             loss = runner(input_ids=ids, labels=ids).loss / args.accum
-            overlap = args.variant.startswith("zerotune-optim-cpu-overlap")
-            if overlap and i == args.accum - 1:
-                with opt.overlapped():
+            if "overlap" in args.variant and i == args.accum - 1:
+                with opt.overlapped(clipping=clipped):
                     backward(loss)
             else:
                 backward(loss)
             total += float(loss.detach())
         sync()
         t1 = time.perf_counter()
+        if clipped:
+            opt.clip_grad_norm_(1.0)  # the Trainer's default max_grad_norm
         opt.step()
         opt.zero_grad()
         sync()
@@ -278,6 +282,12 @@ def main() -> None:
         "both_cpu_vs_fsdp2_tokens_ratio": ratio(results, "zerotune-both-cpu", "fsdp2-cpu-offload"),
         "optim_cpu_overlap_vs_plain_tokens_ratio": ratio(
             results, "zerotune-optim-cpu-overlap", "plain"
+        ),
+        "optim_cpu_clipped_vs_plain_tokens_ratio": ratio(
+            results, "zerotune-optim-cpu-clipped", "plain"
+        ),
+        "optim_cpu_clipped_overlap_vs_clipped_tokens_ratio": ratio(
+            results, "zerotune-optim-cpu-clipped-overlap", "zerotune-optim-cpu-clipped"
         ),
         "optim_cpu_overlap_thread_vs_inline_tokens_ratio": ratio(
             results, "zerotune-optim-cpu-overlap", "zerotune-optim-cpu-overlap-inline"

@@ -15,8 +15,9 @@
 #   gpu_step.log      benchmarks/gpu_step.py, gpt2-xl bf16: plain, zerotune, zerotune with
 #                     the optimizer on the CPU, FSDP2 + CPUOffloadPolicy, zerotune with
 #                     parameters and optimizer on the CPU, and last (if time is left) the
-#                     optimizer on the CPU with the overlapped step, its Adam on the
-#                     update thread and then on the launching thread
+#                     optimizer on the CPU with the overlapped step (its Adam on the
+#                     update thread), clipped without and with overlap, and the
+#                     overlapped step with its Adam on the launching thread
 #   gpu_step.json     its last JSON line (tokens/s, GPU peak and peak RSS per variant, ratios)
 #   summary.json      every step's exit status, seconds and limit; passed / failed / skipped
 #                     counts and failing test ids of both pytest steps; the op states; the
@@ -95,7 +96,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 STEP_VARIANTS=plain,zerotune,zerotune-optim-cpu,fsdp2-cpu-offload,zerotune-both-cpu
-STEP_VARIANTS+=,zerotune-optim-cpu-overlap,zerotune-optim-cpu-overlap-inline
+STEP_VARIANTS+=,zerotune-optim-cpu-overlap,zerotune-optim-cpu-clipped
+STEP_VARIANTS+=,zerotune-optim-cpu-clipped-overlap,zerotune-optim-cpu-overlap-inline
 if [[ $mode == gpu ]]; then
     STEP_ARGS=(--model gpt2-xl --dtype bf16 --seq 1024 --batch 8 --accum 2 --warmup 2 --steps 3
         --variants "$STEP_VARIANTS")
