@@ -178,7 +178,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device, generator=g)
     times, fwd_bwd, losses = [], [], []
-    clipped = "clipped" in args.variant
+    clipped, norms = "clipped" in args.variant, []
     for step in range(args.warmup + args.steps):
         sync()
         t0 = time.perf_counter()
@@ -193,8 +193,8 @@ def run_variant(args: argparse.Namespace) -> dict:
             total += float(loss.detach())
         sync()
         t1 = time.perf_counter()
-        if clipped:
-            opt.clip_grad_norm_(1.0)  # the Trainer's default max_grad_norm
+        if clipped:  # the Trainer's default max_grad_norm
+            norms.append(round(float(opt.clip_grad_norm_(1.0)), 4))
         opt.step()
         opt.zero_grad()
         sync()
@@ -214,6 +214,8 @@ def run_variant(args: argparse.Namespace) -> dict:
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "losses": [round(x, 4) for x in losses],
     }
+    if norms:
+        result["grad_norms"] = norms  # above 1.0: the clipping clips
     if close is not None:
         close()
     return result
