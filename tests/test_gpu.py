@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from harness import batches, build, loss_of, train_reference, train_zero
+from harness import MAX_NORM, batches, build, loss_of, train_reference, train_zero
 from test_engine_equivalence import check
 
 import zerotune
@@ -85,6 +85,27 @@ def test_every_mode_matches_plain_adamw_on_the_device(case, tmp_path):
         assert memory["checkpoints_device"] == 0
         assert memory["checkpoints_offloaded_peak"] > 0
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("clip", [MAX_NORM, None], ids=["clipped", "unclipped"])
+def test_overlapped_step_with_host_state_matches_plain_adamw_on_the_device(clip):
+    """[Note: host updates off the launching thread]: with the optimizer on the host, the
+    overlapped step's Adam runs on the update thread and carries into the next forward."""
+    config = {"stage": 3, "offload_optimizer": "cpu"}
+    res = train_zero(0, 1, "gpt2", config, accum=2, clip=clip, device="cuda", overlap=True)
+    res["weights"] = {k: v.numpy() for k, v in res["weights"].items()}
+    ref = cuda_reference("gpt2") if clip is not None else _unclipped_reference()
+    check(res, ref, f"cuda overlapped {config} clip={clip}")
+    assert res["launched"] > 0 and res["carried"] > 0, (res["launched"], res["carried"])
+
+
+def _unclipped_reference() -> dict:
+    if "unclipped" not in _references:
+        ref = train_reference("gpt2", clip=None, device="cuda")
+        ref["weights"] = {k: v.numpy() for k, v in ref["weights"].items()}
+        ref["grad_max"] = {k: v.numpy() for k, v in ref["grad_max"].items()}
+        _references["unclipped"] = ref
+    return _references["unclipped"]
 
 
 def test_bf16_on_the_device_stays_within_bf16_tolerance():
