@@ -206,6 +206,7 @@ class StepPipeline:
         self.seen: set = set()  # (unit index, c0) of chunks started or in todo
         self.planned: deque = deque(feed.expected)
         self.gated: set[int] = set()
+        self.cache_asked = False  # [Note: the page cache as read-ahead], once per step
 
     def used(self) -> int:
         return len(self.started) + len(self.writes)
@@ -269,6 +270,23 @@ class StepPipeline:
             self.ahead[key] = entry
             self.started.append(entry)
 
+    def cache_ahead(self) -> None:
+        """A clipped step's backward, its staging slots full of reads ahead: ask the page
+        cache for the optim-file bytes of the chunks planned next, within half the memory
+        available (see [Note: the page cache as read-ahead])."""
+        feed = self.feed
+        if self.cache_asked or feed.closed or feed.reserve or self.used() < self.slots:
+            return
+        self.cache_asked = True
+        import psutil
+
+        budget = psutil.virtual_memory().available // 2
+        for item in self.planned:
+            if budget <= 0:
+                break
+            if (item[0].index, item[1]) not in self.seen:
+                budget -= self.store.cache_ahead(item)
+
     def give_up(self, entry):
         """Drop an entry read ahead: once its reads are over (its slot may not be reused
         before), out of ``started`` and back to staging. Its data is not used, so neither
@@ -315,6 +333,7 @@ class StepPipeline:
             self.finish_done_writes()
             yield from self.start_launched()
             self.read_ahead()
+            self.cache_ahead()
             entry = next((e for e in self.started if e.launched), None)
             if entry is not None:
                 yield from self.update_and_write(entry)

@@ -446,6 +446,9 @@ class NvmeStore:
         self.bytes_written = 0
         # [Note: the master updated in the page cache]
         self.in_place = in_place
+        # (unit index, c0) of chunks whose optim-file bytes were asked of the page cache
+        # ([Note: the page cache as read-ahead] in pipeline.py): read through it.
+        self.cached: set[tuple[int, int]] = set()
         if layout.bits == 8:
             require_bitsandbytes()
 
@@ -463,6 +466,10 @@ class NvmeStore:
 
     def _file(self):
         return self.swap.files["optim"]
+
+    def _state_file(self):
+        """The O_DIRECT file of the optimizer state (``cache_ahead`` asks for its bytes)."""
+        return self._file()
 
     def reset_moments(self, units) -> None:
         """Zero moments in the engine's optim file for ``units``, as at construction: the
@@ -527,9 +534,28 @@ class NvmeStore:
             p = unit.params.extent
             p.file.will_need(p.offset + c0 * _F32, n * _F32)
         pieces = self._pieces(unit, c0, c1, buf, in_place)
-        handles = [file.read(part, off) for part, file, off in pieces]
+        cached, optim = (unit.index, c0) in self.cached, self._state_file()
+        self.cached.discard((unit.index, c0))
+        handles = [
+            file.read_cached(part, off) if cached and file is optim else file.read(part, off)
+            for part, file, off in pieces
+        ]
         self.bytes_read += sum(part.numel() for part, _, _ in pieces)
         return Entry(item, buf, state_bytes, pieces, handles, in_place)
+
+    def cache_ahead(self, item) -> int:
+        """Ask the page cache for the chunk's bytes in the optim file, for ``start`` to read
+        from there (see [Note: the page cache as read-ahead] in pipeline.py); the bytes
+        asked for."""
+        unit, c0, c1 = item
+        meta = torch.empty(self._state_bytes(unit, c0, c1), dtype=torch.uint8, device="meta")
+        optim, asked = self._state_file(), 0
+        for part, file, off in self._pieces(unit, c0, c1, meta, self.updates_in_place(unit)):
+            if file is optim:
+                optim.will_need(off, part.numel())
+                asked += part.numel()
+        self.cached.add((unit.index, c0))
+        return asked
 
     def _populate(self, mapping, at: int, nbytes: int, path, offset: int) -> None:
         """Fill the page tables of ``mapping[at : at + nbytes]`` (a file's bytes from
