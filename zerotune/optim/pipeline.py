@@ -192,6 +192,23 @@ class StepPipeline:
     launched give theirs up at the end. Each unit's chunks are updated in order. Should
     the pipeline fail (an I/O error, an exception in ``update``), it waits for its
     transfers and gives every slot back on the way out.
+
+    [Note: the page cache as read-ahead]
+    A clipped step's updates wait for the norm, so during its backward the pipeline can only
+    read ahead what its staging slots hold (384 MiB by default); the rest of the moments
+    would be read in the next forward, between the writes, the disk idle through
+    backward. Once the slots are full, ``cache_ahead`` asks the page cache (readahead advice
+    on a thread of its own, since one waits while the device's queue is full) for the
+    optim-file bytes of the chunks planned next, within half the memory available then;
+    ``start`` reads those chunks through a buffered descriptor of the same file
+    (``SwapFile.read_cached``) instead of O_DIRECT, from memory where the pages came in. The
+    page cache is reclaimable: pages given up are read from the disk again, and the reads
+    stay correct. The bytes stay right too: a direct write of a range drops its cached
+    pages, nothing writes the optim file before the step's updates, the first of which waits
+    for all the advice to be given, each chunk's buffered read waits for its pages before
+    its update and write, and the buffered descriptor reads no more than asked (no readahead
+    of its own), so no read of old bytes can land after a write. The
+    arithmetic is unchanged, bit for bit.
     """
 
     def __init__(self, store, feed: Feed, update) -> None:
@@ -280,12 +297,8 @@ class StepPipeline:
         self.cache_asked = True
         import psutil
 
-        budget = psutil.virtual_memory().available // 2
-        for item in self.planned:
-            if budget <= 0:
-                break
-            if (item[0].index, item[1]) not in self.seen:
-                budget -= self.store.cache_ahead(item)
+        items = [it for it in self.planned if (it[0].index, it[1]) not in self.seen]
+        self.store.cache_ahead(items, psutil.virtual_memory().available // 2)
 
     def give_up(self, entry):
         """Drop an entry read ahead: once its reads are over (its slot may not be reused
@@ -298,6 +311,8 @@ class StepPipeline:
     def update_and_write(self, entry):
         """Wait for the chunk's reads, update it, and queue its writes."""
         store = self.store
+        if self.cache_asked:
+            store.settle_cache_ahead()  # before the step's first write
         (unit, c0, c1), buf = entry.item, entry.buf
         for h in entry.handles:
             if not h.done():

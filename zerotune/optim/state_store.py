@@ -436,6 +436,20 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
     unit.drop_master()
 
 
+_ADVICE = None
+
+
+def _advice_thread():
+    """The thread that gives ``NvmeStore.cache_ahead``'s advice (a readahead advice waits
+    while the device's queue is full)."""
+    global _ADVICE
+    if _ADVICE is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _ADVICE = ThreadPoolExecutor(1, thread_name_prefix="zerotune-readahead")
+    return _ADVICE
+
+
 class NvmeStore:
     carries = True  # an overlapped step's updates may run on into the next forward
     previews = True  # rows of fp32 moments can be read on their own (read_moment_ranges)
@@ -449,6 +463,7 @@ class NvmeStore:
         # (unit index, c0) of chunks whose optim-file bytes were asked of the page cache
         # ([Note: the page cache as read-ahead] in pipeline.py): read through it.
         self.cached: set[tuple[int, int]] = set()
+        self._advising = None  # the advice being given (a Future)
         if layout.bits == 8:
             require_bitsandbytes()
 
@@ -543,19 +558,32 @@ class NvmeStore:
         self.bytes_read += sum(part.numel() for part, _, _ in pieces)
         return Entry(item, buf, state_bytes, pieces, handles, in_place)
 
-    def cache_ahead(self, item) -> int:
-        """Ask the page cache for the chunk's bytes in the optim file, for ``start`` to read
-        from there (see [Note: the page cache as read-ahead] in pipeline.py); the bytes
-        asked for."""
-        unit, c0, c1 = item
-        meta = torch.empty(self._state_bytes(unit, c0, c1), dtype=torch.uint8, device="meta")
-        optim, asked = self._state_file(), 0
-        for part, file, off in self._pieces(unit, c0, c1, meta, self.updates_in_place(unit)):
-            if file is optim:
-                optim.will_need(off, part.numel())
-                asked += part.numel()
-        self.cached.add((unit.index, c0))
-        return asked
+    def cache_ahead(self, items, budget: int) -> None:
+        """Ask the page cache, on a thread of its own, for the optim-file bytes of ``items``
+        (chunks, in order, up to ``budget`` bytes), for ``start`` to read from there (see
+        [Note: the page cache as read-ahead] in pipeline.py)."""
+        optim, ranges = self._state_file(), []
+        for unit, c0, c1 in items:
+            if budget <= 0:
+                break
+            meta = torch.empty(self._state_bytes(unit, c0, c1), dtype=torch.uint8, device="meta")
+            for part, file, off in self._pieces(unit, c0, c1, meta, self.updates_in_place(unit)):
+                if file is optim:
+                    ranges.append((off, part.numel()))
+                    budget -= part.numel()
+            self.cached.add((unit.index, c0))
+        if ranges:
+            self.settle_cache_ahead()
+            self._advising = _advice_thread().submit(
+                lambda: [optim.will_need(off, n) for off, n in ranges]
+            )
+
+    def settle_cache_ahead(self) -> None:
+        """Wait until the advice of ``cache_ahead`` is given: no write of the step may meet
+        a read it started."""
+        advising, self._advising = self._advising, None
+        if advising is not None:
+            advising.result()
 
     def _populate(self, mapping, at: int, nbytes: int, path, offset: int) -> None:
         """Fill the page tables of ``mapping[at : at + nbytes]`` (a file's bytes from
