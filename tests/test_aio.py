@@ -568,37 +568,6 @@ def test_will_need_reads_the_whole_range_into_the_page_cache(tmp_path):
         os.close(fd)
 
 
-def test_an_o_direct_file_reads_what_it_asked_of_the_page_cache(tmp_path):
-    """On an O_DIRECT file ``will_need`` brings a range into the page cache and
-    ``read_cached`` reads it from there; an O_DIRECT write of the range drops those pages,
-    so the next cached read finds the new bytes."""
-    nbytes = 8 * MiB
-    with SwapFile(tmp_path / "f.swap", nbytes) as f:
-        if not f.direct:
-            pytest.skip("this filesystem refuses O_DIRECT")
-        fd = os.open(f.path, os.O_RDONLY)
-        try:
-            f.write(aligned_empty(nbytes // 4, torch.float32).fill_(1), 0).wait()
-            os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
-            if _resident_bytes(fd, 0, nbytes) > nbytes // 8:
-                pytest.skip("this filesystem keeps its pages (tmpfs?): nothing to read ahead")
-            f.will_need(0, nbytes)
-            deadline = time.monotonic() + 10
-            while _resident_bytes(fd, 0, nbytes) < nbytes and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert _resident_bytes(fd, 0, nbytes) == nbytes
-            got = aligned_empty(nbytes // 4, torch.float32)
-            f.read_cached(got, 0).wait()
-            assert torch.equal(got, torch.ones(nbytes // 4))
-            f.write(aligned_empty(MiB // 4, torch.float32).fill_(2), MiB).wait()
-            assert _resident_bytes(fd, MiB, MiB) == 0  # the write dropped its pages
-            f.read_cached(got, 0).wait()
-            assert got[: MiB // 4].eq(1).all() and got[MiB // 4 : MiB // 2].eq(2).all()
-            assert got[MiB // 2 :].eq(1).all()
-        finally:
-            os.close(fd)
-
-
 def test_will_need_is_advice_a_filesystem_may_refuse(tmp_path, monkeypatch):
     """A filesystem that refuses readahead advice: ``will_need`` and mapped gathers go on,
     the pages read on use; misuse still raises."""

@@ -886,41 +886,6 @@ def test_updates_on_the_update_thread_equal_those_on_the_calling_thread(config):
         np.testing.assert_array_equal(np.asarray(thread["weights"][name]), np.asarray(w), name)
 
 
-def test_a_clipped_step_reads_ahead_through_the_page_cache(tmp_path, monkeypatch):
-    """[Note: the page cache as read-ahead]: with its staging slots full during backward, a
-    clipped step asks the page cache for the next chunks' optimizer state and reads them
-    from there; the same bits as without, and plain AdamW with clipping."""
-    import numpy as np
-    import torch
-    from harness import MAX_NORM, train_reference
-
-    from zerotune.memory.aio import SwapFile
-    from zerotune.optim.pipeline import StepPipeline
-
-    config = dict(CLIPPED_CONFIGS[0], clip=MAX_NORM)
-    cached = []
-    read_cached = SwapFile.read_cached
-
-    def counted(self, tensor, offset):
-        cached.append(tensor.numel())
-        return read_cached(self, tensor, offset)
-
-    monkeypatch.setattr(SwapFile, "read_cached", counted)
-    (on,) = run_overlapped(0, 1, str(tmp_path / "on"), [config])
-    assert len(cached) > 10 and sum(cached) > 2**18, (len(cached), sum(cached))
-    monkeypatch.setattr(StepPipeline, "cache_ahead", lambda self: None)
-    cached.clear()
-    (off,) = run_overlapped(0, 1, str(tmp_path / "off"), [config])
-    assert cached == []
-    assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
-    for name, w in off["weights"].items():
-        assert torch.equal(on["weights"][name], w), name
-    ref = train_reference("gpt2", clip=MAX_NORM)
-    np.testing.assert_allclose(on["norms"], ref["norms"], rtol=1e-5)
-    for name, w in ref["weights"].items():
-        np.testing.assert_allclose(on["weights"][name].numpy(), w.numpy(), rtol=1e-5, atol=2e-5)
-
-
 def test_a_failed_update_on_the_update_thread_is_not_a_step():
     """An update whose arithmetic fails on the update thread fails the call that finds it
     (backward's pump or ``step()``); a step after a failure found in backward refuses."""

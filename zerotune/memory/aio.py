@@ -32,7 +32,6 @@ with buffered I/O (never O_DIRECT), same API, same errors.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import logging
@@ -185,8 +184,6 @@ class SwapFile:
         self._pending_lock = threading.Lock()
         self._prune_at = 64
         self._window: int | None = None  # bytes one readahead advice reads (will_need)
-        self._cached = None  # (fd, engine) of buffered reads of an O_DIRECT file (read_cached)
-        self._threads, self._queue_depth = threads, queue_depth
         op = load_aio_op()
         self._fd = _create(self.path, self.size)
         try:
@@ -219,28 +216,6 @@ class SwapFile:
         """Start writing ``tensor``'s bytes at file ``offset``; returns at once.
         ``urgent``: as for ``read``."""
         return self._submit(True, tensor, offset, urgent)
-
-    def read_cached(self, tensor: torch.Tensor, offset: int) -> IOHandle:
-        """``read``, through the page cache even when the file is opened with O_DIRECT: for
-        a range asked for with ``will_need``, whose pages come from memory (see [Note: the
-        page cache as read-ahead] in optim/pipeline.py). O_DIRECT writes of the range drop
-        its pages from the cache, so a later read finds the file's bytes either way."""
-        if not self.direct:
-            return self.read(tensor, offset)
-        if self._cached is None and not self._closed:
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                # No readahead of its own past what is asked: pages it would bring in while an
-                # O_DIRECT write of theirs is in flight could keep the old bytes.
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                op = load_aio_op()
-                engine = _CppEngine(op, fd, False, 2, self.block_bytes, self._queue_depth)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._cached = (fd, engine)
-        return self._submit(False, tensor, offset, engine=self._cached[1] if self._cached else None)
 
     def read(self, tensor: torch.Tensor, offset: int, urgent: bool = False) -> IOHandle:
         """Start filling ``tensor`` with the file's bytes from ``offset``; returns at once.
@@ -288,12 +263,11 @@ class SwapFile:
     def will_need(self, offset: int, nbytes: int) -> None:
         """Start reading the file's bytes ``[offset, offset + nbytes)`` into the page cache
         without waiting for them: a later mapping or buffered read finds them there or on
-        their way (with O_DIRECT, ``read_cached`` does). Cached pages cost a lookup. One
-        advice reads at most the device's readahead window (``readahead_bytes``), so a range
-        takes one per window. A filesystem that refuses the advice gets none: the reads
-        then happen on use."""
-        if self._closed:
-            raise ValueError(f"will_need on {self.path}: the file is closed")
+        their way. Buffered files only; cached pages cost a lookup. One advice reads at most
+        the device's readahead window (``readahead_bytes``), so a range takes one per window.
+        A filesystem that refuses the advice gets none: the reads then happen on use."""
+        if self._closed or self.direct:
+            raise ValueError(f"will_need on {self.path}: closed, or opened with O_DIRECT")
         if self._window is None:
             self._window = readahead_bytes(self._fd)
         try:
@@ -327,13 +301,9 @@ class SwapFile:
         self._closed = True
         try:
             self._engine.close()
-            if self._cached is not None:
-                self._cached[1].close()
         finally:
             self._pending.clear()
             os.close(self._fd)
-            if self._cached is not None:
-                os.close(self._cached[0])
 
     def __enter__(self) -> SwapFile:
         return self
@@ -355,7 +325,7 @@ class SwapFile:
         return f"SwapFile({str(self.path)!r}, size={self.size}, {state})"
 
     def _submit(
-        self, write: bool, tensor: torch.Tensor, offset: int, urgent: bool = False, engine=None
+        self, write: bool, tensor: torch.Tensor, offset: int, urgent: bool = False
     ) -> IOHandle:
         op = "write" if write else "read"
         if self._closed:
@@ -382,8 +352,7 @@ class SwapFile:
                 f"{op} of {nbytes} bytes at offset {offset} is past the end of {self.path} "
                 f"({self.size} bytes; a request takes its size rounded up to {ALIGN})"
             )
-        engine = self._engine if engine is None else engine
-        impl = engine.submit(write, tensor, offset, nbytes, urgent) if nbytes else None
+        impl = self._engine.submit(write, tensor, offset, nbytes, urgent) if nbytes else None
         handle = IOHandle(impl, tensor, self.path, op, offset, nbytes)
         if impl is not None:
             self._remember(handle)

@@ -237,9 +237,6 @@ class NvmeGenericState(NvmeStore):
         if buf.numel() == self.staging.slot:
             self.staging.release(buf)
 
-    def _state_file(self):
-        return self.file
-
     def _state_sizes(self, unit, c0: int, c1: int):
         """(region key, region, bytes moved) of the chunk's state, in slot order."""
         for key, r in self._regions_of(unit):

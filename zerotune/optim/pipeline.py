@@ -192,23 +192,6 @@ class StepPipeline:
     launched give theirs up at the end. Each unit's chunks are updated in order. Should
     the pipeline fail (an I/O error, an exception in ``update``), it waits for its
     transfers and gives every slot back on the way out.
-
-    [Note: the page cache as read-ahead]
-    A clipped step's updates wait for the norm, so during its backward the pipeline can only
-    read ahead what its staging slots hold (384 MiB by default); the rest of the moments
-    would be read in the next forward, between the writes, the disk idle through
-    backward. Once the slots are full, ``cache_ahead`` asks the page cache (readahead advice
-    on a thread of its own, since one waits while the device's queue is full) for the
-    optim-file bytes of the chunks planned next, within half the memory available then;
-    ``start`` reads those chunks through a buffered descriptor of the same file
-    (``SwapFile.read_cached``) instead of O_DIRECT, from memory where the pages came in. The
-    page cache is reclaimable: pages given up are read from the disk again, and the reads
-    stay correct. The bytes stay right too: a direct write of a range drops its cached
-    pages, nothing writes the optim file before the step's updates, the first of which waits
-    for all the advice to be given, each chunk's buffered read waits for its pages before
-    its update and write, and the buffered descriptor reads no more than asked (no readahead
-    of its own), so no read of old bytes can land after a write. The
-    arithmetic is unchanged, bit for bit.
     """
 
     def __init__(self, store, feed: Feed, update) -> None:
@@ -223,7 +206,6 @@ class StepPipeline:
         self.seen: set = set()  # (unit index, c0) of chunks started or in todo
         self.planned: deque = deque(feed.expected)
         self.gated: set[int] = set()
-        self.cache_asked = False  # [Note: the page cache as read-ahead], once per step
 
     def used(self) -> int:
         return len(self.started) + len(self.writes)
@@ -287,19 +269,6 @@ class StepPipeline:
             self.ahead[key] = entry
             self.started.append(entry)
 
-    def cache_ahead(self) -> None:
-        """A clipped step's backward, its staging slots full of reads ahead: ask the page
-        cache for the optim-file bytes of the chunks planned next, within half the memory
-        available (see [Note: the page cache as read-ahead])."""
-        feed = self.feed
-        if self.cache_asked or feed.closed or feed.reserve or self.used() < self.slots:
-            return
-        self.cache_asked = True
-        import psutil
-
-        items = [it for it in self.planned if (it[0].index, it[1]) not in self.seen]
-        self.store.cache_ahead(items, psutil.virtual_memory().available // 2)
-
     def give_up(self, entry):
         """Drop an entry read ahead: once its reads are over (its slot may not be reused
         before), out of ``started`` and back to staging. Its data is not used, so neither
@@ -311,8 +280,6 @@ class StepPipeline:
     def update_and_write(self, entry):
         """Wait for the chunk's reads, update it, and queue its writes."""
         store = self.store
-        if self.cache_asked:
-            store.settle_cache_ahead()  # before the step's first write
         (unit, c0, c1), buf = entry.item, entry.buf
         for h in entry.handles:
             if not h.done():
@@ -348,7 +315,6 @@ class StepPipeline:
             self.finish_done_writes()
             yield from self.start_launched()
             self.read_ahead()
-            self.cache_ahead()
             entry = next((e for e in self.started if e.launched), None)
             if entry is not None:
                 yield from self.update_and_write(entry)

@@ -436,20 +436,6 @@ def write_initial_state(unit, swap, staging, layout: OptimLayout) -> None:
     unit.drop_master()
 
 
-_ADVICE = None
-
-
-def _advice_thread():
-    """The thread that gives ``NvmeStore.cache_ahead``'s advice (a readahead advice waits
-    while the device's queue is full)."""
-    global _ADVICE
-    if _ADVICE is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _ADVICE = ThreadPoolExecutor(1, thread_name_prefix="zerotune-readahead")
-    return _ADVICE
-
-
 class NvmeStore:
     carries = True  # an overlapped step's updates may run on into the next forward
     previews = True  # rows of fp32 moments can be read on their own (read_moment_ranges)
@@ -460,10 +446,6 @@ class NvmeStore:
         self.bytes_written = 0
         # [Note: the master updated in the page cache]
         self.in_place = in_place
-        # (unit index, c0) of chunks whose optim-file bytes were asked of the page cache
-        # ([Note: the page cache as read-ahead] in pipeline.py): read through it.
-        self.cached: set[tuple[int, int]] = set()
-        self._advising = None  # the advice being given (a Future)
         if layout.bits == 8:
             require_bitsandbytes()
 
@@ -481,10 +463,6 @@ class NvmeStore:
 
     def _file(self):
         return self.swap.files["optim"]
-
-    def _state_file(self):
-        """The O_DIRECT file of the optimizer state (``cache_ahead`` asks for its bytes)."""
-        return self._file()
 
     def reset_moments(self, units) -> None:
         """Zero moments in the engine's optim file for ``units``, as at construction: the
@@ -549,41 +527,9 @@ class NvmeStore:
             p = unit.params.extent
             p.file.will_need(p.offset + c0 * _F32, n * _F32)
         pieces = self._pieces(unit, c0, c1, buf, in_place)
-        cached, optim = (unit.index, c0) in self.cached, self._state_file()
-        self.cached.discard((unit.index, c0))
-        handles = [
-            file.read_cached(part, off) if cached and file is optim else file.read(part, off)
-            for part, file, off in pieces
-        ]
+        handles = [file.read(part, off) for part, file, off in pieces]
         self.bytes_read += sum(part.numel() for part, _, _ in pieces)
         return Entry(item, buf, state_bytes, pieces, handles, in_place)
-
-    def cache_ahead(self, items, budget: int) -> None:
-        """Ask the page cache, on a thread of its own, for the optim-file bytes of ``items``
-        (chunks, in order, up to ``budget`` bytes), for ``start`` to read from there (see
-        [Note: the page cache as read-ahead] in pipeline.py)."""
-        optim, ranges = self._state_file(), []
-        for unit, c0, c1 in items:
-            if budget <= 0:
-                break
-            meta = torch.empty(self._state_bytes(unit, c0, c1), dtype=torch.uint8, device="meta")
-            for part, file, off in self._pieces(unit, c0, c1, meta, self.updates_in_place(unit)):
-                if file is optim:
-                    ranges.append((off, part.numel()))
-                    budget -= part.numel()
-            self.cached.add((unit.index, c0))
-        if ranges:
-            self.settle_cache_ahead()
-            self._advising = _advice_thread().submit(
-                lambda: [optim.will_need(off, n) for off, n in ranges]
-            )
-
-    def settle_cache_ahead(self) -> None:
-        """Wait until the advice of ``cache_ahead`` is given: no write of the step may meet
-        a read it started."""
-        advising, self._advising = self._advising, None
-        if advising is not None:
-            advising.result()
 
     def _populate(self, mapping, at: int, nbytes: int, path, offset: int) -> None:
         """Fill the page tables of ``mapping[at : at + nbytes]`` (a file's bytes from
