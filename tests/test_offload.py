@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 
 import pytest
 from conftest import run_together, run_world
@@ -554,7 +555,9 @@ OVERLAP_CONFIGS = [
 
 
 def _record_threads(opt, names: set) -> None:
-    """Add to ``names`` the thread that runs each chunk's arithmetic."""
+    """Add to ``names`` the thread that runs each chunk's arithmetic, made slow enough that
+    updates are still under way when ``step()`` returns (so the step carries, whatever the
+    machine's load)."""
     begin = opt.begin_chunk
 
     def spied(*args):
@@ -562,6 +565,7 @@ def _record_threads(opt, names: set) -> None:
 
         def recorded():
             names.add(threading.current_thread().name)
+            time.sleep(0.02)
             math()
 
         return recorded, finish

@@ -33,6 +33,7 @@ FOREIGN = {
     "_fused_adamw_",
     "_fused_adam_",
     "_foreach_copy_",
+    "_foreach_mul_",
 }
 
 
