@@ -33,16 +33,17 @@ def full_fp32_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = before
 
 
-_references: dict[str, dict] = {}
+_references: dict[tuple, dict] = {}
 
 
-def cuda_reference(model_name: str) -> dict:
-    if model_name not in _references:
-        ref = train_reference(model_name, device="cuda")
+def cuda_reference(model_name: str, clip: float | None = MAX_NORM) -> dict:
+    key = (model_name, clip)
+    if key not in _references:
+        ref = train_reference(model_name, clip=clip, device="cuda")
         ref["weights"] = {k: v.numpy() for k, v in ref["weights"].items()}
         ref["grad_max"] = {k: v.numpy() for k, v in ref["grad_max"].items()}
-        _references[model_name] = ref
-    return _references[model_name]
+        _references[key] = ref
+    return _references[key]
 
 
 CASES = [
@@ -94,18 +95,9 @@ def test_overlapped_step_with_host_state_matches_plain_adamw_on_the_device(clip)
     config = {"stage": 3, "offload_optimizer": "cpu"}
     res = train_zero(0, 1, "gpt2", config, accum=2, clip=clip, device="cuda", overlap=True)
     res["weights"] = {k: v.numpy() for k, v in res["weights"].items()}
-    ref = cuda_reference("gpt2") if clip is not None else _unclipped_reference()
+    ref = cuda_reference("gpt2", clip)
     check(res, ref, f"cuda overlapped {config} clip={clip}")
     assert res["launched"] > 0 and res["carried"] > 0, (res["launched"], res["carried"])
-
-
-def _unclipped_reference() -> dict:
-    if "unclipped" not in _references:
-        ref = train_reference("gpt2", clip=None, device="cuda")
-        ref["weights"] = {k: v.numpy() for k, v in ref["weights"].items()}
-        ref["grad_max"] = {k: v.numpy() for k, v in ref["grad_max"].items()}
-        _references["unclipped"] = ref
-    return _references["unclipped"]
 
 
 def test_bf16_on_the_device_stays_within_bf16_tolerance():

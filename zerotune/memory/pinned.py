@@ -80,8 +80,8 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _release(ptr: int, pages: mmap.mmap) -> None:
+    """Unregister ``ptr``; ``pages``, an argument of the finalizer, is mapped until then."""
     _unregister(ptr)
-    del pages  # unmapped once the storage's own reference is gone too
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:

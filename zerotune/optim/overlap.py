@@ -61,10 +61,9 @@ class OverlappedStep:
             self.pump()  # reads ahead start before backward does
 
     def _pipeline(self):
-        begin = self._begin if self.threaded else None
-        if begin is None:
-            return self.opt.store.pipeline(self.feed, self._update)
-        return self.opt.store.pipeline(self.feed, self._update, begin=begin)
+        if self.threaded:  # a ResidentStore's: the one store that takes ``begin``
+            return self.opt.store.pipeline(self.feed, self._update, begin=self._begin)
+        return self.opt.store.pipeline(self.feed, self._update)
 
     def _update(self, unit, c0, c1, *state) -> None:
         self.begun[unit.index] = c1

@@ -384,13 +384,8 @@ class ZeroAdamW(ShardedOptimizer):
         return _ChunkJob(unit, c0, c1, master, moments, grad, factor, target, out, segments)
 
     def _math(self, job: _ChunkJob) -> None:
-        master, grad, moments, segments, out = (
-            job.master,
-            job.grad,
-            job.moments,
-            job.segments,
-            job.out,
-        )
+        master, grad, moments = job.master, job.grad, job.moments
+        segments, out = job.segments, job.out
         if job.factor != 1.0:
             grad.mul_(job.factor)
         if isinstance(moments, Q8Moments):
@@ -428,12 +423,9 @@ class ZeroAdamW(ShardedOptimizer):
     def _update_on_device(self, items) -> None:
         """[Note: one fused step over a device's units]"""
         jobs = [self._chunk_job(*self.store.chunk_views(*item)) for item in items]
-        by_factor: dict[float, list[torch.Tensor]] = {}
-        for job in jobs:
-            if job.factor != 1.0:
-                by_factor.setdefault(job.factor, []).append(job.grad)
-        for factor, grads in by_factor.items():
-            torch._foreach_mul_(grads, factor)
+        scaled = [job for job in jobs if job.factor != 1.0]  # the step's one factor
+        if scaled:
+            torch._foreach_mul_([job.grad for job in scaled], scaled[0].factor)
         multi_tensor_adam_update_shards(
             [(j.master, j.grad, *j.moments, j.segments, j.out) for j in jobs]
         )
