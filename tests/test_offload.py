@@ -3,6 +3,7 @@ private, checked for space up front, and removed; broken reads raise."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
@@ -1019,30 +1020,64 @@ def test_fp32_master_lives_in_the_parameter_file(dtype, tmp_path):
     engine.close()
 
 
-def test_host_pool_keeps_only_buffers_that_recur(tmp_path):
+@pytest.mark.parametrize("clipped", [False, True], ids=["step-after-backward", "clipped-overlap"])
+def test_host_pool_keeps_only_buffers_that_recur(tmp_path, clipped):
     """With offload the reduce/copy pool keeps, for reuse, the gradient buffers of the sizes
-    several units share (the blocks), as many as NVMe writes can keep busy; a size one unit
-    has (the embedding's gradient) is given back after use instead of staying resident."""
+    several units share (the blocks), as many as were in use at once (the NVMe writes in
+    flight; with a clipped overlapped step also the shards kept in memory until the next
+    forward); a size one unit has (the embedding's gradient) is given back after use
+    instead of staying resident."""
+    import torch
     from conftest import tiny_gpt2
 
     import zerotune
 
+    sizes_of = lambda engine: [u.padded_numel * 4 for u in engine.units if u.trainable and u.numel]  # noqa: E731
     config = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
               "nvme_path": str(tmp_path), "grad_host_bytes": 0}  # fmt: skip
-    engine = zerotune.shard(tiny_gpt2(seed=0, layers=4), config)
+    layers = 8  # more than the writes in flight, so that held shards outnumber them
+    if clipped:  # room for all but one block's shard in memory
+        probe = zerotune.shard(tiny_gpt2(seed=0, layers=layers), config)
+        config["grad_host_bytes"] = sum(sizes_of(probe)) - max(sizes_of(probe)) - 1
+        probe.close()
+    engine = zerotune.shard(tiny_gpt2(seed=0, layers=layers), config)
     opt = zerotune.ZeroAdamW(engine, lr=1e-3)
     pool = engine.pool
-    sizes = [u.padded_numel * 4 for u in engine.units if u.trainable and u.numel]
-    assert pool.keep_sizes == {n for n in sizes if sizes.count(n) >= 2}  # the blocks
-    one_off = [n for n in sizes if sizes.count(n) == 1]
+    sizes = sizes_of(engine)
+    block = max(set(sizes), key=sizes.count)
+    assert pool.keep_sizes == {n for n in sizes if sizes.count(n) >= 2} == {block}
+    # Held for a clipped step, a unit of one parameter keeps that parameter's own gradient.
+    one_off = [
+        u.padded_numel * 4
+        for u in engine.units
+        if u.trainable and u.numel and sizes.count(u.padded_numel * 4) == 1
+        if not (clipped and u.one_parameter)
+    ]
 
     def check():
         assert pool.in_use_bytes == 0
         assert pool.allocated_bytes == pool.free_bytes
         kept = [n * 4 for (n, dtype), bufs in pool._free.items() for _ in bufs]
-        assert set(kept) <= pool.keep_sizes and len(kept) <= pool.writes.limit + 1, kept
+        most = pool.most_in_use[(block // 4, torch.float32)]
+        assert kept == [block] * most, (kept, most)
+        # The clipped step held all blocks' shards but the last one's (written as soon as
+        # its share of the norm is read) at once.
+        assert most >= layers - 1 if clipped else most <= pool.writes.limit + 1, most
 
-    made = _made_per_step(engine, opt, lambda: pool.allocations, check)
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    made = []
+    for _ in range(3):
+        before = pool.allocations
+        loss = engine(input_ids=ids, labels=ids).loss
+        with opt.overlapped(clipping=True) if clipped else contextlib.nullcontext():
+            loss.backward()
+        if clipped:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        opt.settle()  # a carried update finishes before the pool is checked
+        made.append(pool.allocations - before)
+        check()
     # After the first step only the one-off sizes are made again, once each a step; the
     # block-sized buffers are all reused.
     assert made[1] == made[2] == len(one_off), (made, one_off)

@@ -447,9 +447,10 @@ def _rows(
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """Peak bytes per rank by row and tier, and the detail they come from.
 
-    Model states, the pool and staging are held for the whole run. The other working
-    buffers (gathered units, parameter gradients waiting for their reduction, NVMe read
-    buffers) live while backward runs through the layers, after the loss's own peak: they
+    Model states, the pool (with the gradient shards a clipped overlapped step keeps) and
+    staging are held for the whole run. The other working buffers (gathered units,
+    parameter gradients waiting for their reduction, NVMe read buffers) live while
+    backward runs through the layers, after the loss's own peak: they
     add to the peak only in so far as they exceed what that peak leaves over
     (``act["total"] - act["backward"]``). On a CPU (``device="cpu"``) every tier but NVMe
     is one memory, reported as host.
@@ -488,7 +489,7 @@ def _rows(
     if act is not None:
         add("activations", "device", act["total"])
     slack = act["total"] - act["backward"] if act is not None else 0
-    for kind in ("pool", "host_copies", "host_cache"):
+    for kind in ("pool", "grads_kept", "host_copies", "host_cache"):
         for tier, n in work.get(kind, {}).items():
             add("buffers", tier, n)
     transient: dict[str, int] = {}
@@ -501,10 +502,9 @@ def _rows(
         add("buffers", tier, max(0, n - slack) if tier == act_tier else n)
     # Buffers of the end of backward: what the activations left by then makes room.
     end_slack = act["total"] - act["end"] if act is not None else 0
-    for kind in ("pool_late", "grads_kept"):
-        for tier, n in work.get(kind, {}).items():
-            tier = "host" if device == "cpu" and tier == "device" else tier
-            add("buffers", tier, max(0, n - end_slack) if tier == act_tier else n)
+    for tier, n in work.get("pool_late", {}).items():
+        tier = "host" if device == "cpu" and tier == "device" else tier
+        add("buffers", tier, max(0, n - end_slack) if tier == act_tier else n)
     return rows, {**kinds, **work}
 
 

@@ -164,9 +164,11 @@ class BufferPool:
         # for the run); a buffer of another size is dropped. With offload the engine keeps
         # only the sizes several units share (the blocks), so that a size one unit uses
         # once a step (an embedding's gradient) does not stay resident through the whole
-        # step (see sharding/buffers.py pool_keep_sizes).
+        # step (see sharding/buffers.py pool_keep_sizes). A kept size keeps every buffer
+        # made of it: as many as were in use at once, which the next step needs again
+        # (a clipped overlapped step holds its kept gradient shards until the next
+        # forward); a new buffer would cost a page fault and a zeroed page per 4 KiB.
         self.keep_sizes: set[int] | None = None
-        self.keep_per_size = 0  # with keep_sizes: at most this many free buffers per size
         self.free_bytes = 0
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
@@ -179,9 +181,6 @@ class BufferPool:
         """Set ``keep_sizes`` and drop the free buffers of other sizes (those released
         before, while building the units, when every size was kept)."""
         self.keep_sizes = sizes
-        # As many of one size as can be busy at once: the writes in flight, one filling
-        # and one held for an overlapped update (sharding/grads.py _hold_grads).
-        self.keep_per_size = self.writes.limit + 2
         if sizes is None:
             return
         for (numel, dtype), free in self._free.items():
@@ -221,9 +220,7 @@ class BufferPool:
         self.in_use_bytes -= nbytes
         self.in_use[(buf.numel(), buf.dtype)] -= 1
         free = self._free[(buf.numel(), buf.dtype)]
-        if self.keep_sizes is not None and (
-            nbytes not in self.keep_sizes or len(free) >= self.keep_per_size
-        ):
+        if self.keep_sizes is not None and nbytes not in self.keep_sizes:
             self.allocated_bytes -= nbytes  # dropped: its memory goes back
             return
         self.free_bytes += nbytes

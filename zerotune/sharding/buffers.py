@@ -108,9 +108,9 @@ def pool_keep_sizes(
     memory is the budget, only the fp32 gradient sizes (and at world size > 1 the fp32
     shard sizes; with a low-precision gradient dtype their rounded sizes too) that several
     units share: the blocks of a transformer reuse their buffers step after step (as many
-    as can be busy at once: the NVMe writes in flight plus the one filling), while a size
-    only one unit has (an embedding's gradient) is given back after use rather than held
-    through the whole step."""
+    as were in use at once: the NVMe writes in flight, the one filling, and the gradient
+    shards a clipped overlapped step keeps), while a size only one unit has (an
+    embedding's gradient) is given back after use rather than held through the whole step."""
     if device_type != "cpu" or config.offload_param == config.offload_optimizer == "none":
         return None
     kept = recurring_sizes([padded * _F32 for padded, _ in trainable])
@@ -347,7 +347,8 @@ def _grads_kept(
     units: list[UnitPlan], config: ZeroConfig, swap: SwapPlan | None
 ) -> dict[str, dict[str, int]]:
     """``grads_kept``: the first units' final gradient shards, kept in memory from their
-    backward to their update in the next forward by ZeroTrainer's clipped overlapped step."""
+    backward to their update in the next forward by ZeroTrainer's clipped overlapped step,
+    in pool buffers that stay for the next backward (``pool_keep_sizes``)."""
     grads_disk = swap is not None and bool(swap.sizes.get("grad"))
     if not grads_disk or config.stage < 2:
         return {}
