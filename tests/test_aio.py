@@ -557,12 +557,14 @@ def test_will_need_reads_the_whole_range_into_the_page_cache(tmp_path):
                 time.sleep(0.05)
             return _resident_bytes(fd, 0, 2 * nbytes)
 
-        # One advice for the whole range: one window of it.
+        # One advice for the whole range: one window of it. The kernel may skip a few pages
+        # of a range it was asked for (memory pressure from other work): 1% is allowed;
+        # nothing past the range may come in.
         one = asked(lambda: os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_WILLNEED), 1)
         assert one < nbytes // 2
-        assert asked(lambda: f.will_need(0, nbytes)) == nbytes  # and nothing past it
+        assert 0.99 * nbytes <= asked(lambda: f.will_need(0, nbytes)) <= nbytes
         held = []
-        assert asked(lambda: held.append(f.map(nbytes, nbytes))) == nbytes
+        assert 0.99 * nbytes <= asked(lambda: held.append(f.map(nbytes, nbytes))) <= nbytes
         assert torch.equal(held[0].view(torch.float32)[:4], torch.ones(4))
         held.clear()
         os.close(fd)

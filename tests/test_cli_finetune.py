@@ -696,8 +696,8 @@ def _interrupted(env, args, ready, what: str):
 
     proc = subprocess.Popen(
         [*COMMAND, *map(str, args), "--disable_tqdm", "true"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**env, "PYTHONFAULTHANDLER": "1"}, start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
@@ -706,7 +706,13 @@ def _interrupted(env, args, ready, what: str):
             assert time.monotonic() < deadline, f"no {what} within 240 s"
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
+        try:
+            _, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            # Still running: SIGABRT makes faulthandler print every thread's stack.
+            os.killpg(proc.pid, signal.SIGABRT)
+            out, err = proc.communicate(timeout=30)
+            pytest.fail(f"no exit within 120 s of SIGINT\n{out[-3000:]}\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
