@@ -688,6 +688,18 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
     assert not list(Path(env["TMPDIR"]).glob("zerotune-nvme-*"))
 
 
+# As started from a terminal: Ctrl-C raises KeyboardInterrupt. A process started in the
+# background of a non-interactive shell (a test suite run with `&`) inherits SIGINT
+# ignored, and Python then leaves it ignored.
+INTERRUPTIBLE = [
+    sys.executable,
+    "-c",
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from zerotune.cli import main; main()",
+    "finetune",
+]
+
+
 def _interrupted(env, args, ready, what: str):
     """Run finetune with ``args`` in its own process group; once ``ready()``, send SIGINT to
     the group as a terminal's Ctrl-C does. Returns (exit code, stderr)."""
@@ -695,7 +707,7 @@ def _interrupted(env, args, ready, what: str):
     import time
 
     proc = subprocess.Popen(
-        [*COMMAND, *map(str, args), "--disable_tqdm", "true"],
+        [*INTERRUPTIBLE, *map(str, args), "--disable_tqdm", "true"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**env, "PYTHONFAULTHANDLER": "1"}, start_new_session=True,
     )  # fmt: skip
