@@ -1085,6 +1085,37 @@ def test_host_pool_keeps_only_buffers_that_recur(tmp_path, clipped):
 
 
 # ------------------------------------------------- a step carried into the next forward
+def _lazy_free_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        line = next(x for x in f if x.startswith("LazyFree:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="Linux only")
+def test_kept_pool_buffers_are_memory_the_kernel_may_take_back():
+    """A buffer the pool keeps for reuse is marked free for the kernel to reclaim under
+    memory pressure (MADV_FREE): counted as LazyFree until reused; its contents are
+    whatever the next user writes (zeros if the kernel took the pages)."""
+    import torch
+
+    from zerotune.memory.pool import BufferPool
+
+    numel = 4 << 20  # 16 MiB of fp32
+    pool = BufferPool("cpu")
+    pool.keep_only({numel * 4})
+    bufs = [pool.acquire(numel, torch.float32).fill_(1.0) for _ in range(2)]
+    before = _lazy_free_bytes()
+    for b in bufs:
+        pool.release(b)
+    # All of it but the odd page at a huge page's edge.
+    assert _lazy_free_bytes() - before >= 0.99 * 2 * numel * 4
+    again = pool.acquire(numel, torch.float32)
+    assert any(again.data_ptr() == b.data_ptr() for b in bufs)  # the same memory, reused
+    again.fill_(2.0)
+    assert bool((again == 2.0).all())
+    pool.release(again)
+
+
 def _train_carried(tmp_path, monkeypatch, carry: bool, steps: int = 6, config=None, clip=None):
     """World size 1, both tiers on NVMe: forward outside ``overlapped(track_norm=True)``,
     an LR scheduler stepped right after each ``step()``. I/O reports itself done only once

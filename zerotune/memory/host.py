@@ -31,7 +31,10 @@ import ctypes.util
 import itertools
 from collections.abc import Callable
 
+import torch
+
 __all__ = [
+    "free_lazily",
     "host_cache_report",
     "host_cache_used",
     "keep_freed_buffers",
@@ -44,6 +47,8 @@ _cache_budgets: dict[int, int] = {}  # owner token -> budget; the largest applie
 _tokens = itertools.count()
 
 _M_MMAP_THRESHOLD = -3
+_MADV_FREE = 8  # linux/mman.h
+_PAGE = 4096
 _libc = None
 
 
@@ -63,6 +68,21 @@ def release_free_memory() -> None:
     lib = _glibc()
     if lib:
         lib.malloc_trim(0)
+
+
+def free_lazily(t: torch.Tensor) -> None:
+    """Let the kernel take back the whole pages of ``t``'s memory should it need them
+    (``MADV_FREE``): until it does, they stay mapped and writing them costs no page fault;
+    once it has, they read as zeros. For a buffer kept for reuse whose contents no longer
+    matter (memory/pool.py ``BufferPool.release``). Does nothing where not supported."""
+    lib = _glibc()
+    if not lib or t.device.type != "cpu":
+        return
+    start = t.data_ptr()
+    first = -(-start // _PAGE) * _PAGE
+    last = (start + t.numel() * t.element_size()) // _PAGE * _PAGE
+    if last > first:
+        lib.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_FREE)
 
 
 def prefer_mmap_for_large_buffers(threshold: int = 1 << 20) -> None:

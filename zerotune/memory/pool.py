@@ -18,6 +18,8 @@ from collections import defaultdict, deque
 
 import torch
 
+from .host import free_lazily
+
 __all__ = [
     "WRITES_IN_FLIGHT",
     "WRITE_BYTES_IN_FLIGHT",
@@ -223,5 +225,8 @@ class BufferPool:
         if self.keep_sizes is not None and nbytes not in self.keep_sizes:
             self.allocated_bytes -= nbytes  # dropped: its memory goes back
             return
+        if self.keep_sizes is not None and self.device.type == "cpu" and not self.pin:
+            # Kept, but the kernel may take its pages back under memory pressure.
+            free_lazily(buf)
         self.free_bytes += nbytes
         free.append(buf)
