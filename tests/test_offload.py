@@ -1031,19 +1031,19 @@ def test_host_pool_keeps_only_buffers_that_recur(tmp_path, clipped):
     from conftest import tiny_gpt2
 
     import zerotune
+    from zerotune.sharding.plan import plan_units
 
-    sizes_of = lambda engine: [u.padded_numel * 4 for u in engine.units if u.trainable and u.numel]  # noqa: E731
     config = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
               "nvme_path": str(tmp_path), "grad_host_bytes": 0}  # fmt: skip
     layers = 8  # more than the writes in flight, so that held shards outnumber them
+    plans = plan_units(tiny_gpt2(seed=0, layers=layers), zerotune.ZeroConfig.from_dict(config), 1)
+    sizes = [u.padded * 4 for u in plans if u.trainable and u.numel]
     if clipped:  # room for all but one block's shard in memory
-        probe = zerotune.shard(tiny_gpt2(seed=0, layers=layers), config)
-        config["grad_host_bytes"] = sum(sizes_of(probe)) - max(sizes_of(probe)) - 1
-        probe.close()
+        config["grad_host_bytes"] = sum(sizes) - max(sizes) - 1
     engine = zerotune.shard(tiny_gpt2(seed=0, layers=layers), config)
     opt = zerotune.ZeroAdamW(engine, lr=1e-3)
     pool = engine.pool
-    sizes = sizes_of(engine)
+    assert sizes == [u.padded_numel * 4 for u in engine.units if u.trainable and u.numel]
     block = max(set(sizes), key=sizes.count)
     assert pool.keep_sizes == {n for n in sizes if sizes.count(n) >= 2} == {block}
     # Held for a clipped step, a unit of one parameter keeps that parameter's own gradient.

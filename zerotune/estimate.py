@@ -450,10 +450,9 @@ def _rows(
     Model states, the pool (with the gradient shards a clipped overlapped step keeps) and
     staging are held for the whole run. The other working buffers (gathered units,
     parameter gradients waiting for their reduction, NVMe read buffers) live while
-    backward runs through the layers, after the loss's own peak: they
-    add to the peak only in so far as they exceed what that peak leaves over
-    (``act["total"] - act["backward"]``). On a CPU (``device="cpu"``) every tier but NVMe
-    is one memory, reported as host.
+    backward runs through the layers, after the loss's own peak: they add to the peak only
+    in so far as they exceed what that peak leaves over (``act["total"] - act["backward"]``).
+    On a CPU (``device="cpu"``) every tier but NVMe is one memory, reported as host.
     """
     kinds = engine_bytes(units, config, world, rank, swap=swap, device=device)
     kinds.pop("padding_elements")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import itertools
+import mmap
 from collections.abc import Callable
 
 import torch
@@ -48,7 +49,7 @@ _tokens = itertools.count()
 
 _M_MMAP_THRESHOLD = -3
 _MADV_FREE = 8  # linux/mman.h
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 _libc = None
 
 

@@ -222,11 +222,12 @@ class BufferPool:
         self.in_use_bytes -= nbytes
         self.in_use[(buf.numel(), buf.dtype)] -= 1
         free = self._free[(buf.numel(), buf.dtype)]
-        if self.keep_sizes is not None and nbytes not in self.keep_sizes:
-            self.allocated_bytes -= nbytes  # dropped: its memory goes back
-            return
-        if self.keep_sizes is not None and self.device.type == "cpu" and not self.pin:
-            # Kept, but the kernel may take its pages back under memory pressure.
-            free_lazily(buf)
+        if self.keep_sizes is not None:
+            if nbytes not in self.keep_sizes:
+                self.allocated_bytes -= nbytes  # dropped: its memory goes back
+                return
+            if not self.pin:
+                # Kept, but the kernel may take its pages back under memory pressure.
+                free_lazily(buf)
         self.free_bytes += nbytes
         free.append(buf)
