@@ -15,6 +15,8 @@ reports the median step time after the warm-up rounds.
 - DeepSpeedCPUAdam:      only when deepspeed is importable
 - other build (+ bf16 out): with ``--compare-op PATH``, another build of the adam op (e.g. the
   ``.so`` of an earlier commit, from ``~/.cache/zerotune/ops/adam-<key>/``), for A/B in one process
+- zerotune, prefetch N:   with ``--sweep-prefetch``, the kernel prefetching N elements ahead
+  (0: no hints) instead of this CPU's default ([Note: prefetch] in csrc/adam/cpu_adam.cpp)
 - bandwidth probe:       a C++/OpenMP loop in the adam op (``stream_probe``) with Adam's memory
   pattern and almost no arithmetic: 4 fp32 streams read, 3 written in place
   (p += g; m += g; v += g), same chunking, threads, vector width and prefetch as the kernel.
@@ -64,6 +66,23 @@ def _zerotune(p, g, m, v, out=None) -> Callable[[], None]:
         )
 
     return run
+
+
+def _zeros(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(n), torch.zeros(n)
+
+
+def _at_distance(op, ahead: int, run: Callable[[], None]) -> Callable[[], None]:
+    """``run`` with the kernel prefetching ``ahead`` elements ahead, then the default again."""
+
+    def timed() -> None:
+        op.set_prefetch(ahead)
+        try:
+            run()
+        finally:
+            op.set_prefetch(-1)
+
+    return timed
 
 
 def _op_from(path: str, p, g, m, v, out=None) -> Callable[[], None]:
@@ -116,6 +135,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-foreach", action="store_true", help="skip the slow foreach row")
     parser.add_argument("--compare-op", metavar="PATH", help="another build of the adam op (.so)")
+    parser.add_argument(
+        "--sweep-prefetch",
+        action="store_true",
+        help="also run the kernel at prefetch distances 0, 64, 128, 256 and 512 elements",
+    )
     args = parser.parse_args()
 
     threads = os.cpu_count() or 1
@@ -149,6 +173,9 @@ def main() -> None:
     if ds is not None:
         fns["DeepSpeedCPUAdam"] = ds
     op = load_op("adam")
+    sweep = (0, 64, 128, 256, 512) if args.sweep_prefetch and op is not None else ()
+    for ahead in sweep:
+        fns[f"zerotune, prefetch {ahead}"] = _at_distance(op, ahead, _zerotune(p, g, *_zeros(n)))
     if op is not None:
         pp, pm, pv = torch.zeros(n), torch.zeros(n), torch.zeros(n)
         fns["bandwidth probe"] = lambda: op.stream_probe(pp, g, pm, pv)
@@ -186,6 +213,11 @@ def main() -> None:
             else None
         ),
         "probe_gb_per_s": round(probe * BYTES_PER_ELEMENT / 1e9, 1) if probe else None,
+        "prefetch_elements": op.prefetch_distance() if op is not None else None,
+        "prefetch_vs_torch_fused": {
+            ahead: round(rate[f"zerotune, prefetch {ahead}"] / rate["torch fused"], 3)
+            for ahead in sweep
+        },
     }
     print(json.dumps(result))
 

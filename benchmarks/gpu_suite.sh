@@ -12,6 +12,9 @@
 #   paired_step.log   benchmarks/paired_step.py on the GPU, gpt2-medium fp32: plain and
 #                     zerotune (stage 3, no offload) stepping in turn in one process
 #   paired_step.json  its last JSON line (step_time_ratio: issue 32's item 3 on the GPU)
+#   cpu_adam.log      benchmarks/cpu_adam.py on the host's cores with --sweep-prefetch: the
+#   cpu_adam.json     CPU Adam against torch's fused step at each prefetch distance (the
+#                     kernel picks one per CPU vendor), and its last JSON line
 #   gpu_step.log      benchmarks/gpu_step.py, gpt2-xl bf16: plain, zerotune, zerotune with
 #                     the optimizer on the CPU, FSDP2 + CPUOffloadPolicy, zerotune with
 #                     parameters and optimizer on the CPU, and last (if time is left) the
@@ -53,7 +56,8 @@
 # limit is its own cap or what is left of the budget, whichever is less). Expected: setup ~1
 # min (the op build is most of it; cap 150 s), the ZeroTrainer case ~20 s (cap 90), the rest
 # of tests/test_gpu.py ~30-60 s (~30 s for 28 checks on the last H100 run; cap 150, and 90 s
-# per test where pytest-timeout is there), paired_step.py ~30 s (cap 60), gpu_step.py ~3-4
+# per test where pytest-timeout is there), paired_step.py ~30 s (cap 60), cpu_adam.py ~10 s
+# (cap 40), gpu_step.py ~3-4
 # min (the rest of the budget).
 # gpu_step.py runs 2 warm-up and 3 timed steps of 2 x 8 x 1024 tokens per variant: the shape
 # of the last H100 measurement (0.70x, RESULTS.md), so the ratios compare with it; the second
@@ -103,8 +107,10 @@ if [[ $mode == gpu ]]; then
         --variants "$STEP_VARIANTS")
     PAIRED_ARGS=(--device cuda --model gpt2-medium --dtype fp32 --seq 1024 --batch 4
         --warmup 3 --pairs 20)
+    ADAM_ARGS=(--no-foreach --sweep-prefetch --iters 10)
 else
     PAIRED_ARGS=(--device cpu --model tiny-gpt2 --warmup 1 --pairs 4)
+    ADAM_ARGS=(--no-foreach --sweep-prefetch --iters 2 --numel 1000000)
     STEP_ARGS=(--device cpu --model tiny-gpt2 --dtype bf16 --seq 64 --batch 2 --accum 2
         --warmup 1 --steps 2 --variants "$STEP_VARIANTS")
 fi
@@ -112,6 +118,7 @@ fi
 setup() {
     echo "== machine"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
+    grep -m1 '^model name' /proc/cpuinfo || true
     echo "cores $(nproc), $(free -g | awk '/Mem:/ {print $2}') GiB RAM, $("$PY" -V 2>&1)"
     echo "== wheels from $WHEELS"
     shopt -s nullglob
@@ -217,7 +224,7 @@ if step == "setup" and os.path.exists(os.path.join(out, "env.json")):
         summary["ops"] = "env.json unreadable"
 if step in ("zero_trainer", "test_gpu"):
     summary[step] = pytest_counts(step + ".log")
-if step in ("paired_step", "gpu_step"):
+if step in ("paired_step", "cpu_adam", "gpu_step"):
     found = None
     for line in lines(step + ".log"):
         if line.startswith("{"):
@@ -268,13 +275,14 @@ if "$PY" -c "import pytest_timeout" 2>/dev/null; then
 fi
 
 echo "gpu_suite ($mode): $OUTDIR, budget $BUDGET s"
-rm -f "$OUTDIR/summary.json" "$OUTDIR/gpu_step.json" "$OUTDIR/paired_step.json" "$OUTDIR/env.json"
+rm -f "$OUTDIR"/{summary,gpu_step,paired_step,cpu_adam,env}.json
 self=(bash "${BASH_SOURCE[0]}")
 [[ $mode == cpu ]] && self+=(--cpu)
 step setup 150 env SUITE_INTERNAL_STEP=setup "${self[@]}" "$OUTDIR"
 step zero_trainer 90 "${PYTEST[@]}" "$TRAINER_CASE"
 step test_gpu 150 "${PYTEST[@]}" tests/test_gpu.py --deselect "$TRAINER_CASE"
 step paired_step 60 "$PY" benchmarks/paired_step.py "${PAIRED_ARGS[@]}"
+step cpu_adam 40 "$PY" benchmarks/cpu_adam.py "${ADAM_ARGS[@]}"
 left=$((DEADLINE - SECONDS))
 step gpu_step "$left" "$PY" benchmarks/gpu_step.py "${STEP_ARGS[@]}" --time-budget $((left > 45 ? left - 15 : left * 2 / 3))
 

@@ -103,6 +103,33 @@ def test_simd_levels_are_bit_identical(op):
             assert torch.equal(g, b), level
 
 
+@pytest.mark.parametrize("n", [15, 16, 143, 144, 145, 527, 528, 529, 4099, (1 << 17) + 5])
+def test_prefetch_distances_are_bit_identical(op, n):
+    """The prefetch distance (per CPU vendor, [Note: prefetch]) moves the loops' bounds:
+    every distance, none included, updates every element to the same bits, at the sizes
+    around each bound and on the threaded path."""
+    grads = _grads(n, steps=3)
+    detected = op.set_prefetch(-1)
+    assert detected in (0, 128, 512)
+    results = {}
+    try:
+        for ahead in (0, 16, 128, 512, 1024):
+            assert op.set_prefetch(ahead) == ahead == op.prefetch_distance()
+            results[ahead] = _run(adam_update, n, grads, weight_decay=0.1, adamw=True)
+    finally:
+        op.set_prefetch(-1)
+    assert op.prefetch_distance() == detected
+    want = _torch_reference(n, grads, True, 0.1)
+    for got in results.values():
+        for g, b, w in zip(got, results[0], want):
+            assert torch.equal(g, b)
+            assert_close(g, w, **TOL)
+    for bad in (8, -2, 1 << 17):
+        with pytest.raises(RuntimeError, match="prefetch distance"):
+            op.set_prefetch(bad)
+    assert op.prefetch_distance() == detected
+
+
 def _fp32(x):
     """Round a float64 tensor to the nearest fp32 (kept as float64 for the next operation)."""
     return x.float().double()

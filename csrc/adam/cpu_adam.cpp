@@ -47,13 +47,17 @@
 // caches anyway) the output uses non-temporal stores, which skip that read.
 //
 // [Note: prefetch]
-// The vector loops prefetch each input stream (param, grad, exp_avg, exp_avg_sq) kPrefetch
-// elements (2 KiB of fp32) ahead into L1. The hardware prefetchers stop at every 4 KiB page
-// and start again only after a few misses in the next one; with four streams per thread
-// those restarts leave the loads waiting on memory, and a core streams fewer bytes than it
-// could (benchmarks/RESULTS.md has the numbers, and the distance is in the middle of the
-// range where they were flat). The last kPrefetch elements of each range run without it
-// (no hints past the end of an array).
+// The vector loops prefetch each input stream (param, grad, exp_avg, exp_avg_sq) a fixed
+// number of elements ahead into L1, chosen by CPU vendor at load time. On Intel cores the
+// hardware prefetchers stop at every 4 KiB page and start again only after a few misses in
+// the next one; with four streams per thread those restarts leave the loads waiting on
+// memory, and 512 elements (2 KiB) ahead streams more bytes. On AMD cores the hardware
+// prefetchers keep up on their own, and hints that far ahead only take load slots and
+// evict lines still in use: 128 elements (512 bytes) ahead is the best there, and 512 is
+// slower than none. Other CPUs prefetch nothing. The distances are measured, not derived
+// (benchmarks/RESULTS.md, with the sweep); set_prefetch overrides the choice. The last
+// `ahead` elements of each range run without hints (none past the end of an array).
+// Prefetching changes no result, only when bytes arrive.
 //
 // [Note: threading]
 // Tensors of at least kParallelMin elements are cut into chunks of up to kChunk elements
@@ -100,7 +104,21 @@ constexpr int64_t kChunk = 1 << 16;         // elements per OpenMP work item (at
 constexpr int64_t kMinChunk = 1 << 12;      // ... and at least
 constexpr int64_t kParallelMin = 1 << 16;   // below this, run single-threaded
 constexpr int64_t kStreamMin = 1 << 20;     // from here the low-precision copy bypasses caches
-constexpr int64_t kPrefetch = 512;          // elements ahead of the loads (see [Note: prefetch])
+constexpr int64_t kPrefetchIntel = 512;     // elements ahead of the loads (see [Note: prefetch])
+constexpr int64_t kPrefetchAmd = 128;
+
+// Elements ahead of the loads that the vector loops prefetch, 0 for none: see [Note:
+// prefetch]. set_prefetch changes it (benchmarks, tests).
+int64_t detect_prefetch() {
+#ifdef ZT_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("intel")) return kPrefetchIntel;
+  if (__builtin_cpu_is("amd")) return kPrefetchAmd;
+#endif
+  return 0;
+}
+const int64_t kPrefetchDetected = detect_prefetch();
+int64_t g_prefetch = kPrefetchDetected;
 
 struct Coeffs {
   bool decoupled;     // AdamW: multiply param by `decay`
@@ -220,11 +238,12 @@ ZT_AVX2 inline void store_lowp8(uint16_t* out, __m256 x) {
 
 // See [Note: prefetch]. One call per 16 elements: one cache line of each fp32 stream.
 template <typename G>
-inline void prefetch_ahead(const float* p, const G* g, const float* m, const float* v) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(g + kPrefetch), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(m + kPrefetch), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetch), _MM_HINT_T0);
+inline void prefetch_ahead(const float* p, const G* g, const float* m, const float* v,
+                           int64_t ahead) {
+  _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(g + ahead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(m + ahead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(v + ahead), _MM_HINT_T0);
 }
 
 struct Vec8Coeffs {
@@ -269,9 +288,10 @@ ZT_AVX2 void adam_avx2_impl(float* p, const G* g, float* m, float* v, uint16_t* 
                      _mm256_set1_ps(c.one_minus_beta2), _mm256_set1_ps(c.bc2_sqrt),
                      _mm256_set1_ps(c.bc2_rcp),    _mm256_set1_ps(c.eps),
                      _mm256_set1_ps(c.neg_step)};
+  const int64_t ahead = g_prefetch;
   int64_t i = 0;
-  for (; i + kPrefetch + 16 <= n; i += 16) {
-    prefetch_ahead(p + i, g + i, m + i, v + i);
+  for (; i + ahead + 16 <= n; i += 16) {
+    if (ahead) prefetch_ahead(p + i, g + i, m + i, v + i, ahead);
     adam8<G, O, kStream>(p + i, g + i, m + i, v + i, out + i, c, k);
     adam8<G, O, kStream>(p + i + 8, g + i + 8, m + i + 8, v + i + 8, out + i + 8, c, k);
   }
@@ -392,9 +412,10 @@ ZT_AVX512 void adam_avx512_impl(float* p, const G* g, float* m, float* v, uint16
                       _mm512_set1_ps(c.one_minus_beta2), _mm512_set1_ps(c.bc2_sqrt),
                       _mm512_set1_ps(c.bc2_rcp),    _mm512_set1_ps(c.eps),
                       _mm512_set1_ps(c.neg_step)};
+  const int64_t ahead = g_prefetch;
   int64_t i = 0;
-  for (; i + kPrefetch + 16 <= n; i += 16) {
-    prefetch_ahead(p + i, g + i, m + i, v + i);
+  for (; i + ahead + 16 <= n; i += 16) {
+    if (ahead) prefetch_ahead(p + i, g + i, m + i, v + i, ahead);
     adam16<G, O, kStream>(p + i, g + i, m + i, v + i, out + i, c, k);
   }
   for (; i + 16 <= n; i += 16) {
@@ -749,9 +770,10 @@ ZT_AVX2 inline void probe8(float* p, const float* g, float* m, float* v) {
 }
 
 ZT_AVX2 void probe_avx2(float* p, const float* g, float* m, float* v, int64_t n) {
+  const int64_t ahead = g_prefetch;
   int64_t i = 0;
-  for (; i + kPrefetch + 16 <= n; i += 16) {  // prefetched as the update is
-    prefetch_ahead(p + i, g + i, m + i, v + i);
+  for (; i + ahead + 16 <= n; i += 16) {  // prefetched as the update is
+    if (ahead) prefetch_ahead(p + i, g + i, m + i, v + i, ahead);
     probe8(p + i, g + i, m + i, v + i);
     probe8(p + i + 8, g + i + 8, m + i + 8, v + i + 8);
   }
@@ -771,9 +793,10 @@ ZT_AVX512 inline void probe16(float* p, const float* g, float* m, float* v) {
 }
 
 ZT_AVX512 void probe_avx512(float* p, const float* g, float* m, float* v, int64_t n) {
+  const int64_t ahead = g_prefetch;
   int64_t i = 0;
-  for (; i + kPrefetch + 16 <= n; i += 16) {
-    prefetch_ahead(p + i, g + i, m + i, v + i);
+  for (; i + ahead + 16 <= n; i += 16) {
+    if (ahead) prefetch_ahead(p + i, g + i, m + i, v + i, ahead);
     probe16(p + i, g + i, m + i, v + i);
   }
   for (; i + 16 <= n; i += 16) probe16(p + i, g + i, m + i, v + i);
@@ -829,6 +852,20 @@ std::string set_simd_level(const std::string& level) {
   return simd_name(g_simd);
 }
 
+int64_t set_prefetch(int64_t elements) {
+  if (elements == -1) {
+    g_prefetch = kPrefetchDetected;
+  } else {
+    TORCH_CHECK(elements >= 0 && elements % 16 == 0 && elements <= (1 << 16),
+                "prefetch distance must be a multiple of 16 elements, at most 65536, got ",
+                elements);
+    g_prefetch = elements;
+  }
+  return g_prefetch;
+}
+
+int64_t prefetch_distance() { return g_prefetch; }
+
 int max_threads() {
 #ifdef _OPENMP
   return omp_get_max_threads();
@@ -860,6 +897,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_simd_level", &za::set_simd_level,
         "Lower the SIMD level (auto, avx512, avx2, scalar); for tests and debugging");
   m.def("max_threads", &za::max_threads, "OpenMP max threads");
+  m.def("prefetch_distance", &za::prefetch_distance,
+        "Elements ahead of the loads the vector loops prefetch (0: none)");
+  m.def("set_prefetch", &za::set_prefetch,
+        "Set the prefetch distance in elements (0: none, -1: this CPU's default); for "
+        "benchmarks and tests");
   m.def("adam_update_8bit", &za::adam_update_8bit,
         "Adam/AdamW step over 8-bit blockwise moments, one pass per block of 256",
         pybind11::arg("param"), pybind11::arg("grad"), pybind11::arg("q_m"),
