@@ -120,7 +120,10 @@ class ZeroConfig:
         huge page-cache pages] in memory/swap.py).
     host_cache_bytes: with offload on a CPU device, freed tensors of 1 MiB and more are kept
         for reuse up to this many bytes (weight gradients and activations of the next block
-        and step reuse them instead of page-faulting fresh memory; 0 turns it off). Counted
+        and step reuse them instead of page-faulting fresh memory; 0 turns it off). A
+        tensor larger than the budget (a big embedding's gradient) is faulted in afresh
+        every step: where memory allows, a budget of a step's churn (the activations kept
+        for backward plus the largest gradients) trades peak RSS for those faults. Counted
         in the memory report (``host_cache``) and in ``estimate``.
     map_param_file: with parameters on NVMe, one process, a CPU device: a gather maps the
         parameter file's pages (copy-on-write) instead of copying them into a buffer; and
