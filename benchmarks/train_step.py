@@ -49,8 +49,11 @@ page cache: the buffered swap files no longer stay cached); ``--compare-unsqueez
 the same run without it, for the ratio. ``--compare-read-params`` adds zerotune reading the
 parameter file into buffers (``map_param_file: false``) instead of mapping it.
 ``--compare-flat-grads`` adds zerotune copying the gradients into flat shards at world size
-1 instead of leaving them in the parameters (the way before). ``--io-floor`` measures the
-disk's O_DIRECT write and read rates at the end of the invocation and reports each step
+1 instead of leaving them in the parameters (the way before). ``--compare-host-cache
+1280MiB`` adds zerotune with that ``host_cache_bytes`` budget (freed tensors kept for reuse:
+page faults against peak RSS); every variant reports its minor page faults a step
+(``minflt_per_step``). ``--io-floor`` measures the disk's O_DIRECT write and read rates at
+the end of the invocation and reports each step
 against the time its bytes need at those rates (``step_vs_io_floor``), counting the bytes
 the block device under ``--nvme-path`` moved during the step (``device_*_gb_per_step``: also
 the writeback of mapped pages that the kernel's threads do, which a process's own I/O
@@ -179,6 +182,13 @@ def parse() -> argparse.Namespace:
         "of leaving them in the parameters",
     )
     ap.add_argument(
+        "--compare-host-cache",
+        metavar="BYTES",
+        default=None,
+        help="also run zerotune with this host_cache_bytes budget (1280MiB) instead of the "
+        "default: freed tensors kept for reuse, page faults against peak RSS",
+    )
+    ap.add_argument(
         "--io-floor",
         action="store_true",
         help="with --offload nvme: measure the disk's O_DIRECT write and read rates in this "
@@ -206,6 +216,7 @@ def parse() -> argparse.Namespace:
             "zerotune-unsqueezed",
             "zerotune-read-params",
             "zerotune-flat-grads",
+            "zerotune-host-cache",
         ],
         help=argparse.SUPPRESS,
     )
@@ -255,6 +266,8 @@ def run_variant(args: argparse.Namespace) -> dict:
             zcfg.update(grad_host_bytes=args.grad_host)
         if args.variant == "zerotune-read-params":
             zcfg.update(map_param_file=False)
+        if args.variant == "zerotune-host-cache":
+            zcfg.update(host_cache_bytes=args.compare_host_cache)
         # zero-init: the model is never whole in this process (it could not be, offloaded)
         runner = zerotune.zero_init(config, zcfg)
         model = runner.module
@@ -289,7 +302,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     cached0 = page_cache_bytes()
     cached_peak = 0
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
-    times = {"forward": [], "backward": [], "optimizer": [], "total": [], "cpu": []}
+    times = {"forward": [], "backward": [], "optimizer": [], "total": [], "cpu": [], "faults": []}
     # Share of each phase the disk under --nvme-path had I/O in flight.
     disk_busy: dict[str, list[float]] = {"forward": [], "backward": []}
     losses, read, written = [], [], []
@@ -297,6 +310,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         before = io()
         dev0 = device() if device else (0, 0)
         c0 = time.process_time()  # CPU time of every thread (aio's too): steal does not count
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         b0 = busy() if busy else 0.0
         t0 = time.perf_counter()
         loss = runner(input_ids=ids, labels=ids).loss
@@ -318,12 +332,13 @@ def run_variant(args: argparse.Namespace) -> dict:
         opt.zero_grad()
         t3 = time.perf_counter()
         c3 = time.process_time()
+        f3 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         after = io()
         dev1 = device() if device else (0, 0)
         cached_peak = max(cached_peak, page_cache_bytes() - cached0)
         losses.append(float(loss.detach()))
         if step >= args.warmup:
-            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0)):
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0, f3 - f0)):
                 times[k].append(v)
             disk_busy["forward"].append((b1 - b0) / (t1 - t0))
             disk_busy["backward"].append((b2 - b1) / (t2 - t1))
@@ -486,6 +501,13 @@ def main() -> None:
         if args.offload != "nvme":
             sys.exit("--compare-read-params needs --offload nvme")
         variants.append("zerotune-read-params")
+    if args.compare_host_cache is not None:
+        from zerotune.config import parse_bytes
+
+        if args.offload == "none":
+            sys.exit("--compare-host-cache needs --offload cpu or nvme (the cache serves offload)")
+        args.compare_host_cache = parse_bytes(args.compare_host_cache, name="--compare-host-cache")
+        variants.append("zerotune-host-cache")
     variants.append("zerotune")
     if args.rounds < 1:
         sys.exit("--rounds must be at least 1")
@@ -593,6 +615,7 @@ def main() -> None:
         ("zerotune-unsqueezed", "moved_bytes_ratio_vs_unsqueezed"),
         ("zerotune-read-params", "moved_bytes_ratio_vs_read_params"),
         ("zerotune-flat-grads", "moved_bytes_ratio_vs_flat_grads"),
+        ("zerotune-host-cache", "moved_bytes_ratio_vs_host_cache"),
     ):
         if other in results:
             o = results[other]
@@ -604,7 +627,13 @@ def main() -> None:
             summary[f"{other}_peak_rss_gib"] = round(o["peak_rss_gib"], 3)
             summary[f"{other}_disk_gb_per_step"] = round(o_moved / gb, 3)
             summary[f"{other}_losses"] = [round(x, 4) for x in o["losses"]]
+            summary[f"{other}_minflt_per_step"] = round(o["faults"])
+            if len(rounds) > 1:  # each round's own ratio (the line above: the median rounds')
+                summary[f"step_time_ratio_vs_{other}_rounds"] = [
+                    round(r["zerotune"]["total"] / r[other]["total"], 4) for r in rounds
+                ]
     summary["losses"] = [round(x, 4) for x in zt["losses"]]
+    summary["minflt_per_step"] = round(zt["faults"])
     if "available_gib_squeezed" in zt:
         summary["available_gib_squeezed"] = round(zt["available_gib_squeezed"], 2)
     for key in ("checkpoints_device_peak", "checkpoints_offloaded_peak"):
