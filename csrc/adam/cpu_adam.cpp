@@ -51,12 +51,12 @@
 // number of elements ahead into L1, chosen by CPU vendor at load time. On Intel cores the
 // hardware prefetchers stop at every 4 KiB page and start again only after a few misses in
 // the next one; with four streams per thread those restarts leave the loads waiting on
-// memory, and 512 elements (2 KiB) ahead streams more bytes. On AMD cores the hardware
-// prefetchers keep up on their own, and hints that far ahead only take load slots and
-// evict lines still in use: 128 elements (512 bytes) ahead is the best there, and 512 is
-// slower than none. Other CPUs prefetch nothing. The distances are measured, not derived
-// (benchmarks/RESULTS.md, with the sweep); set_prefetch overrides the choice. The last
-// `ahead` elements of each range run without hints (none past the end of an array).
+// memory, and 512 elements (2 KiB) ahead streams more bytes. On the AMD EPYC cores
+// measured, 512 ahead ran slower than no hints at all and 128 elements (512 bytes) ran
+// best: their own prefetchers keep up, and hints far ahead seem to cost load slots and
+// lines still in use. Other CPUs prefetch nothing. The distances are measured, not
+// derived (benchmarks/RESULTS.md, with the sweep); set_prefetch overrides the choice. The
+// last `ahead` elements of each range run without hints (none past the end of an array).
 // Prefetching changes no result, only when bytes arrive.
 //
 // [Note: threading]
