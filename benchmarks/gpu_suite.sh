@@ -23,8 +23,8 @@
 #                     overlapped step with its Adam on the launching thread
 #   gpu_step.json     its last JSON line (tokens/s, GPU peak and peak RSS per variant, ratios)
 #   summary.json      every step's exit status, seconds and limit; passed / failed / skipped
-#                     counts and failing test ids of both pytest steps; the op states and
-#                     the host's CPU model; the paired_step, cpu_adam and gpu_step JSON
+#                     counts and failing test ids of both pytest steps; the op states, the
+#                     host's CPU model and Adam prefetch; the paired_step, cpu_adam, gpu_step JSON
 #                     (rewritten after each step)
 #
 #   bash benchmarks/gpu_suite.sh OUTDIR           # on the GPU machine, from the repo root
@@ -214,14 +214,6 @@ def pytest_counts(log):
     return counts
 
 
-if step == "setup":
-    try:
-        with open("/proc/cpuinfo") as f:
-            summary["cpu_model"] = next(
-                (x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), None
-            )
-    except OSError:
-        summary["cpu_model"] = None
 if step == "setup" and os.path.exists(os.path.join(out, "env.json")):
     try:
         with open(os.path.join(out, "env.json")) as f:
@@ -229,6 +221,7 @@ if step == "setup" and os.path.exists(os.path.join(out, "env.json")):
         summary["ops"] = {k: v["state"] for k, v in env["ops"].items()}
         summary["versions"] = env["versions"]
         summary["accelerator"] = env["accelerator"]["devices"]
+        summary["cpu"] = {k: env["cpu"].get(k) for k in ("model", "cores", "adam_prefetch")}
     except (ValueError, KeyError):
         summary["ops"] = "env.json unreadable"
 if step in ("zero_trainer", "test_gpu"):

@@ -60,9 +60,12 @@ def collect(build: bool) -> dict[str, object]:
         "accelerator": _accelerator(),
         "cpu": {
             "machine": platform.machine(),
+            "model": ops.cpu_model(),
             "cores": os.cpu_count(),
             "simd": ops.cpu_simd_level(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            # elements ahead the CPU Adam prefetches (per vendor); None: the op not loaded
+            "adam_prefetch": ops.adam_prefetch(),
         },
         "ops": {
             n: {"state": s.state, "reason": s.reason, "path": s.path} for n, s in statuses.items()
@@ -99,12 +102,16 @@ def env(build: bool, as_json: bool) -> None:
     click.echo(f"  {'backends':<14}gloo: {_yn(a['gloo'])}, nccl: {_yn(a['nccl'])}")
     cpu = f"{c['machine']}, {c['cores']} cores, SIMD {c['simd']}, {c['memory_gib']} GiB RAM"
     click.echo(f"  {'cpu':<14}{cpu}")
+    if c["model"]:
+        click.echo(f"  {'':<14}{c['model']}")
     click.echo("-" * 60)
     for name, op in info["ops"].items():
         line = f"  op {name:<11}{op['state']}"
         if op["path"]:
             line += f"  ({op['path']})"
         click.echo(line)
+        if name == "adam" and c["adam_prefetch"] is not None:
+            click.echo(f"  {'':<14}prefetch {c['adam_prefetch']} elements ahead (per CPU vendor)")
         if op["reason"]:
             click.echo(f"  {'':<14}{op['reason']}")
     if not build and any(op["state"] == "not built" for op in info["ops"].values()):

@@ -42,3 +42,27 @@ def test_a_missing_optional_package_names_its_extra(monkeypatch):
     versions = command._versions()
     assert versions["bitsandbytes"] == "not installed (optional: pip install zerotune[bnb])"
     assert versions["trl"] == real("trl")
+
+
+def test_env_names_the_cpu_and_the_adam_prefetch_it_chose():
+    """The CPU model and, once the adam op is loaded, the prefetch distance its kernel chose
+    for this CPU's vendor ([Note: prefetch]): what a speed report needs to be read."""
+    from pathlib import Path
+
+    import pytest
+    from zerotune.cli import env as command
+
+    from zerotune import ops
+
+    info = command.collect(build=True)["cpu"]
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    names = [x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")]
+    if names:
+        assert info["model"] == names[0]
+    op = ops.load_op("adam")
+    if op is None:
+        pytest.skip("the adam op is not built here")
+    assert info["adam_prefetch"] == op.prefetch_distance()
+    vendor = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("vendor_id")), "")
+    expected = {"GenuineIntel": 512, "AuthenticAMD": 128}.get(vendor, 0)
+    assert info["adam_prefetch"] == expected, vendor

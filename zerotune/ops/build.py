@@ -145,6 +145,23 @@ def cpu_simd_level() -> str:
     return "scalar"
 
 
+def cpu_model() -> str | None:
+    """This CPU's model name (``model name`` in /proc/cpuinfo), or None where not told."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() or None
+    return platform.processor() or None
+
+
+def adam_prefetch() -> int | None:
+    """Elements ahead the CPU Adam kernel prefetches on this CPU (its vendor's distance, see
+    [Note: prefetch] in csrc/adam/cpu_adam.cpp); None while the adam op is not loaded."""
+    with _lock:
+        loaded = _results.get("adam", (None, None))[0]
+    return loaded.prefetch_distance() if loaded is not None else None
+
+
 def cache_root() -> Path:
     """Folder holding the op builds: ``$ZEROTUNE_CACHE/ops`` or ``~/.cache/zerotune/ops``."""
     base = os.environ.get(CACHE_ENV)
