@@ -68,10 +68,6 @@ def _zerotune(p, g, m, v, out=None) -> Callable[[], None]:
     return run
 
 
-def _zeros(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(n), torch.zeros(n)
-
-
 def _at_distance(op, ahead: int, run: Callable[[], None]) -> Callable[[], None]:
     """``run`` with the kernel prefetching ``ahead`` elements ahead, then the default again."""
 
@@ -175,7 +171,9 @@ def main() -> None:
     op = load_op("adam")
     sweep = (0, 64, 128, 256, 512) if args.sweep_prefetch and op is not None else ()
     for ahead in sweep:
-        fns[f"zerotune, prefetch {ahead}"] = _at_distance(op, ahead, _zerotune(p, g, *_zeros(n)))
+        fns[f"zerotune, prefetch {ahead}"] = _at_distance(
+            op, ahead, _zerotune(p, g, torch.zeros(n), torch.zeros(n))
+        )
     if op is not None:
         pp, pm, pv = torch.zeros(n), torch.zeros(n), torch.zeros(n)
         fns["bandwidth probe"] = lambda: op.stream_probe(pp, g, pm, pv)

@@ -119,7 +119,6 @@ fi
 setup() {
     echo "== machine"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
-    grep -m1 '^model name' /proc/cpuinfo || true
     echo "cores $(nproc), $(free -g | awk '/Mem:/ {print $2}') GiB RAM, $("$PY" -V 2>&1)"
     echo "== wheels from $WHEELS"
     shopt -s nullglob

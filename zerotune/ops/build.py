@@ -125,19 +125,13 @@ def cpu_simd_level() -> str:
 
     Asks the adam op when it is already loaded, else reads the CPU flags.
     """
-    with _lock:
-        loaded = _results.get("adam", (None, None))[0]
+    loaded = _loaded("adam")
     if loaded is not None:
         return loaded.simd_level()
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
         return "neon"
-    flags: set[str] = set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+    flags = set((_cpuinfo("flags") or "").split())
     if "avx512f" in flags:
         return "avx512"
     if {"avx2", "fma", "f16c"} <= flags:
@@ -147,19 +141,29 @@ def cpu_simd_level() -> str:
 
 def cpu_model() -> str | None:
     """This CPU's model name (``model name`` in /proc/cpuinfo), or None where not told."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() or None
-    return platform.processor() or None
+    return _cpuinfo("model name") or platform.processor() or None
 
 
 def adam_prefetch() -> int | None:
     """Elements ahead the CPU Adam kernel prefetches on this CPU (its vendor's distance, see
     [Note: prefetch] in csrc/adam/cpu_adam.cpp); None while the adam op is not loaded."""
-    with _lock:
-        loaded = _results.get("adam", (None, None))[0]
+    loaded = _loaded("adam")
     return loaded.prefetch_distance() if loaded is not None else None
+
+
+def _loaded(name: str) -> types.ModuleType | None:
+    """The op's module if it is loaded already (nothing is built or loaded here)."""
+    with _lock:
+        return _results.get(name, (None, None))[0]
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first ``field`` line of /proc/cpuinfo (None without one)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
+    return None
 
 
 def cache_root() -> Path:
