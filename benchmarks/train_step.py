@@ -90,6 +90,17 @@ from _variants import add_model_arguments, answer_as_variant, page_cache_bytes, 
 GENERIC = {"adafactor": ("Adafactor", {"lr": 1e-3}), "sgd": ("SGD", {"lr": 1e-3, "momentum": 0.9})}
 
 
+def _size(text: str) -> int:
+    """A byte count as zerotune's config writes it (268435456, 256MiB, 6GiB): a bad one is
+    argparse's one-line error, before any variant starts."""
+    from zerotune.config import ConfigError, parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -107,7 +118,10 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--nvme-path", default=None, help="folder for swap files (--offload nvme)")
     ap.add_argument(
-        "--staging", default=None, help="NVMe staging buffers (zerotune's default if not given)"
+        "--staging",
+        type=_size,
+        default=None,
+        help="NVMe staging buffers (zerotune's default if not given)",
     )
     ap.add_argument(
         "--optim",
@@ -139,6 +153,7 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument(
         "--grad-host",
+        type=_size,
         default=None,
         help="zerotune's grad_host_bytes (its default if not given)",
     )
@@ -160,6 +175,7 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument(
         "--squeeze-to",
+        type=_size,
         default=None,
         help="zerotune runs while another process holds host memory so that only this much "
         "stays available (6GiB): the page cache cannot keep the swap files",
@@ -184,6 +200,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--compare-host-cache",
         metavar="BYTES",
+        type=_size,
         default=None,
         help="also run zerotune with this host_cache_bytes budget (1280MiB) instead of the "
         "default: freed tensors kept for reuse, page faults against peak RSS",
@@ -444,10 +461,8 @@ def io_floor_s(result: dict, rates: tuple[float, float]) -> float:
     ] / (read_gbps * 1e9)
 
 
-def squeeze_host_memory(target: str) -> Squeezer:
-    from zerotune.config import parse_bytes
-
-    squeezer = Squeezer(parse_bytes(target, name="--squeeze-to"))
+def squeeze_host_memory(target: int) -> Squeezer:
+    squeezer = Squeezer(target)
     print(f"host memory squeezed: {squeezer.available_gib:.2f} GiB available", file=sys.stderr)
     return squeezer
 
@@ -502,11 +517,8 @@ def main() -> None:
             sys.exit("--compare-read-params needs --offload nvme")
         variants.append("zerotune-read-params")
     if args.compare_host_cache is not None:
-        from zerotune.config import parse_bytes
-
         if args.offload == "none":
             sys.exit("--compare-host-cache needs --offload cpu or nvme (the cache serves offload)")
-        args.compare_host_cache = parse_bytes(args.compare_host_cache, name="--compare-host-cache")
         variants.append("zerotune-host-cache")
     variants.append("zerotune")
     if args.rounds < 1:
