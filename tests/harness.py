@@ -63,6 +63,28 @@ def batches(model_name: str, steps: int = STEPS) -> list[torch.Tensor]:
     return out
 
 
+def assert_weights_match(
+    weights: dict, ref: dict, *, rtol: float, atol, flips=(0.0, 0.0), label: str = ""
+) -> None:
+    """Every element of every reference parameter within ``atol + rtol * |ref|`` (``atol``: a
+    number, or one per parameter name). ``flips=(fraction, bound)``: an optimizer whose update
+    jumps on a threshold may put up to that fraction of a parameter's elements off by up to
+    ``bound`` instead."""
+    import numpy as np
+
+    fraction, bound = flips
+    for name, w in ref.items():
+        w = np.asarray(w)
+        diff = np.abs(np.asarray(weights[name]) - w)
+        tol = atol[name] if isinstance(atol, dict) else atol
+        bad = diff > tol + rtol * np.abs(w)
+        if bad.mean() <= fraction and (diff[bad] <= bound).all():
+            continue
+        raise AssertionError(
+            f"{label}: {name}: {bad.sum()} of {bad.size} differ, worst {diff.max():.3g}"
+        )
+
+
 def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     out = model(input_ids=ids, labels=ids)
     return out["loss"]
