@@ -291,6 +291,48 @@ def test_estimate_of_device_memory_matches_the_measured_peak(config):
     assert warnings == [], warnings
 
 
+HOST_COPY_CASES = [
+    {"stage": 3, "offload_optimizer": "cpu"},
+    {"stage": 2, "offload_optimizer": "cpu"},
+    {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+    {"stage": 3, "dtype": "bf16", "offload_optimizer": "cpu"},
+]
+
+
+@pytest.mark.parametrize("config", HOST_COPY_CASES, ids=lambda c: "-".join(map(str, c.values())))
+def test_the_estimates_host_copies_are_the_device_buffers_the_engine_allocates(config):
+    """World size 1, gradients bound for an optimizer on the host: the device buffers they
+    pass through (sharding/grads.py ``_gradients_to_host``: with accumulation two per unit,
+    two units in flight) are the estimate's ``host_copies`` line plus its device-tier pool
+    buffers, byte for byte (tests/test_sizing.py checks the other lines on a CPU)."""
+    from zerotune.sharding.buffers import host_copy_buffers, pool_buffers
+    from zerotune.sharding.plan import plan_swap, plan_units
+
+    cfg = zerotune.ZeroConfig.from_dict(config)
+    units = plan_units(build("gpt2"), cfg, 1)
+    swap = plan_swap(units, cfg, 1)
+    keys, _, _ = pool_buffers(units, cfg, 1, swap, "cuda")
+    copies = host_copy_buffers(units, cfg, 1, swap, "cuda")
+    assert copies.get("device", 0) > 0, copies  # these cases copy through device buffers
+    planned = copies["device"] + sum(
+        numel * size * n for (numel, size, tier), n in keys.items() if tier == "device"
+    )
+    engine = zerotune.shard(build("gpt2").cuda(), cfg)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3)
+    for ids in batches("gpt2", 2):
+        for part in ids.cuda().chunk(2):  # two micro-batches: the second adds on the device
+            engine.backward(loss_of(engine, part) / 2)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    used = {
+        (numel, dtype.itemsize): n for (numel, dtype), n in engine.pool.most_in_use.items() if n
+    }
+    engine.close()
+    allocated = sum(numel * size * n for (numel, size), n in used.items())
+    assert allocated == planned, (used, copies, keys)
+
+
 def test_a_device_named_without_its_index_keeps_the_shards():
     """``device="cuda"`` is ``cuda:<current>``: a shard in device memory is not mistaken for
     a host shard (whose gathered copy is freed after use)."""
