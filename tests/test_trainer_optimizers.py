@@ -130,6 +130,73 @@ def test_optim_trains_like_the_plain_trainer(tmp_path, optim, overrides):
     zero.close()
 
 
+@pytest.mark.parametrize(
+    "optim, overrides",
+    [("paged_adamw_8bit", {}), ("lion_8bit", dict(zero_stage=2, offload_param="none"))],
+    ids=["paged_adamw_8bit", "lion_8bit-2"],
+)
+def test_8bit_optim_on_nvme_keeps_embeddings_in_32_bits(tmp_path, optim, overrides):
+    """An 8-bit bitsandbytes --optim with its state on NVMe, on a model whose embedding is
+    large enough for 8-bit state (8192 elements): the embedding's state on disk is 32-bit,
+    as the plain Trainer keeps it, and training matches the plain Trainer's. The plain run
+    goes first in this process: the settings it leaves in bitsandbytes' process-wide manager
+    must not reach the zerotune run."""
+    from conftest import tiny_gpt2
+    from transformers import Trainer, TrainingArguments
+
+    lr = dict(learning_rate=LR[optim]) if optim in LR else {}
+    args = TrainingArguments(output_dir=str(tmp_path / "plain"), optim=optim, **{**COMMON, **lr})
+    plain = Trainer(model=tiny_gpt2(seed=0, vocab_size=256), args=args, train_dataset=dataset())
+    plain.train()
+    nvme = dict(offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path))
+    zero = zero_run(
+        str(tmp_path / "zero"),
+        model_source=tiny_gpt2(seed=0, vocab_size=256),
+        optim=optim,
+        **lr,
+        **{**nvme, **overrides},
+    )
+    store = zero.optimizer.store
+    kinds = {
+        name: store.probes[key].tensors["state1"][0] for name, key in store.whole_probe.items()
+    }
+    assert kinds["transformer.wte.weight"] == torch.float32, kinds
+    assert kinds["transformer.h.0.mlp.c_fc.weight"] == torch.uint8, kinds
+    allowed = flips(optim, LR.get(optim, COMMON["learning_rate"]))
+    np.testing.assert_allclose(logged(zero), logged(plain), rtol=FLIPS_LOG_RTOL)
+    np.testing.assert_allclose(
+        logged(zero, "grad_norm"), logged(plain, "grad_norm"), rtol=FLIPS_LOG_RTOL
+    )
+    ref = {n: p.detach().clone() for n, p in plain.model.named_parameters()}
+    lr_max = LR.get(optim, COMMON["learning_rate"])
+    assert_weights_match(
+        zero.engine.full_state_dict(),
+        ref,
+        rtol=RTOL,
+        atol=weight_atol(ref, lr_max, whole_bias=False),
+        flips=allowed,
+        label=optim,
+    )
+    zero.close()
+
+
+def test_overrides_after_the_first_step_are_refused(tmp_path):
+    """bitsandbytes settings for a parameter take effect before the first step only: later
+    they would change nothing (or, on NVMe, the layout of state already on disk)."""
+    import bitsandbytes as bnb
+
+    engine = zerotune.shard(model(), {"stage": 3})
+    opt = zerotune.ZeroOptimizer(engine, bnb.optim.AdamW8bit, lr=1e-3)
+    wte = engine.module.transformer.wte.weight
+    opt.override_config(wte, {"optim_bits": 32})  # before: taken
+    ids = dataset()[:4]["input_ids"]
+    engine.backward(engine(input_ids=torch.tensor(ids), labels=torch.tensor(ids)).loss)
+    opt.step()
+    with pytest.raises(RuntimeError, match="override_config after the first step"):
+        opt.override_config(wte, {"optim_bits": 8})
+    engine.close()
+
+
 def test_optimizer_class_and_kwargs_and_a_built_optimizer(tmp_path):
     from transformers import Trainer, TrainingArguments
 

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from .. import dist as zdist
-from .generic_nvme import NvmeGenericState
+from .generic_nvme import NvmeGenericState, private_manager
 from .overlap import OverlappedStep
 from .sharded import ShardedOptimizer, StepInfo
 
@@ -188,8 +188,13 @@ class ZeroOptimizer(ShardedOptimizer):
         super().__init__([{**h, "params": ps} for h, ps in zip(full_hyper, inner_params)], defaults)
         self._sync_hyper(to_inner=True)
         self.state = self.inner.state if self.inner is not None else self.state
+        # bitsandbytes' process-wide manager, read for overrides (_bitsandbytes_overrides)
+        self._shared_mng = getattr(self.inner, "mng", None)
+        self._full_hyper, self._kwargs = full_hyper, kwargs
         # See [Note: a generic optimizer's state on NVMe] in generic_nvme.py.
-        self._nvme = NvmeGenericState(self, full_hyper, kwargs) if on_nvme else None
+        self._nvme: NvmeGenericState | None = None
+        if on_nvme:
+            self._nvme = NvmeGenericState(self, full_hyper, kwargs, self._bitsandbytes_overrides())
         self.store = self._nvme  # the pipeline an overlapped step streams through
         if on_nvme and self.inner is not None:
             self.inner.state.clear()  # made at construction: the probe replays it per unit
@@ -207,6 +212,7 @@ class ZeroOptimizer(ShardedOptimizer):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
         self._check_attached()
+        self._map_bitsandbytes_overrides()  # the inner settings (and NVMe layout) fixed
         overlap, self._overlap = self._overlap, None
         self.settle()  # the step before's, should nothing have needed it since
         try:
@@ -271,6 +277,7 @@ class ZeroOptimizer(ShardedOptimizer):
                 "overlapped(): ZeroOptimizer updates during backward only with its state on "
                 "NVMe and a per-element (flat) layout or one rank"
             )
+        self._map_bitsandbytes_overrides()  # the inner settings (and NVMe layout) fixed
         self.settle()
         self._start_overlap(track_norm, clipping)
         self._nvme.begin_step()
@@ -319,8 +326,7 @@ class ZeroOptimizer(ShardedOptimizer):
     def _inner_step(self) -> None:
         if self.inner is None:
             return
-        if not self._overrides_mapped:
-            self._map_bitsandbytes_overrides()
+        self._map_bitsandbytes_overrides()
         carried = self._frozen_groups is not None
         self._sync_hyper(to_inner=True)
         try:
@@ -391,7 +397,7 @@ class ZeroOptimizer(ShardedOptimizer):
                 ok = seg.counted and grad is not None
                 seg.key.grad = self._grad_view(unit, a, b, grad) if ok else None
                 if nv is not None:
-                    probe = nv.probe_key(seg.group, None)
+                    probe = nv.probe_key(seg.group)
                     targets.append((seg.key, probe, ("u", unit.index), slice(a, b)))
             return targets
         if owners:
@@ -418,8 +424,7 @@ class ZeroOptimizer(ShardedOptimizer):
                 else:
                     key.grad = self._grad_view(unit, a, b, grad).view(slot.shape)
             if nv is not None:
-                probe = nv.probe_key(self._key_group[id(key)], slot.shape)
-                targets.append((key, probe, ("p", slot.name), None))
+                targets.append((key, nv.whole_probe[slot.name], ("p", slot.name), None))
         return targets
 
     def _gather_unit(self, unit, master, grad) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,35 +459,69 @@ class ZeroOptimizer(ShardedOptimizer):
     def override_config(self, param, config: dict) -> None:
         """Per-parameter settings for a bitsandbytes inner optimizer (as its manager's
         ``override_config``), e.g. ``{"optim_bits": 32}`` for an embedding; before the
-        first step."""
+        first step (and, with the state on NVMe, before a checkpoint is loaded)."""
+        if self._overrides_mapped:
+            raise RuntimeError(
+                "override_config after the first step (or overlapped backward): the inner "
+                "optimizer's settings are fixed by then"
+            )
         self._overrides[id(param)] = dict(config)
+        self._fit_nvme_layout(self._bitsandbytes_overrides())
 
-    def _map_bitsandbytes_overrides(self) -> None:
-        """bitsandbytes' optimizers look per-parameter settings (``optim_bits`` for an
-        embedding, ...) up in a process-wide manager by (group, index) of the optimizer that
-        registered them: give the inner optimizer a manager of its own, holding the
-        overrides registered for the model's parameters (the manager's
-        ``register_module_override`` and ``override_config``, and this optimizer's
-        ``override_config``) at the indices of the tensors standing for them."""
-        self._overrides_mapped = True
-        shared = getattr(self.inner, "mng", None)
+    def _bitsandbytes_overrides(self) -> dict[int, dict]:
+        """id(model parameter) -> the settings registered for it: in bitsandbytes'
+        process-wide manager (its ``register_module_override`` and ``override_config``) and
+        with this optimizer's ``override_config``. Empty for other optimizers."""
+        shared = self._shared_mng
         if shared is None or not hasattr(shared, "module_weight_config_triple"):
-            return
-        own = object.__new__(type(shared))
-        own.initialize()
+            return {}
         by_param = dict(shared.pid2config)
         for module, attr, config in shared.module_weight_config_triple:
             p = module._parameters.get(attr)  # not getattr: a sharded weight is released
             if p is not None:
                 by_param[id(p)] = config
         by_param.update(self._overrides)
+        return by_param
+
+    def _map_bitsandbytes_overrides(self) -> None:
+        """bitsandbytes' optimizers look per-parameter settings (``optim_bits`` for an
+        embedding, ...) up in a process-wide manager by (group, index) of the optimizer that
+        registered them: give the inner optimizer a manager of its own, holding the
+        overrides registered for the model's parameters at the indices of the tensors
+        standing for them. With the state on NVMe, its layout must have been made for the
+        same settings (``_fit_nvme_layout``)."""
+        if self._overrides_mapped:
+            return
+        self._overrides_mapped = True
+        shared = self._shared_mng
+        if self.inner is None or not hasattr(shared, "module_weight_config_triple"):
+            return
+        by_param = self._bitsandbytes_overrides()
+        self._fit_nvme_layout(by_param)
         model = self.param_of_keys()
+        index2config = {}
         for gi, group in enumerate(self.inner.param_groups):
             for pi, key in enumerate(group["params"]):
                 config = by_param.get(id(model[id(key)]))
                 if config:
-                    own.index2config[gi, pi] = dict(config)
-        self.inner.mng = own
+                    index2config[gi, pi] = config
+        private_manager(self.inner, index2config)
+
+    def _fit_nvme_layout(self, overrides: dict[int, dict]) -> None:
+        """Make the NVMe state's layout (probed per parameter settings) the one
+        ``overrides`` call for: laid out again while no state exists; after that, a change
+        is refused (the state on disk has the old layout)."""
+        nv = self._nvme
+        if nv is None or nv.made_for(overrides):
+            return
+        if nv.present:
+            raise RuntimeError(
+                f"{self.optimizer_class.__name__}: per-parameter settings (bitsandbytes' "
+                "overrides, e.g. optim_bits) changed after its state on NVMe was made; set "
+                "them before the first step and before loading a checkpoint"
+            )
+        nv.close()
+        self._nvme = self.store = NvmeGenericState(self, self._full_hyper, self._kwargs, overrides)
 
     def _sync_hyper(self, to_inner: bool) -> None:
         if self.inner is None:

@@ -3,7 +3,9 @@
 [Note: a generic optimizer's state on NVMe]
 The inner optimizer makes its state lazily, so its layout is learned before training from a
 *probe*: the class built on a small stand-in (``flat``: a vector of 8 elements per group;
-``whole``: a zero tensor of each distinct parameter shape per group) and stepped once. Every
+``whole``: a zero tensor of each distinct parameter shape and settings per group, the
+settings being bitsandbytes' per-parameter overrides, e.g. an embedding's 32-bit state, held
+in a manager of the probe's own) and stepped once. Every
 state tensor the probe shows gets a region of its own in this rank's ``gstate.swap``
 (O_DIRECT, 4 KiB-aligned, private, in the engine's swap folder, removed with it): per unit
 and key for ``flat`` (a tensor of the shard's length: a segment's state is a slice of it),
@@ -41,7 +43,7 @@ from ..memory.aio import SwapFile, aligned_empty
 from ..memory.swap import round_up
 from .state_store import NvmeStore
 
-__all__ = ["NvmeGenericState", "probe_layout"]
+__all__ = ["NvmeGenericState", "private_manager", "probe_layout"]
 
 _PROBE = 8  # elements of the flat probe
 _F32 = 4
@@ -68,11 +70,30 @@ class Probe:
     eager: dict[str, object] = field(default_factory=dict)  # key -> tensor or scalar
 
 
-def probe_layout(cls, kwargs: dict, hyper: dict, shape: tuple[int, ...], flat: bool) -> Probe:
-    """Build ``cls`` over a zero tensor of ``shape`` with one group of ``hyper`` and step it
-    once with a zero gradient; raises ValueError for what this tier cannot hold."""
+def private_manager(opt, index2config: dict) -> None:
+    """Give the bitsandbytes optimizer ``opt`` a settings manager of its own, holding
+    ``index2config`` ((group, index) -> per-parameter settings), instead of bitsandbytes'
+    process-wide one, where every optimizer of the process leaves its entries (by index, and
+    by id() of parameters that may be gone, whose ids new tensors reuse). Nothing for other
+    optimizers."""
+    shared = getattr(opt, "mng", None)
+    if shared is None or not hasattr(shared, "module_weight_config_triple"):
+        return
+    own = object.__new__(type(shared))
+    own.initialize()
+    own.index2config.update({k: dict(v) for k, v in index2config.items()})
+    opt.mng = own
+
+
+def probe_layout(
+    cls, kwargs: dict, hyper: dict, shape: tuple[int, ...], flat: bool, config: dict | None = None
+) -> Probe:
+    """Build ``cls`` over a zero tensor of ``shape`` with one group of ``hyper`` (and, for a
+    bitsandbytes optimizer, the parameter's own settings ``config``) and step it once with
+    a zero gradient; raises ValueError for what this tier cannot hold."""
     p = torch.zeros(shape)
     opt = cls([{**hyper, "params": [p]}], **kwargs)
+    private_manager(opt, {(0, 0): config} if config else {})
     eager = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state.get(p, {}).items()}
     before = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
     p.grad = torch.zeros_like(p)
@@ -102,6 +123,11 @@ def probe_layout(cls, kwargs: dict, hyper: dict, shape: tuple[int, ...], flat: b
     return out
 
 
+def _items(config: dict | None) -> tuple:
+    """Per-parameter settings as a key: their items, sorted."""
+    return tuple(sorted((config or {}).items()))
+
+
 def _same(a, b) -> bool:
     if torch.is_tensor(a) or torch.is_tensor(b):
         return torch.is_tensor(a) and torch.is_tensor(b) and bool(torch.equal(a, b))
@@ -114,13 +140,18 @@ class NvmeGenericState(NvmeStore):
 
     previews = False
 
-    def __init__(self, opt, hyper: list[dict], kwargs: dict) -> None:
+    def __init__(self, opt, hyper: list[dict], kwargs: dict, overrides: dict[int, dict]) -> None:
+        """``overrides``: id(model parameter) -> its own settings (bitsandbytes'), which the
+        probe of a whole parameter is made with."""
         engine = opt.engine
         in_place = engine.config.map_param_file
         super().__init__(engine.swap, engine.staging, engine.optim_layout, in_place)
         self.opt, self.engine = opt, engine
         cls = opt.optimizer_class
-        self.probes: dict[tuple[int, tuple[int, ...]], Probe] = {}  # (group, shape)
+        # (group, shape, the parameter's own settings as sorted items) -> its probe
+        self.probes: dict[tuple, Probe] = {}
+        self.whole_probe: dict[str, tuple] = {}  # whole parameter's name -> its probe's key
+        self._settings: dict[int, tuple] = {}  # id(whole parameter) -> the settings probed
         self.regions: dict[tuple, _Region] = {}
         at = 0
 
@@ -131,23 +162,27 @@ class NvmeGenericState(NvmeStore):
 
         if opt.layout == "flat":
             for gi, h in enumerate(hyper):
-                self.probes[gi, (_PROBE,)] = probe_layout(cls, kwargs, h, (_PROBE,), flat=True)
+                self.probes[self.probe_key(gi)] = probe_layout(cls, kwargs, h, (_PROBE,), flat=True)
             for index, segs in opt.unit_segments.items():
                 unit = segs[0].unit
                 keys: dict[str, torch.dtype] = {}
                 for seg in segs:
-                    for k, (dtype, _) in self.probes[seg.group, (_PROBE,)].tensors.items():
+                    for k, (dtype, _) in self.probes[self.probe_key(seg.group)].tensors.items():
                         keys.setdefault(k, dtype)
                 for k, dtype in keys.items():
                     region(("u", index, k), dtype, (unit.shard_numel,))
         else:
             for _, slot, key in opt.whole_params:
                 gi = opt.group_of_key(key)
-                probe = self.probes.get((gi, tuple(slot.shape)))
-                if probe is None:
-                    probe = probe_layout(cls, kwargs, hyper[gi], tuple(slot.shape), flat=False)
-                    self.probes[gi, tuple(slot.shape)] = probe
-                for k, (dtype, shape) in probe.tensors.items():
+                config = overrides.get(id(slot.param))
+                settings = self._settings[id(slot.param)] = _items(config)
+                pk = (gi, tuple(slot.shape), settings)
+                if pk not in self.probes:
+                    self.probes[pk] = probe_layout(
+                        cls, kwargs, hyper[gi], tuple(slot.shape), flat=False, config=config
+                    )
+                self.whole_probe[slot.name] = pk
+                for k, (dtype, shape) in self.probes[pk].tensors.items():
                     region(("p", slot.name, k), dtype, shape)
         self.scalars: dict[int, dict[str, object]] = {}  # id(inner key) -> scalar state
         self.present: set[int] = set()  # id(inner key) whose state exists
@@ -201,9 +236,16 @@ class NvmeGenericState(NvmeStore):
         self.file = None
 
     # ------------------------------------------------------------------------- I/O
-    def probe_key(self, group: int, shape) -> tuple[int, tuple[int, ...]]:
-        """Which probe describes a flat segment (``shape`` None) or a whole parameter."""
-        return (group, (_PROBE,) if shape is None else tuple(shape))
+    def probe_key(self, group: int) -> tuple:
+        """Which probe describes a flat segment of ``group``."""
+        return (group, (_PROBE,), ())
+
+    def made_for(self, overrides: dict[int, dict]) -> bool:
+        """Whether the whole parameters' probes were made with these settings."""
+        return all(
+            _items(overrides.get(id(slot.param))) == self._settings[id(slot.param)]
+            for _, slot, _ in self.opt.whole_params
+        )
 
     def _master_location(self, unit) -> tuple[object, int]:
         """(file, offset) of the unit's fp32 master shard."""
@@ -352,6 +394,12 @@ class NvmeGenericState(NvmeStore):
                 rk = (*prefix, k)
                 if rk in loaded:
                     dst = loaded[rk][span] if span is not None else loaded[rk]
+                    if dst.dtype != v.dtype or dst.shape != v.shape:
+                        raise RuntimeError(
+                            f"{self.opt.optimizer_class.__name__} made state {k} as "
+                            f"{v.dtype} {tuple(v.shape)} where its probe showed {dst.dtype} "
+                            f"{tuple(dst.shape)}; it cannot be kept on NVMe"
+                        )
                     if dst.data_ptr() != v.data_ptr():
                         dst.copy_(v)
                 elif torch.is_tensor(v) and v.numel() > 1:
