@@ -180,6 +180,34 @@ def test_8bit_optim_on_nvme_keeps_embeddings_in_32_bits(tmp_path, optim, overrid
     zero.close()
 
 
+def test_8bit_optim_on_nvme_resumes_exactly(tmp_path):
+    """The same 8-bit --optim on NVMe, resumed from a checkpoint of step 3: the layout with
+    the embedding's 32-bit state is made again before the checkpoint is read, and steps 4-6
+    log what the uninterrupted run logged."""
+    from conftest import tiny_gpt2
+
+    run = dict(
+        optim="paged_adamw_8bit",
+        offload_optimizer="nvme",
+        offload_param="nvme",
+        nvme_path=str(tmp_path),
+        save_strategy="steps",
+        save_steps=3,
+    )
+    whole = zero_run(str(tmp_path / "out"), model_source=tiny_gpt2(seed=0, vocab_size=256), **run)
+    expected = logged(whole)
+    whole.close()
+    again = zero_run(
+        str(tmp_path / "out"),
+        model_source=tiny_gpt2(seed=0, vocab_size=256),
+        train=False,
+        **run,
+    )
+    again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    assert logged(again)[3:] == expected[3:]
+    again.close()
+
+
 def test_overrides_after_the_first_step_are_refused(tmp_path):
     """bitsandbytes settings for a parameter take effect before the first step only: later
     they would change nothing (or, on NVMe, the layout of state already on disk)."""
