@@ -101,15 +101,9 @@ def test_optim_trains_like_the_plain_trainer(tmp_path, optim, overrides):
     zero = zero_run(str(tmp_path / "zero"), optim=optim, **lr, **overrides)
     assert not isinstance(zero.optimizer, zerotune.ZeroAdamW)
     if "8bit" in optim and "nvme" not in overrides.values():
-        # As the plain Trainer: embeddings keep 32-bit state, the other matrices 8-bit.
-        opt = zero.optimizer
-        names = {id(p): n for n, p in zero.engine.module.named_parameters()}
-        kinds = {
-            names[id(p)]: opt.inner.state[key]["state1"].dtype
-            for key in opt.inner.state
-            for kid, p in opt.param_of_keys().items()
-            if kid == id(key)
-        }
+        # The matrices keep 8-bit state (the embedding's 32 bits, as the plain Trainer
+        # keeps it, are checked on a larger one: test_8bit_optim_keeps_embeddings_in_32_bits).
+        kinds = state1_kinds(zero)
         assert kinds["transformer.wte.weight"] == torch.float32, kinds
         assert kinds["transformer.h.0.mlp.c_fc.weight"] == torch.uint8, kinds
     lr_max = LR.get(optim, COMMON["learning_rate"])
@@ -130,17 +124,34 @@ def test_optim_trains_like_the_plain_trainer(tmp_path, optim, overrides):
     zero.close()
 
 
+def state1_kinds(zero) -> dict[str, torch.dtype]:
+    """The dtype of each parameter's first state tensor in a ZeroTrainer's bitsandbytes
+    optimizer: in memory, or as laid out on NVMe."""
+    opt = zero.optimizer
+    if opt.store is not None:
+        probes, of = opt.store.probes, opt.store.whole_probe
+        return {name: probes[key].tensors["state1"][0] for name, key in of.items()}
+    names = {id(p): n for n, p in zero.engine.module.named_parameters()}
+    param_of = opt.param_of_keys()
+    return {names[id(param_of[id(k)])]: st["state1"].dtype for k, st in opt.inner.state.items()}
+
+
 @pytest.mark.parametrize(
     "optim, overrides",
-    [("paged_adamw_8bit", {}), ("lion_8bit", dict(zero_stage=2, offload_param="none"))],
-    ids=["paged_adamw_8bit", "lion_8bit-2"],
+    [
+        ("paged_adamw_8bit", dict(offload_optimizer="nvme", offload_param="nvme")),
+        ("lion_8bit", dict(zero_stage=2, offload_optimizer="nvme")),
+        ("ademamix_8bit", dict(offload_optimizer="cpu")),
+    ],
+    ids=["paged_adamw_8bit-nvme", "lion_8bit-2-nvme", "ademamix_8bit-cpu"],
 )
-def test_8bit_optim_on_nvme_keeps_embeddings_in_32_bits(tmp_path, optim, overrides):
-    """An 8-bit bitsandbytes --optim with its state on NVMe, on a model whose embedding is
-    large enough for 8-bit state (8192 elements): the embedding's state on disk is 32-bit,
-    as the plain Trainer keeps it, and training matches the plain Trainer's. The plain run
-    goes first in this process: the settings it leaves in bitsandbytes' process-wide manager
-    must not reach the zerotune run."""
+def test_8bit_optim_keeps_embeddings_in_32_bits(tmp_path, optim, overrides):
+    """An 8-bit bitsandbytes --optim on a model whose embedding is large enough for 8-bit
+    state (8192 elements; the other cases' 3072 are below bitsandbytes' minimum): the
+    embedding's state is 32-bit, as the plain Trainer keeps it, in memory and as laid out
+    on NVMe, and training matches the plain Trainer's. The plain run goes first in this
+    process: the settings it leaves in bitsandbytes' process-wide manager must not reach
+    the zerotune run."""
     from conftest import tiny_gpt2
     from transformers import Trainer, TrainingArguments
 
@@ -148,18 +159,16 @@ def test_8bit_optim_on_nvme_keeps_embeddings_in_32_bits(tmp_path, optim, overrid
     args = TrainingArguments(output_dir=str(tmp_path / "plain"), optim=optim, **{**COMMON, **lr})
     plain = Trainer(model=tiny_gpt2(seed=0, vocab_size=256), args=args, train_dataset=dataset())
     plain.train()
-    nvme = dict(offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path))
+    if "nvme" in overrides.values():
+        overrides = dict(overrides, nvme_path=str(tmp_path))
     zero = zero_run(
         str(tmp_path / "zero"),
         model_source=tiny_gpt2(seed=0, vocab_size=256),
         optim=optim,
         **lr,
-        **{**nvme, **overrides},
+        **overrides,
     )
-    store = zero.optimizer.store
-    kinds = {
-        name: store.probes[key].tensors["state1"][0] for name, key in store.whole_probe.items()
-    }
+    kinds = state1_kinds(zero)
     assert kinds["transformer.wte.weight"] == torch.float32, kinds
     assert kinds["transformer.h.0.mlp.c_fc.weight"] == torch.uint8, kinds
     allowed = flips(optim, LR.get(optim, COMMON["learning_rate"]))
