@@ -137,40 +137,40 @@ def state1_kinds(zero) -> dict[str, torch.dtype]:
 
 
 @pytest.mark.parametrize(
-    "optim, overrides",
+    "optim, overrides, tie",
     [
-        ("paged_adamw_8bit", dict(offload_optimizer="nvme", offload_param="nvme")),
-        ("lion_8bit", dict(zero_stage=2, offload_optimizer="nvme")),
-        ("ademamix_8bit", dict(offload_optimizer="cpu")),
+        ("paged_adamw_8bit", dict(offload_optimizer="nvme", offload_param="nvme"), True),
+        ("paged_adamw_8bit", dict(offload_optimizer="nvme"), False),
+        ("lion_8bit", dict(zero_stage=2, offload_optimizer="nvme"), True),
+        ("ademamix_8bit", dict(offload_optimizer="cpu"), True),
     ],
-    ids=["paged_adamw_8bit-nvme", "lion_8bit-2-nvme", "ademamix_8bit-cpu"],
+    ids=["paged_adamw_8bit-nvme", "paged_adamw_8bit-untied", "lion_8bit-2-nvme", "ademamix_8bit"],
 )
-def test_8bit_optim_keeps_embeddings_in_32_bits(tmp_path, optim, overrides):
+def test_8bit_optim_keeps_embeddings_in_32_bits(tmp_path, optim, overrides, tie):
     """An 8-bit bitsandbytes --optim on a model whose embedding is large enough for 8-bit
     state (8192 elements; the other cases' 3072 are below bitsandbytes' minimum): the
     embedding's state is 32-bit, as the plain Trainer keeps it, in memory and as laid out
-    on NVMe, and training matches the plain Trainer's. The plain run goes first in this
-    process: the settings it leaves in bitsandbytes' process-wide manager must not reach
-    the zerotune run."""
+    on NVMe (untied, the head of the same shape stays 8-bit), and training matches the
+    plain Trainer's. The plain run goes first in this process: the settings it leaves in
+    bitsandbytes' process-wide manager must not reach the zerotune run."""
     from conftest import tiny_gpt2
     from transformers import Trainer, TrainingArguments
 
+    def model_():
+        return tiny_gpt2(seed=0, vocab_size=256, tie=tie)
+
     lr = dict(learning_rate=LR[optim]) if optim in LR else {}
     args = TrainingArguments(output_dir=str(tmp_path / "plain"), optim=optim, **{**COMMON, **lr})
-    plain = Trainer(model=tiny_gpt2(seed=0, vocab_size=256), args=args, train_dataset=dataset())
+    plain = Trainer(model=model_(), args=args, train_dataset=dataset())
     plain.train()
     if "nvme" in overrides.values():
         overrides = dict(overrides, nvme_path=str(tmp_path))
-    zero = zero_run(
-        str(tmp_path / "zero"),
-        model_source=tiny_gpt2(seed=0, vocab_size=256),
-        optim=optim,
-        **lr,
-        **overrides,
-    )
+    zero = zero_run(str(tmp_path / "zero"), model_source=model_(), optim=optim, **lr, **overrides)
     kinds = state1_kinds(zero)
     assert kinds["transformer.wte.weight"] == torch.float32, kinds
     assert kinds["transformer.h.0.mlp.c_fc.weight"] == torch.uint8, kinds
+    if not tie:
+        assert kinds["lm_head.weight"] == torch.uint8, kinds
     allowed = flips(optim, LR.get(optim, COMMON["learning_rate"]))
     np.testing.assert_allclose(logged(zero), logged(plain), rtol=FLIPS_LOG_RTOL)
     np.testing.assert_allclose(
