@@ -217,6 +217,49 @@ def test_8bit_optim_on_nvme_resumes_exactly(tmp_path):
     again.close()
 
 
+def test_a_module_override_registered_after_the_optimizer_is_built(tmp_path):
+    """bitsandbytes' documented way, its process-wide manager's ``register_module_override``,
+    called after a ZeroOptimizer with its state on NVMe is built (the layout was probed
+    without it): the layout is made again at the first step, the embedding's state is
+    32-bit, and the losses are plain bitsandbytes' with the same override."""
+    import bitsandbytes as bnb
+    from conftest import tiny_gpt2
+    from harness import batches, loss_of
+
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    registered = len(manager.module_weight_config_triple)
+
+    def run(zero: bool) -> list[float]:
+        model = tiny_gpt2(seed=0, vocab_size=256)
+        if zero:
+            config = {"stage": 3, "offload_optimizer": "nvme", "nvme_path": str(tmp_path)}
+            model = zerotune.shard(model, config)
+            opt = zerotune.ZeroOptimizer(model, bnb.optim.AdamW8bit, lr=2e-3)
+            wte = model.module.transformer.wte
+        else:
+            opt = bnb.optim.AdamW8bit(model.parameters(), lr=2e-3)
+            wte = model.transformer.wte
+        manager.register_module_override(wte, "weight", {"optim_bits": 32})
+        losses = []
+        for ids in batches("gpt2", 3):
+            loss = loss_of(model, ids)
+            model.backward(loss) if zero else loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        if zero:
+            key = opt.store.whole_probe["transformer.wte.weight"]
+            assert opt.store.probes[key].tensors["state1"][0] == torch.float32
+            model.close()
+        return losses
+
+    try:
+        plain = run(zero=False)
+        np.testing.assert_allclose(run(zero=True), plain, rtol=RTOL)
+    finally:  # the manager is process-wide: later optimizers would look these modules up
+        del manager.module_weight_config_triple[registered:]
+
+
 def test_overrides_after_the_first_step_are_refused(tmp_path):
     """bitsandbytes settings for a parameter take effect before the first step only: later
     they would change nothing (or, on NVMe, the layout of state already on disk)."""
