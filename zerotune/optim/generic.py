@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from .. import dist as zdist
-from .generic_nvme import NvmeGenericState, private_manager
+from .generic_nvme import NvmeGenericState, bnb_manager, private_manager
 from .overlap import OverlappedStep
 from .sharded import ShardedOptimizer, StepInfo
 
@@ -189,7 +189,7 @@ class ZeroOptimizer(ShardedOptimizer):
         self._sync_hyper(to_inner=True)
         self.state = self.inner.state if self.inner is not None else self.state
         # bitsandbytes' process-wide manager, read for overrides (_bitsandbytes_overrides)
-        self._shared_mng = getattr(self.inner, "mng", None)
+        self._shared_mng = bnb_manager(self.inner)
         self._full_hyper, self._kwargs = full_hyper, kwargs
         # See [Note: a generic optimizer's state on NVMe] in generic_nvme.py.
         self._nvme: NvmeGenericState | None = None
@@ -473,7 +473,7 @@ class ZeroOptimizer(ShardedOptimizer):
         process-wide manager (its ``register_module_override`` and ``override_config``) and
         with this optimizer's ``override_config``. Empty for other optimizers."""
         shared = self._shared_mng
-        if shared is None or not hasattr(shared, "module_weight_config_triple"):
+        if shared is None:
             return {}
         by_param = dict(shared.pid2config)
         for module, attr, config in shared.module_weight_config_triple:
@@ -493,8 +493,7 @@ class ZeroOptimizer(ShardedOptimizer):
         if self._overrides_mapped:
             return
         self._overrides_mapped = True
-        shared = self._shared_mng
-        if self.inner is None or not hasattr(shared, "module_weight_config_triple"):
+        if self._shared_mng is None:  # no inner optimizer, or not a bitsandbytes one
             return
         by_param = self._bitsandbytes_overrides()
         self._fit_nvme_layout(by_param)

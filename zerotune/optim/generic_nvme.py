@@ -43,7 +43,7 @@ from ..memory.aio import SwapFile, aligned_empty
 from ..memory.swap import round_up
 from .state_store import NvmeStore
 
-__all__ = ["NvmeGenericState", "private_manager", "probe_layout"]
+__all__ = ["NvmeGenericState", "bnb_manager", "private_manager", "probe_layout"]
 
 _PROBE = 8  # elements of the flat probe
 _F32 = 4
@@ -70,14 +70,21 @@ class Probe:
     eager: dict[str, object] = field(default_factory=dict)  # key -> tensor or scalar
 
 
+def bnb_manager(opt):
+    """The per-parameter settings manager of a bitsandbytes optimizer ``opt``; None for other
+    optimizers (and for None)."""
+    mng = getattr(opt, "mng", None)
+    return mng if hasattr(mng, "module_weight_config_triple") else None
+
+
 def private_manager(opt, index2config: dict) -> None:
     """Give the bitsandbytes optimizer ``opt`` a settings manager of its own, holding
     ``index2config`` ((group, index) -> per-parameter settings), instead of bitsandbytes'
     process-wide one, where every optimizer of the process leaves its entries (by index, and
     by id() of parameters that may be gone, whose ids new tensors reuse). Nothing for other
     optimizers."""
-    shared = getattr(opt, "mng", None)
-    if shared is None or not hasattr(shared, "module_weight_config_triple"):
+    shared = bnb_manager(opt)
+    if shared is None:
         return
     own = object.__new__(type(shared))
     own.initialize()
@@ -151,7 +158,6 @@ class NvmeGenericState(NvmeStore):
         # (group, shape, the parameter's own settings as sorted items) -> its probe
         self.probes: dict[tuple, Probe] = {}
         self.whole_probe: dict[str, tuple] = {}  # whole parameter's name -> its probe's key
-        self._settings: dict[int, tuple] = {}  # id(whole parameter) -> the settings probed
         self.regions: dict[tuple, _Region] = {}
         at = 0
 
@@ -175,8 +181,7 @@ class NvmeGenericState(NvmeStore):
             for _, slot, key in opt.whole_params:
                 gi = opt.group_of_key(key)
                 config = overrides.get(id(slot.param))
-                settings = self._settings[id(slot.param)] = _items(config)
-                pk = (gi, tuple(slot.shape), settings)
+                pk = (gi, tuple(slot.shape), _items(config))
                 if pk not in self.probes:
                     self.probes[pk] = probe_layout(
                         cls, kwargs, hyper[gi], tuple(slot.shape), flat=False, config=config
@@ -243,7 +248,7 @@ class NvmeGenericState(NvmeStore):
     def made_for(self, overrides: dict[int, dict]) -> bool:
         """Whether the whole parameters' probes were made with these settings."""
         return all(
-            _items(overrides.get(id(slot.param))) == self._settings[id(slot.param)]
+            _items(overrides.get(id(slot.param))) == self.whole_probe[slot.name][2]
             for _, slot, _ in self.opt.whole_params
         )
 
