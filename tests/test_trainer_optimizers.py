@@ -76,18 +76,51 @@ def weight_atol(weights: dict, lr: float, *, whole_bias: bool) -> dict:
     return atol
 
 
+def result_of(plain) -> dict:
+    """A plain Trainer's logged losses and gradient norms, and its final weights."""
+    return {
+        "loss": logged(plain),
+        "grad_norm": logged(plain, "grad_norm"),
+        "weights": {n: p.detach().clone() for n, p in plain.model.named_parameters()},
+    }
+
+
 def plain_result(tmp_path, optim: str) -> dict:
-    """The plain Trainer's logged losses and gradient norms, and its final weights, with
-    ``--optim optim``, run once for the cases that share it."""
+    """``result_of`` the plain Trainer with ``--optim optim``, run once for the cases that
+    share it."""
     if optim not in _plain:
         lr = dict(learning_rate=LR[optim]) if optim in LR else {}
-        plain = plain_run(str(tmp_path / "plain"), optim=optim, **lr)
-        _plain[optim] = {
-            "loss": logged(plain),
-            "grad_norm": logged(plain, "grad_norm"),
-            "weights": {n: p.detach().clone() for n, p in plain.model.named_parameters()},
-        }
+        _plain[optim] = result_of(plain_run(str(tmp_path / "plain"), optim=optim, **lr))
     return _plain[optim]
+
+
+def assert_trains_like(zero, plain: dict, optim: str) -> None:
+    """ZeroTrainer ``zero`` logged the losses and gradient norms of ``plain`` (``result_of``)
+    and ended at its weights: within RTOL, but for LOOSE, the key-bias noise and the flips
+    of threshold optimizers."""
+    lr_max = LR.get(optim, COMMON["learning_rate"])
+    allowed = flips(optim, lr_max)
+    rtol = LOOSE.get(optim, FLIPS_LOG_RTOL if allowed[0] else RTOL)
+    np.testing.assert_allclose(logged(zero), plain["loss"], rtol=rtol)
+    np.testing.assert_allclose(logged(zero, "grad_norm"), plain["grad_norm"], rtol=rtol)
+    weights = zero.engine.full_state_dict()
+    assert set(weights) == set(plain["weights"])
+    assert_weights_match(
+        weights,
+        plain["weights"],
+        rtol=LOOSE.get(optim, RTOL),
+        atol=weight_atol(plain["weights"], lr_max, whole_bias=optim == "adafactor"),
+        flips=allowed,
+        label=optim,
+    )
+
+
+def wide_embedding_model(tie: bool = True):
+    """The tiny GPT-2 with a vocabulary of 256: an embedding of 8192 elements, large enough
+    for bitsandbytes' 8-bit state (the default model's 3072 are below its minimum)."""
+    from conftest import tiny_gpt2
+
+    return tiny_gpt2(seed=0, vocab_size=256, tie=tie)
 
 
 @pytest.mark.parametrize(
@@ -106,21 +139,7 @@ def test_optim_trains_like_the_plain_trainer(tmp_path, optim, overrides):
         kinds = state1_kinds(zero)
         assert kinds["transformer.wte.weight"] == torch.float32, kinds
         assert kinds["transformer.h.0.mlp.c_fc.weight"] == torch.uint8, kinds
-    lr_max = LR.get(optim, COMMON["learning_rate"])
-    allowed = flips(optim, lr_max)
-    rtol = LOOSE.get(optim, FLIPS_LOG_RTOL if allowed[0] else RTOL)
-    np.testing.assert_allclose(logged(zero), plain["loss"], rtol=rtol)
-    np.testing.assert_allclose(logged(zero, "grad_norm"), plain["grad_norm"], rtol=rtol)
-    weights = zero.engine.full_state_dict()
-    assert set(weights) == set(plain["weights"])
-    assert_weights_match(
-        weights,
-        plain["weights"],
-        rtol=LOOSE.get(optim, RTOL),
-        atol=weight_atol(plain["weights"], lr_max, whole_bias=optim == "adafactor"),
-        flips=allowed,
-        label=optim,
-    )
+    assert_trains_like(zero, plain, optim)
     zero.close()
 
 
@@ -153,39 +172,22 @@ def test_8bit_optim_keeps_embeddings_in_32_bits(tmp_path, optim, overrides, tie)
     on NVMe (untied, the head of the same shape stays 8-bit), and training matches the
     plain Trainer's. The plain run goes first in this process: the settings it leaves in
     bitsandbytes' process-wide manager must not reach the zerotune run."""
-    from conftest import tiny_gpt2
     from transformers import Trainer, TrainingArguments
-
-    def model_():
-        return tiny_gpt2(seed=0, vocab_size=256, tie=tie)
 
     lr = dict(learning_rate=LR[optim]) if optim in LR else {}
     args = TrainingArguments(output_dir=str(tmp_path / "plain"), optim=optim, **{**COMMON, **lr})
-    plain = Trainer(model=model_(), args=args, train_dataset=dataset())
+    plain = Trainer(model=wide_embedding_model(tie), args=args, train_dataset=dataset())
     plain.train()
     if "nvme" in overrides.values():
         overrides = dict(overrides, nvme_path=str(tmp_path))
-    zero = zero_run(str(tmp_path / "zero"), model_source=model_(), optim=optim, **lr, **overrides)
+    model_ = wide_embedding_model(tie)
+    zero = zero_run(str(tmp_path / "zero"), model_source=model_, optim=optim, **lr, **overrides)
     kinds = state1_kinds(zero)
     assert kinds["transformer.wte.weight"] == torch.float32, kinds
     assert kinds["transformer.h.0.mlp.c_fc.weight"] == torch.uint8, kinds
     if not tie:
         assert kinds["lm_head.weight"] == torch.uint8, kinds
-    allowed = flips(optim, LR.get(optim, COMMON["learning_rate"]))
-    np.testing.assert_allclose(logged(zero), logged(plain), rtol=FLIPS_LOG_RTOL)
-    np.testing.assert_allclose(
-        logged(zero, "grad_norm"), logged(plain, "grad_norm"), rtol=FLIPS_LOG_RTOL
-    )
-    ref = {n: p.detach().clone() for n, p in plain.model.named_parameters()}
-    lr_max = LR.get(optim, COMMON["learning_rate"])
-    assert_weights_match(
-        zero.engine.full_state_dict(),
-        ref,
-        rtol=RTOL,
-        atol=weight_atol(ref, lr_max, whole_bias=False),
-        flips=allowed,
-        label=optim,
-    )
+    assert_trains_like(zero, result_of(plain), optim)
     zero.close()
 
 
@@ -193,8 +195,6 @@ def test_8bit_optim_on_nvme_resumes_exactly(tmp_path):
     """The same 8-bit --optim on NVMe, resumed from a checkpoint of step 3: the layout with
     the embedding's 32-bit state is made again before the checkpoint is read, and steps 4-6
     log what the uninterrupted run logged."""
-    from conftest import tiny_gpt2
-
     run = dict(
         optim="paged_adamw_8bit",
         offload_optimizer="nvme",
@@ -203,15 +203,10 @@ def test_8bit_optim_on_nvme_resumes_exactly(tmp_path):
         save_strategy="steps",
         save_steps=3,
     )
-    whole = zero_run(str(tmp_path / "out"), model_source=tiny_gpt2(seed=0, vocab_size=256), **run)
+    whole = zero_run(str(tmp_path / "out"), model_source=wide_embedding_model(), **run)
     expected = logged(whole)
     whole.close()
-    again = zero_run(
-        str(tmp_path / "out"),
-        model_source=tiny_gpt2(seed=0, vocab_size=256),
-        train=False,
-        **run,
-    )
+    again = zero_run(str(tmp_path / "out"), model_source=wide_embedding_model(), train=False, **run)
     again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
     assert logged(again)[3:] == expected[3:]
     again.close()
@@ -223,14 +218,13 @@ def test_a_module_override_registered_after_the_optimizer_is_built(tmp_path):
     without it): the layout is made again at the first step, the embedding's state is
     32-bit, and the losses are plain bitsandbytes' with the same override."""
     import bitsandbytes as bnb
-    from conftest import tiny_gpt2
     from harness import batches, loss_of
 
     manager = bnb.optim.GlobalOptimManager.get_instance()
     registered = len(manager.module_weight_config_triple)
 
     def run(zero: bool) -> list[float]:
-        model = tiny_gpt2(seed=0, vocab_size=256)
+        model = wide_embedding_model()
         if zero:
             config = {"stage": 3, "offload_optimizer": "nvme", "nvme_path": str(tmp_path)}
             model = zerotune.shard(model, config)
