@@ -228,6 +228,9 @@ class ZeroOptimizer(ShardedOptimizer):
     def _carry_done(self) -> None:
         self._nvme.end_step()
 
+    def _overlap_aborted(self) -> None:
+        self._nvme.end_step()
+
     def _step_rest(self, launched) -> StepInfo:
         """``step()`` after the overlapped updates: the units not launched during backward."""
         self._prepare()
@@ -271,7 +274,6 @@ class ZeroOptimizer(ShardedOptimizer):
         still queued at ``step()`` go on during the next forward. ``clipping``: the updates
         wait for ``step()``, so ``clip_grad_norm_`` may come between, and are carried (see
         [Note: a clipped overlapped step] in zero_adam.py)."""
-        engine = self.engine
         if not self.can_overlap:
             raise RuntimeError(
                 "overlapped(): ZeroOptimizer updates during backward only with its state on "
@@ -281,12 +283,8 @@ class ZeroOptimizer(ShardedOptimizer):
         self.settle()
         self._start_overlap(track_norm, clipping)
         self._nvme.begin_step()
-        self._overlap = OverlappedStep(self, carry=carry, clipping=clipping)
-        engine.reducer.begin_overlapped_step(self._overlap)
-        try:
+        with self._overlapping(OverlappedStep(self, carry=carry, clipping=clipping)):
             yield
-        finally:
-            engine.reducer.end_overlapped_step()
 
     def _check_per_element(self) -> None:
         """Flat layout: every state tensor of a segment is per element or a scalar (else

@@ -170,6 +170,12 @@ class OverlappedStep:
     def failed(self) -> bool:
         return self._failed is not None
 
+    @property
+    def broken(self) -> bool:
+        """Its own pipeline failed, or it refused a second backward: some units may be
+        updated and others not, so ``step()`` refuses instead of giving the step up."""
+        return self._failed is not None or self._refused
+
     def abandon(self) -> None:
         """Forget the updates a failure left undone (their units' state is about to be
         replaced); the pipeline gave its staging slots back when it failed."""
@@ -180,6 +186,21 @@ class OverlappedStep:
         self.feed.items.clear()
         self.feed.todo.clear()
         self._failed = None
+
+    def abort(self) -> int:
+        """The backward inside ``overlapped()`` raised ([Note: a backward that raises inside
+        overlapped()] in zero_adam.py): updates already queued run to their end, reads ahead
+        are given up, and units taken but never queued (clipping) give their step counts
+        back. Returns how many units this step updated all the same."""
+        self.feed.closed = True
+        if self.clipping:  # nothing queued before release(): no unit was touched
+            for unit in self.unfinished.values():
+                self.opt.uncount_step(unit)
+                unit.update_done()
+            self.launched.clear()
+            self.unfinished.clear()
+        self.pump(block=True)
+        return len(self.launched)
 
     def _check_failed(self) -> None:
         if self._failed is not None:

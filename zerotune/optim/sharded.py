@@ -30,7 +30,9 @@ shards (see [Note: any torch optimizer over the shards] in generic.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
     from .overlap import OverlappedStep
 
 __all__ = ["Segment", "ShardedOptimizer", "StepInfo"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -176,6 +180,53 @@ class ShardedOptimizer(torch.optim.Optimizer):
             seg.counted = seg.slot.got_grad
             if seg.counted:
                 self.set_step_count(seg.key, self.step_count(seg.key) + 1)
+
+    def uncount_step(self, unit) -> None:
+        """Give back the step counts ``count_step`` took for ``unit`` (its update will not
+        be made: the backward of an overlapped step raised)."""
+        for seg in self.unit_segments[unit.index]:
+            if seg.counted:
+                self.set_step_count(seg.key, self.step_count(seg.key) - 1)
+                seg.counted = False
+
+    @contextlib.contextmanager
+    def _overlapping(self, overlap: OverlappedStep):
+        """The body of ``overlapped()``: backward hands units to ``overlap``; should it
+        raise, the step is given up ([Note: a backward that raises inside overlapped()] in
+        zero_adam.py)."""
+        self._overlap = overlap
+        reducer = self.engine.reducer
+        reducer.begin_overlapped_step(overlap)
+        try:
+            yield
+        except BaseException:
+            reducer.end_overlapped_step()
+            if not overlap.broken:  # else step() says what happened
+                self._abort_overlap()
+            raise
+        reducer.end_overlapped_step()
+
+    def _abort_overlap(self) -> None:
+        overlap, self._overlap = self._overlap, None
+        try:
+            updated = overlap.abort() if overlap is not None else 0
+            if updated:
+                owned = sum(1 for u in self.engine.units if self.owns(u))
+                log.warning(
+                    "overlapped(): backward raised after %d of %d units were updated with this "
+                    "step's gradients; the others were not (overlapped(clipping=True) updates "
+                    "nothing before step())",
+                    updated,
+                    owned,
+                )
+        finally:
+            self.norm_sq = None
+            self.pending_grad_norm = None
+            self._factor = 1.0
+            self._overlap_aborted()
+
+    def _overlap_aborted(self) -> None:
+        """After an overlapped step was given up (its queued updates done)."""
 
     def settle(self, unit=None, overwrite: bool = False) -> None:
         """Finish the updates the last step carried into this forward (see [Note: carrying

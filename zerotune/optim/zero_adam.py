@@ -124,6 +124,22 @@ read yet are summed at ``step()`` (read back from the gradient file where they w
 spilled), so the norm is there when ``step()`` returns. With a store in memory only where
 its updates run on their own thread (else there is nothing to wait for).
 
+[Note: a backward that raises inside overlapped()]
+A backward can raise part way (an out-of-memory error that the Trainer's
+``--auto_find_batch_size`` retries with a smaller batch, an interrupt in a notebook). The
+step is then given up, so that the caller can zero the gradients and go on
+(``OverlappedStep.abort``). With ``clipping=True`` nothing was updated yet: the reads
+ahead are given up, and the units whose gradients were already final give back the step
+counts taken for them. The optimizer is then exactly as it was before the backward.
+Without clipping those units have been updated. Updates cannot be undone, so those in
+flight are finished, the step stays partial, and a warning says how many units were
+updated. The engine starts its next forward from a clean pass either way
+(``ZeroEngine.forward``). Updates carried into a forward that raises stay queued; the next
+forward or ``step()`` makes them. Not given up: a step whose own update pipeline failed,
+or that refused a second backward (``OverlappedStep.broken``); ``step()`` then refuses.
+ZeroTrainer defers the updates (``clipping=True``) whenever ``--auto_find_batch_size`` is
+on, so a retried step starts from the weights the last complete step left.
+
 [Note: host updates off the launching thread]
 With the optimizer state in host memory and the model on an accelerator, the thread that
 runs the C++ Adam between backward's layers is the one that launches the accelerator's
@@ -300,15 +316,10 @@ class ZeroAdamW(ShardedOptimizer):
         updates wait for ``step()``, so ``clip_grad_norm_`` may come between (see [Note: a
         clipped overlapped step]); the norm is tracked."""
         self.settle()
-        engine = self.engine
         self._start_overlap(track_norm, clipping)
         carry = carry and (self.store.carries or self.updates_off_thread())
-        self._overlap = OverlappedStep(self, carry=carry, clipping=clipping)
-        engine.reducer.begin_overlapped_step(self._overlap)
-        try:
+        with self._overlapping(OverlappedStep(self, carry=carry, clipping=clipping)):
             yield
-        finally:
-            engine.reducer.end_overlapped_step()
 
     def state_dict(self):
         """Refused: the state lives in shards across ranks and tiers (memory, NVMe), not in
