@@ -297,7 +297,6 @@ def test_low_precision_tracks_fp32(reference, tmp_path, dtype, rtol):
     [
         (dict(deepspeed={"zero_optimization": {"stage": 3}}), "--deepspeed cannot be combined"),
         (dict(fsdp="full_shard"), "--fsdp cannot be combined"),
-        (dict(auto_find_batch_size=True), "--auto_find_batch_size is not supported"),
         (dict(offload_param="nvme"), "NVMe offload needs --nvme_path"),
         (dict(zero_config="zero3-offload-nvme"), "NVMe offload needs --nvme_path"),
         (dict(zero_stage=2, offload_param="cpu"), "needs stage 3"),

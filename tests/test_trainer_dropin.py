@@ -196,3 +196,98 @@ def test_checkpoints_hold_the_model_from_pretrained_loads(tmp_path, gather):
         if name in live:
             assert torch.equal(value, live[name]), name
     trainer.close()
+
+
+class OutOfMemoryAbove:
+    """Runs out of memory (the CPU allocator's error, which ``--auto_find_batch_size``
+    retries) from the ``at``-th pass whose batch has more than ``limit`` rows on: in the forward
+    of ``block``, or in backward as the gradient reaches its output."""
+
+    def __init__(self, block, limit: int, at: int, where: str) -> None:
+        self.limit, self.at, self.where = limit, at, where
+        self.seen = 0
+        self.raised: list[int] = []  # the batch sizes that ran out
+        block.register_forward_hook(self._forward)
+
+    def _forward(self, module, args, out):
+        hidden = out[0] if isinstance(out, tuple) else out
+        rows = hidden.shape[0]
+        if rows <= self.limit or not torch.is_grad_enabled():
+            return None
+        self.seen += 1
+        if self.seen < self.at:
+            return None
+        if self.where == "forward":
+            self._raise(rows)
+        hidden.register_hook(lambda grad: self._raise(rows))
+        return None
+
+    def _raise(self, rows: int):
+        self.raised.append(rows)
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes."
+        )
+
+
+AUTO = {**COMMON, "per_device_train_batch_size": 8, "auto_find_batch_size": True}
+AUTO_CASES = {
+    # the first forward runs out: batch 8, then 7 (also over the limit), then 6
+    "stage3-forward": (dict(zero_stage=3), dict(at=1, where="forward"), {}),
+    # the third step's overlapped (clipped) backward, its second micro-batch, runs out after
+    # two steps were made; the loop starts over from there with batch 7
+    "nvme-backward": (
+        dict(zero_stage=3, offload_param="nvme", offload_optimizer="nvme"),
+        dict(at=6, where="backward"),
+        {},
+    ),
+    # without clipping too: the updates wait for the whole backward
+    "nvme-backward-unclipped": (
+        dict(zero_stage=3, offload_param="nvme", offload_optimizer="nvme"),
+        dict(at=6, where="backward"),
+        dict(max_grad_norm=0.0),
+    ),
+}
+_plain_auto: dict[str, tuple] = {}
+
+
+@pytest.mark.parametrize("case", list(AUTO_CASES))
+def test_auto_find_batch_size_retries_as_the_plain_trainer_does(tmp_path, case):
+    """``--auto_find_batch_size``: the Trainer catches the out-of-memory error, multiplies
+    the batch by 0.9 and runs its loop again on the weights it has; ZeroTrainer's engine and
+    optimizer give the failed pass up and go on, logging the plain Trainer's losses and
+    gradient norms and ending at its weights."""
+    from transformers import Trainer, TrainingArguments
+
+    zero_args, failure, extra = AUTO_CASES[case]
+    key = repr((failure, extra))
+    if key not in _plain_auto:
+        m = model()
+        oom = OutOfMemoryAbove(m.transformer.h[0], limit=7 if failure["at"] > 1 else 6, **failure)
+        args = TrainingArguments(output_dir=str(tmp_path / "plain"), **{**AUTO, **extra})
+        plain = Trainer(model=m, args=args, train_dataset=dataset())
+        plain.train()
+        weights = {n: p.detach().clone() for n, p in m.named_parameters()}
+        _plain_auto[key] = (logged(plain), logged(plain, "grad_norm"), weights, oom.raised, plain)
+    losses, norms, weights, raised, plain = _plain_auto[key]
+    assert raised == ([8, 7] if failure["at"] == 1 else [8])
+    if "nvme" in zero_args.values():
+        (tmp_path / "swap").mkdir()
+        zero_args = {**zero_args, "nvme_path": str(tmp_path / "swap")}
+    m = model()
+    oom = OutOfMemoryAbove(m.transformer.h[0], limit=7 if failure["at"] > 1 else 6, **failure)
+    args = ZeroTrainingArguments(
+        output_dir=str(tmp_path / "zero"), **{**AUTO, **extra}, **zero_args
+    )
+    zero = ZeroTrainer(model=m, args=args, train_dataset=dataset())
+    zero.train()
+    assert oom.raised == raised
+    assert zero.state.train_batch_size == plain.state.train_batch_size == 8 - len(raised)
+    assert zero._batch_shape == (8 - len(raised), 16)  # what the memory check reads
+    if "nvme" in zero_args.values():
+        assert zero.overlap_step  # the failure came inside the overlapped backward
+    torch.testing.assert_close(logged(zero), losses, rtol=RTOL, atol=0)
+    torch.testing.assert_close(logged(zero, "grad_norm"), norms, rtol=RTOL, atol=0)
+    live = zero.engine.full_state_dict()
+    for name, value in weights.items():
+        torch.testing.assert_close(live[name], value, rtol=RTOL, atol=2e-5, msg=name)
+    zero.close()

@@ -159,12 +159,6 @@ class ZeroTrainingArguments(TrainingArguments):
                 "--fsdp cannot be combined with ZeroTrainer: zerotune already shards the model; "
                 "drop --fsdp and choose a --zero_stage."
             )
-        if self.auto_find_batch_size:
-            raise ConfigError(
-                "--auto_find_batch_size is not supported by ZeroTrainer (it rebuilds the model "
-                "after an out-of-memory error, and a sharded model cannot be rebuilt in place); "
-                "set --per_device_train_batch_size instead."
-            )
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 cannot both be set; choose one training dtype.")
         self._check_optimizer()

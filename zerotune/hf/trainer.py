@@ -399,7 +399,18 @@ class ZeroTrainer(Trainer):
         return self.optimizer.can_overlap
 
     def _overlapped_backward(self):
-        return self.optimizer.overlapped(track_norm=True, clipping=self._clips)
+        # --auto_find_batch_size retries a step whose backward ran out of memory: no update
+        # may be made before the whole backward is through ([Note: a backward that raises
+        # inside overlapped()] in optim/zero_adam.py).
+        defer = self._clips or self.args.auto_find_batch_size
+        return self.optimizer.overlapped(track_norm=True, clipping=defer)
+
+    def _update_auto_batch_size(self, batch_size):
+        """``--auto_find_batch_size``: the Trainer's loop starts again with ``batch_size``
+        after an out-of-memory error; the engine stays (the Trainer's wrapper is dropped),
+        and the estimate's check reads the new batch's shape."""
+        self._batch_shape = None
+        super()._update_auto_batch_size(batch_size)
 
     def check_memory_estimate(self) -> list[str]:
         """Compare this rank's measured peaks (host: peak RSS added since the engine was
