@@ -154,6 +154,12 @@ class _Command(click.Command):
     "assistant's).",
 )
 @click.option(
+    "--packing",
+    is_flag=True,
+    help="Chat data: pack several conversations into each block (each still sees only "
+    "itself), instead of one padded block per conversation.",
+)
+@click.option(
     "--block-size",
     type=int,
     default=None,

@@ -434,6 +434,15 @@ def test_chat_data_with_a_template_file(cli, tmp_path):
     assert "40 blocks of 32 tokens (chat column 'conversations'" in proc.stdout
     assert s["losses"][-1][1] < s["losses"][0][1]
     assert AutoTokenizer.from_pretrained(out).chat_template == template.read_text()
+    # --packing: three conversations (about 30 tokens each) a block of 96.
+    packed = tmp_path / "packed"
+    cli.finetune("--dataset", data, "--chat-template", template, "--output-dir", packed,
+                 "--block-size", "96", "--max_steps", "6", "--logging_steps", "1",
+                 "--learning_rate", "1e-2", "--save_strategy", "no", "--packing")  # fmt: skip
+    s = summary(packed)
+    assert s["train_blocks"] == 14, s["train_blocks"]
+    assert s["losses"][-1][1] < s["losses"][0][1]
+    assert json.loads((packed / "zerotune_job.json").read_text())["packing"] is True
 
 
 def test_hub_id_from_the_local_cache_with_memory_options(env, tmp_path):
@@ -602,6 +611,14 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
     impossible.write_text("stage: 2\noffload_param: nvme\n")
     t5_config = tmp_path / "t5.json"
     t5_config.write_text('{"model_type": "t5", "d_model": 32, "num_layers": 1}')
+    opt_config = tmp_path / "opt.json"
+    opt_config.write_text(
+        '{"model_type": "opt", "hidden_size": 16, "num_hidden_layers": 1, "ffn_dim": 32, '
+        '"num_attention_heads": 2, "word_embed_proj_dim": 16, "vocab_size": 300}'
+    )
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"messages": [{"role": "user", "content": "a"}, '
+                    '{"role": "assistant", "content": "b"}]}\n' * 4)  # fmt: skip
     small = tmp_path / "small"
     small.mkdir()
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)])
@@ -658,6 +675,11 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
         "optim for the whole model": (["--optim", "galore_adamw"], "hooks into the whole"),
         "no tensorboard": (["--report_to", "tensorboard"], "its package is not installed"),
         "zero block size": (["--block-size", "0"], "--block-size must be at least 1"),
+        "packing text": (["--packing"], "--packing is for chat data"),
+        "packing opt": (
+            ["--model", opt_config, "--init", "random", "--dataset", chat, "--packing"],
+            "--packing: a opt model takes its positions from the attention mask",
+        ),
         "missing model folder": (["--model", tmp_path / "nope"], "no such file or folder"),
         "two output folders": (["--output_dir", tmp_path / "b"], "--output-dir is given more"),
         "abbreviated flag": (["--learning_rat", "0.1"], "did you mean --learning_rate?"),

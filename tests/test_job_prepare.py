@@ -30,6 +30,7 @@ OPTIONS = {  # zerotune finetune's options at their defaults
     "chat_column": None,
     "chat_template": None,
     "train_on_prompt": False,
+    "packing": False,
     "block_size": None,
     "eval_split": 0.0,
     "stage": None,

@@ -350,3 +350,147 @@ def test_conversational_prompt_completion_trains_on_the_completion_only(tmp_path
     assert learned == [*b"ok", tok.eos_token_id, 10]  # "yo" is in the prompt: no loss
     ids, _ = chat_loss_mask(tok, CHAT)
     assert block["input_ids"][: len(ids)] == ids
+
+
+# ------------------------------------------------------------------- packed conversations
+def _conversations(n: int):
+    """``n`` short conversations of different lengths (seeded)."""
+    import random
+
+    rng = random.Random(3)
+    words = ["yes", "no", "maybe", "hello there", "fine", "why not", "ok then"]
+    out = []
+    for i in range(n):
+        turns = [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(1, 4)))}]
+        turns.append({"role": "assistant", "content": " ".join(rng.choices(words, k=i % 5 + 1))})
+        out.append({"messages": turns})
+    return out
+
+
+def test_packed_conversations_share_blocks_and_restart_their_positions(tmp_path):
+    """With ``pack`` consecutive conversations fill a block while they fit: the blocks hold
+    the same conversations in the same order as the padded ones, with positions restarting
+    at each conversation (and the padding), no attention mask, and each conversation's
+    first label -100."""
+    tok = _chat_tok()
+    rows = _conversations(40)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    block = 256
+    alone, _, _ = prepare_datasets(tmp_path / "c.jsonl", tok, block)
+    packed, _, _ = prepare_datasets(tmp_path / "c.jsonl", tok, block, pack=True)
+    assert packed.column_names == ["input_ids", "labels", "position_ids"]
+    # Next fit: a block is closed when the next conversation does not fit in it.
+    lengths = [sum(b["attention_mask"]) for b in alone]
+    fill, expected = block, 0
+    for n in lengths:
+        if fill + n > block:
+            fill, expected = 0, expected + 1
+        fill += n
+    assert len(alone) == 40 and len(packed) == expected < 20, (len(packed), expected)
+    conversations = []  # (ids, labels) back out of the packed blocks, by their positions
+    pad = tok.pad_token_id
+    for b in packed:
+        ids, labels, pos = b["input_ids"], b["labels"], b["position_ids"]
+        assert len(ids) == len(labels) == len(pos) == block
+        starts = [i for i, p in enumerate(pos) if p == 0] + [block]
+        for a, z in zip(starts, starts[1:]):
+            assert pos[a:z] == list(range(z - a))
+            conversations.append((ids[a:z], labels[a:z]))
+        if set(conversations[-1][0]) == {pad}:  # the padding: no loss
+            assert set(conversations.pop()[1]) == {-100}
+    # Every conversation, whole and in order.
+    real = conversations
+    for (ids, labels), b in zip(real, alone):
+        n = sum(b["attention_mask"])
+        assert ids == b["input_ids"][:n]
+        assert labels[0] == -100 and labels[1:] == b["labels"][1:n]
+
+
+def _tiny_configs():
+    """One tiny config per model family: those in PACKABLE, and two that take their
+    positions from the attention mask (OPT, Bloom)."""
+    import transformers as T
+
+    h = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
+    moe = dict(num_local_experts=2, num_experts_per_tok=1)
+    return {
+        "gpt2": T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=300),
+        "llama": T.LlamaConfig(**h, intermediate_size=64, num_key_value_heads=2),
+        "mistral": T.MistralConfig(**h, intermediate_size=64, num_key_value_heads=2),
+        "mixtral": T.MixtralConfig(**h, intermediate_size=64, num_key_value_heads=2, **moe),
+        "qwen2": T.Qwen2Config(**h, intermediate_size=64, num_key_value_heads=2),
+        "qwen3": T.Qwen3Config(**h, intermediate_size=64, num_key_value_heads=2, head_dim=8),
+        "gemma2": T.Gemma2Config(**h, intermediate_size=64, num_key_value_heads=2, head_dim=8),
+        "phi3": T.Phi3Config(**h, intermediate_size=64, num_key_value_heads=2, pad_token_id=0),
+        "gpt_neox": T.GPTNeoXConfig(**h, intermediate_size=64),
+        "falcon": T.FalconConfig(**h),
+        "gptj": T.GPTJConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=300, rotary_dim=4),
+        "olmo2": T.Olmo2Config(**h, intermediate_size=64),
+        "opt": T.OPTConfig(**h, ffn_dim=64, word_embed_proj_dim=32),
+        "bloom": T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=300),
+    }
+
+
+def test_a_packed_block_gives_each_conversation_its_own_logits(tmp_path):
+    """For every model type ``--packing`` takes, the logits of each conversation in a packed
+    block (training mode, dropout off, the collator's batch) equal those of the conversation
+    run alone; for OPT and Bloom, which ``--packing`` refuses, they do not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zerotune.hf.data import PACKABLE, packed_collator
+
+    tok = _chat_tok()
+    rows = _conversations(12)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    packed, _, _ = prepare_datasets(tmp_path / "c.jsonl", tok, 96, pack=True)
+    batch = packed_collator([packed[0], packed[1]])
+    assert batch["use_cache"] is False and "attention_mask" not in batch
+    configs = _tiny_configs()
+    assert set(configs) - {"opt", "bloom"} == PACKABLE
+    for name, config in configs.items():
+        for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop",
+                    "embd_pdrop", "attn_pdrop"):  # fmt: skip
+            if hasattr(config, key):
+                setattr(config, key, 0.0)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).train()
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            worst = 0.0
+            for row in range(2):
+                pos = batch["position_ids"][row].tolist()
+                starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+                for a, z in zip(starts, starts[1:]):
+                    alone = model(input_ids=batch["input_ids"][row : row + 1, a:z]).logits
+                    worst = max(worst, (logits[row, a:z] - alone[0]).abs().max().item())
+        assert (worst < 1e-4) == (name in PACKABLE), (name, worst)
+
+
+def test_packed_blocks_reach_the_model_with_their_positions(tmp_path):
+    """ZeroTrainer's data loader keeps ``position_ids`` (the Trainer drops the columns the
+    model's forward does not take) and the collator turns the cache off."""
+    from conftest import tiny_gpt2
+
+    from zerotune.hf import ZeroTrainer, ZeroTrainingArguments
+    from zerotune.hf.data import packed_collator
+
+    tok = _chat_tok()
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(12)))
+    packed, _, _ = prepare_datasets(tmp_path / "c.jsonl", tok, 96, pack=True)
+    args = ZeroTrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, report_to="none",
+        use_cpu=True, zero_stage=3,
+    )  # fmt: skip
+    trainer = ZeroTrainer(
+        model=tiny_gpt2(seed=0, vocab_size=300),
+        args=args,
+        train_dataset=packed,
+        data_collator=packed_collator,
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert sorted(batch) == ["input_ids", "labels", "position_ids", "use_cache"]
+    assert batch["position_ids"].shape == (2, 96) and batch["use_cache"] is False
+    rows = {tuple(packed[i]["position_ids"]) for i in range(len(packed))}
+    assert all(tuple(r) in rows for r in batch["position_ids"].tolist())
+    trainer.close()

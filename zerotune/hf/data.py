@@ -37,10 +37,12 @@ __all__ = [
     "DEFAULT_CHAT_TEMPLATE",
     "Columns",
     "DataError",
+    "PACKABLE",
     "byte_tokenizer",
     "chat_loss_mask",
     "choose_columns",
     "load_raw_dataset",
+    "packed_collator",
     "prepare_datasets",
     "tokenize_and_pack",
 ]
@@ -78,13 +80,44 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 # ``train_on_prompt``. A template whose render of the first turns is not a prefix of the
 # whole render cannot be split this way and is refused. A tokenizer without a template
 # gets ``DEFAULT_CHAT_TEMPLATE`` (saved with it, so inference uses the same format).
-# Conversations are never packed together: each is one block, cut at ``block_size``
-# tokens and padded to it (attention mask 0, labels -100), so no block mixes two
-# conversations and no label is predicted from another conversation's tokens.
+# By default each conversation is one block, cut at ``block_size`` tokens and padded to
+# it (attention mask 0, labels -100). With ``pack`` (``--packing``) see [Note: packed
+# conversations].
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+# [Note: packed conversations]
+# Short conversations padded to long blocks spend most of each step on padding. With
+# ``pack``, consecutive conversations (each cut at ``block_size``) share a block while they
+# fit, 1,000 at a time; the rest of a block is padding. A block has no attention mask but
+# ``position_ids`` that start at 0 with every conversation (and with the padding), and
+# transformers' mask code (``find_packed_sequence_indices``) then builds a block-diagonal
+# causal mask from them: no token attends to another conversation, and each token gets
+# the position it has alone, so every logit is what the conversation alone would give.
+# The label of each conversation's first token is -100 (the token before it belongs to the
+# conversation before). The mask is built only without a cache: batches carry
+# ``use_cache=False`` (``packed_collator``). Models whose positions come from the attention
+# mask (OPT's learned positions, Bloom's ALiBi) would mix conversations: ``--packing``
+# takes only the model types in ``PACKABLE``, each checked against the conversations
+# run alone (tests/test_trainer_data.py). What changes is the batch: a step averages the
+# loss over the tokens of more conversations.
+PACKABLE = frozenset(
+    {"gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox",
+     "falcon", "gptj", "olmo2"}
+)  # fmt: skip
+
+
+def packed_collator(features):
+    """``default_data_collator`` for packed blocks: the model is told not to build a cache
+    (with one, transformers would not read the conversations' bounds from the positions)."""
+    from transformers import default_data_collator
+
+    batch = default_data_collator(features)
+    batch["use_cache"] = False
+    return batch
 
 
 class DataError(ValueError):
@@ -304,6 +337,13 @@ class Columns:
             return f"text column {self.text!r}"
         return f"prompt column {self.prompt!r}, response column {self.response!r}"
 
+    def conversational(self, ds) -> bool:
+        """Whether ``ds`` holds conversations: a chat column, or a prompt/response pair of
+        message lists (TRL's conversational prompt/completion)."""
+        if self.chat is not None:
+            return True
+        return self.prompt is not None and len(ds) > 0 and isinstance(ds[0][self.prompt], list)
+
 
 def choose_columns(
     names: list[str],
@@ -364,19 +404,18 @@ def tokenize_and_pack(
     train_on_prompt: bool = False,
     num_proc: int | None = None,
     source: str = "the dataset",
+    pack: bool = False,
 ):
     """A dataset of ``input_ids`` and ``labels`` blocks of ``block_size`` tokens. Values
     of a column are text: strings, numbers (as written) or UTF-8 bytes; null is empty;
     anything else (chat message lists, records) is refused. ``source`` names the dataset
-    in messages."""
+    in messages. ``pack``: conversations share blocks ([Note: packed conversations]); text
+    is packed always."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("the tokenizer has no end-of-sequence token; give one that does")
-    pair_of_lists = (
-        columns.prompt is not None and len(ds) and isinstance(ds[0][columns.prompt], list)
-    )
-    if columns.chat is not None or pair_of_lists:
-        return _chat_blocks(ds, tokenizer, columns, block_size, train_on_prompt, source)
+    if columns.conversational(ds):
+        return _chat_blocks(ds, tokenizer, columns, block_size, train_on_prompt, source, pack)
 
     def ids_of(batch, column):
         texts = [_as_text(t, column, source) for t in batch[column]]
@@ -510,10 +549,12 @@ def chat_loss_mask(tokenizer, messages: list[dict], train_on_prompt: bool = Fals
     return ids, labels
 
 
-def _chat_blocks(ds, tokenizer, columns: Columns, block_size: int, train_on_prompt, source):
-    """One padded block per conversation (see [Note: chat data]): a chat column's, or a
-    prompt/completion pair of message lists (TRL's conversational shape: the loss on the
-    completion's assistant turns)."""
+def _chat_blocks(
+    ds, tokenizer, columns: Columns, block_size: int, train_on_prompt, source, pack=False
+):
+    """One padded block per conversation (see [Note: chat data]), or with ``pack`` several
+    ([Note: packed conversations]): a chat column's, or a prompt/completion pair of message
+    lists (TRL's conversational shape: the loss on the completion's assistant turns)."""
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -527,20 +568,46 @@ def _chat_blocks(ds, tokenizer, columns: Columns, block_size: int, train_on_prom
             prompt = _conversation(p, columns.prompt, source)
             yield prompt + _conversation(r, columns.response, source), len(prompt)
 
-    def block(batch):
-        out = {"input_ids": [], "labels": [], "attention_mask": []}
+    def learned(batch):
         for messages, first in conversations(batch):
             ids, labels = chat_loss_mask(tokenizer, messages, train_on_prompt, first)
             ids, labels = ids[:block_size], labels[:block_size]
-            if all(t == -100 for t in labels):
-                continue  # nothing to learn in it (or its answers lie past block_size)
+            if any(t != -100 for t in labels[1:]):  # else nothing to learn in it (or its
+                yield ids, labels  # answers lie past block_size)
+
+    def block(batch):
+        out = {"input_ids": [], "labels": [], "attention_mask": []}
+        for ids, labels in learned(batch):
             fill = block_size - len(ids)
             out["input_ids"].append(ids + [pad] * fill)
             out["labels"].append(labels + [-100] * fill)
             out["attention_mask"].append([1] * len(ids) + [0] * fill)
         return out
 
-    blocks = ds.map(block, batched=True, remove_columns=ds.column_names, desc="Tokenizing")
+    def packed(batch):
+        out = {"input_ids": [], "labels": [], "position_ids": []}
+        ids, labels, positions = [], [], []
+
+        def close():
+            fill = block_size - len(ids)
+            out["input_ids"].append(ids + [pad] * fill)
+            out["labels"].append(labels + [-100] * fill)
+            out["position_ids"].append(positions + list(range(fill)))
+
+        for conv_ids, conv_labels in learned(batch):
+            if len(ids) + len(conv_ids) > block_size:
+                close()
+                ids, labels, positions = [], [], []
+            ids += conv_ids
+            labels += [-100] + conv_labels[1:]  # not predicted from the one before
+            positions += range(len(conv_ids))
+        if ids:
+            close()
+        return out
+
+    blocks = ds.map(
+        packed if pack else block, batched=True, remove_columns=ds.column_names, desc="Tokenizing"
+    )
     if len(blocks) == 0:
         raise DataError(
             f"{source} has no conversation with an assistant token within the first "
@@ -586,6 +653,7 @@ def prepare_datasets(
     train_on_prompt: bool = False,
     seed: int = 0,
     name: str | None = None,
+    pack: bool = False,
 ):
     """(train blocks, eval blocks or None, the columns used): see [Note: data pipeline].
     ``source``: what ``load_raw_dataset`` takes, or a ``datasets.Dataset`` it returned;
@@ -609,7 +677,7 @@ def prepare_datasets(
         source=name,
     )
     blocks = tokenize_and_pack(
-        raw, tokenizer, columns, block_size, train_on_prompt=train_on_prompt, source=name
+        raw, tokenizer, columns, block_size, train_on_prompt=train_on_prompt, source=name, pack=pack
     )
     if not eval_split:
         return blocks, None, columns

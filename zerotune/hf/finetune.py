@@ -112,6 +112,8 @@ def run_job(job: Job, echo: Echo = _log) -> RunReport | None:
             zdist.barrier(engine.group)
         from transformers import default_data_collator
 
+        from .data import packed_collator
+
         with as_job_error(ValueError):
             trainer = ZeroTrainer(
                 model=engine,
@@ -119,7 +121,7 @@ def run_job(job: Job, echo: Echo = _log) -> RunReport | None:
                 train_dataset=job.train,
                 eval_dataset=job.eval,
                 processing_class=job.tokenizer,
-                data_collator=default_data_collator,
+                data_collator=packed_collator if job.packing else default_data_collator,
             )
         from transformers import TrainerCallback
 

@@ -5,7 +5,7 @@ A job file has four sections, each optional:
 
     model:    {name, init, tokenizer}                     the --model / --init / --tokenizer flags
     data:     {dataset, text_column, prompt_column, response_column, chat_column,
-               chat_template, train_on_prompt, block_size, eval_split}
+               chat_template, train_on_prompt, packing, block_size, eval_split}
     zero:     the fields of a zerotune config (stage, offload_param, nvme_path, ...)
     training: TrainingArguments and ZeroTrainingArguments fields (output_dir, learning_rate,
               max_steps, ...)
@@ -46,6 +46,7 @@ DATA_KEYS = {
     "chat_column": "chat_column",
     "chat_template": "chat_template",
     "train_on_prompt": "train_on_prompt",
+    "packing": "packing",
     "block_size": "block_size",
     "eval_split": "eval_split",
 }
@@ -196,7 +197,8 @@ def read_job_file(path: str | Path) -> JobFile:
 
 
 _TYPES = {"block_size": (int, "a whole number"), "eval_split": ((int, float), "a number"),
-          "train_on_prompt": (bool, "true or false")}  # fmt: skip
+          "train_on_prompt": (bool, "true or false"),
+          "packing": (bool, "true or false")}  # fmt: skip
 
 
 def _check_type(path: Path, where: str, key: str, value) -> None:

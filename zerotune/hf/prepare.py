@@ -76,6 +76,7 @@ class Job:
     columns: Any
     train_on_prompt: bool
     eval_split: float
+    packing: bool = False  # conversations share blocks ([Note: packed conversations])
     train: Any = None  # blocks, once tokenized
     eval: Any = None
     temp_nvme: str | None = None
@@ -95,7 +96,7 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
     ``known_flags``: the caller's own flag names, for "did you mean" on an unknown one.
     Raises JobError."""
     from ..launch import launched_rank, shared_temp_nvme
-    from .data import DataError, choose_columns, load_raw_dataset
+    from .data import PACKABLE, DataError, choose_columns, load_raw_dataset
     from .models import context_length, resolve_model, resolve_tokenizer
     from .record import check_output_dir, check_recorded_dtype, check_resume
 
@@ -163,6 +164,17 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
         block = options["block_size"] or min(context, 1024)
         if block > context:
             raise JobError(f"--block-size {block} exceeds the model's context length {context}")
+        if options["packing"] and not columns.conversational(raw):
+            raise JobError(
+                "--packing is for chat data (a messages or conversations column); text is "
+                "always packed into full blocks"
+            )
+        if options["packing"] and config.model_type not in PACKABLE:
+            raise JobError(
+                f"--packing: a {config.model_type} model takes its positions from the "
+                "attention mask, so packed conversations would see each other; packing "
+                f"is checked for {', '.join(sorted(PACKABLE))}"
+            )
         if not options["no_memory_check"] and not launched_rank():
             check_memory(config, args, block, world)  # a launcher's ranks: checked there
     except BaseException:
@@ -183,6 +195,7 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
         columns=columns,
         train_on_prompt=options["train_on_prompt"],
         eval_split=options["eval_split"],
+        packing=options["packing"],
         temp_nvme=temp_nvme,
     )
 
@@ -205,6 +218,7 @@ def tokenize(job: Job) -> None:
             train_on_prompt=job.train_on_prompt,
             seed=job.args.seed,
             name=job.dataset,
+            pack=job.packing,
         )
 
 

@@ -78,6 +78,7 @@ RECORDED = (
     "chat_column",
     "chat_template",
     "train_on_prompt",
+    "packing",
     "block_size",
     "eval_split",
 )
