@@ -77,8 +77,12 @@ def train_with_a_failure(
     the gradients and takes the whole step again."""
     model = build("gpt2")
     groups = no_decay_groups(model, 0.1)
+    config = dict(config)
+    thread = config.pop("thread", None)
     engine = zerotune.shard(model, config)
     opt = make_optimizer(optimizer, groups, engine)
+    if thread is not None:
+        opt.update_thread = thread  # the arithmetic on the store's thread, as on a GPU
     failure = Failure(model.transformer.h[0], where)
     per_rank = GLOBAL_BATCH // world
     micro = per_rank // accum
@@ -152,6 +156,7 @@ CASES = [
     ("nvme", "zero_adamw", "forward", 1, True),  # carried updates pending in that forward
     ("nvme", "zero_adamw", "backward", 2, True),  # the clipped overlapped step given up
     ("nvme", "sgd", "backward", 1, True),  # ZeroOptimizer's state on NVMe, the same
+    ("thread", "zero_adamw", "backward", 1, True),  # updates on the store's thread
 ]
 
 
@@ -167,7 +172,11 @@ def test_training_goes_on_after_a_failed_pass_as_if_it_never_ran(
 
     # I/O reports itself done only once waited for: step() always leaves updates queued.
     monkeypatch.setattr(IOHandle, "done", lambda self: False)
-    config = nvme(tmp_path) if kind == "nvme" else {"stage": 3}
+    config = {
+        "nvme": nvme(tmp_path),
+        "memory": {"stage": 3},
+        "thread": {"stage": 3, "offload_optimizer": "cpu", "thread": True},
+    }[kind]
     [result] = run_world(1, train_with_a_failure, config, optimizer, where, accum, overlap)
     if where == "forward" and overlap:
         assert result["carried"] == [True]  # the failed forward had updates to make
@@ -182,13 +191,18 @@ def test_a_failed_overlapped_backward_at_world_2(tmp_path):
         assert_like_plain(result, "zero_adamw")
 
 
-def test_an_unclipped_overlapped_backward_that_fails_says_what_it_updated(tmp_path, caplog):
+@pytest.mark.parametrize("kind", ["nvme", "thread"])
+def test_an_unclipped_overlapped_backward_that_fails_says_what_it_updated(kind, tmp_path, caplog):
     """Without clipping the units whose gradients were final are updated during backward
-    and stay updated: the failure says how many, and the optimizer takes the next step."""
+    and stay updated (their updates in flight are finished, on the store's thread too): the
+    failure says how many, and the optimizer takes the next step."""
     model = build("gpt2")
     groups = no_decay_groups(model, 0.1)
-    engine = zerotune.shard(model, nvme(tmp_path))
+    config = nvme(tmp_path) if kind == "nvme" else {"stage": 3, "offload_optimizer": "cpu"}
+    engine = zerotune.shard(model, config)
     opt = make_optimizer("zero_adamw", groups, engine)
+    if kind == "thread":
+        opt.update_thread = True  # the arithmetic on the store's thread, as on a GPU
     failure = Failure(model.transformer.h[0], "backward")
     ids = batches("gpt2", 1)[0]
     before = {n: w.clone() for n, w in engine.full_state_dict().items()}
