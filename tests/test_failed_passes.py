@@ -69,12 +69,19 @@ def nvme(path) -> dict:
 
 
 def train_with_a_failure(
-    rank: int, world: int, config: dict, optimizer: str, where: str, accum: int, overlap: bool
+    rank: int,
+    world: int,
+    config: dict,
+    optimizer: str,
+    where: str,
+    accum: int,
+    overlap: bool,
+    zero_after: bool = True,
 ) -> dict:
     """As harness.train_zero with clipping, but step FAIL_AT first runs its last micro-batch
     (where="backward", inside ``overlapped`` with ``overlap``) or its first one (where=
     "forward", while the step before's updates are carried) into a failure, then zeroes
-    the gradients and takes the whole step again."""
+    the gradients (unless not ``zero_after``) and takes the whole step again."""
     model = build("gpt2")
     groups = no_decay_groups(model, 0.1)
     config = dict(config)
@@ -112,7 +119,8 @@ def train_with_a_failure(
             with pytest.raises(RuntimeError, match="can't allocate memory"):
                 micro_batches(mine, fail=True)
             assert failure.raised == 1
-            opt.zero_grad()
+            if zero_after:
+                opt.zero_grad()
         total = micro_batches(mine, fail=False)
         norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
         opt.step()
@@ -227,3 +235,34 @@ def test_an_unclipped_overlapped_backward_that_fails_says_what_it_updated(kind, 
     opt.step()
     assert sorted({opt.step_count(key) for key, *_ in opt.segments()}) == [1, 2]
     engine.close()
+
+
+def test_a_failed_backward_leaves_its_gradients_as_torch_does(tmp_path):
+    """Without ``zero_grad`` after the failure, the next backward adds to what the failed
+    one left (the units backward had finished, their gradient shards kept in memory for a
+    clipped step included), as it adds to torch's ``.grad``."""
+    model = build("gpt2")
+    opt = make_optimizer("zero_adamw", no_decay_groups(model, 0.1))
+    failure = Failure(model.transformer.h[0], "backward")
+    losses, norms = [], []
+    for step, ids in enumerate(batches("gpt2", STEPS)):
+        if step == FAIL_AT:
+            failure.armed = True
+            with pytest.raises(RuntimeError, match="can't allocate memory"):
+                loss_of(model, ids).backward()
+        loss = loss_of(model, ids)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    ref = {"losses": losses, "norms": norms}
+    [result] = run_world(
+        1, train_with_a_failure, nvme(tmp_path), "zero_adamw", "backward", 1, True, False
+    )
+    np.testing.assert_allclose(result["losses"], ref["losses"], rtol=1e-5)
+    np.testing.assert_allclose(result["norms"], ref["norms"], rtol=1e-5)
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    assert_weights_match(result["weights"], weights, rtol=1e-5, atol=2e-5, label="kept")
+    # The failed backward's gradients counted: not the run that zeroed them.
+    assert abs(result["norms"][FAIL_AT] - reference("zero_adamw")["norms"][FAIL_AT]) > 1e-3

@@ -279,10 +279,19 @@ def test_auto_find_batch_size_retries_as_the_plain_trainer_does(tmp_path, case):
         output_dir=str(tmp_path / "zero"), **{**AUTO, **extra}, **zero_args
     )
     zero = ZeroTrainer(model=m, args=args, train_dataset=dataset())
+    checked = []  # the batch shape each memory check read
+    check = zero.check_memory_estimate
+
+    def spied():
+        checked.append(zero._batch_shape)
+        return check()
+
+    zero.check_memory_estimate = spied
     zero.train()
     assert oom.raised == raised
     assert zero.state.train_batch_size == plain.state.train_batch_size == 8 - len(raised)
-    assert zero._batch_shape == (8 - len(raised), 16)  # what the memory check reads
+    # The memory check runs after the first step of each run of the loop that made one.
+    assert checked == ([(6, 16)] if failure["at"] == 1 else [(8, 16), (7, 16)]), checked
     if "nvme" in zero_args.values():
         assert zero.overlap_step  # the failure came inside the overlapped backward
     torch.testing.assert_close(logged(zero), losses, rtol=RTOL, atol=0)

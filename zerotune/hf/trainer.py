@@ -21,12 +21,13 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
 - ``_clip_grad_norm`` / ``_get_grad_norm`` use the optimizer's global-norm clipping.
 - ``training_step``: with the optimizer state on NVMe (no fp16, stage 2-3;
   ``overlap_step``), the last micro-batch of each step runs its backward inside
-  ``optimizer.overlapped(track_norm=True)``. Without clipping (``--max_grad_norm 0``) units
-  are updated while backward goes on, and ``_get_grad_norm`` returns a 0-dim tensor that
-  ``step()`` fills with the norm summed from the gradients the updates read (the Trainer
-  logs it after the step, with ``.item()``). With clipping (the default),
-  ``clipping=True``: the norm is summed as backward finishes each unit, ``_clip_grad_norm``
-  returns it at once, and the updates run after ``step()`` into the next forward.
+  ``optimizer.overlapped(track_norm=True)``. Without clipping (``--max_grad_norm 0``, and
+  no ``--auto_find_batch_size``) units are updated while backward goes on, and
+  ``_get_grad_norm`` returns a 0-dim tensor that ``step()`` fills with the norm summed from
+  the gradients the updates read (the Trainer logs it after the step, with ``.item()``).
+  With clipping (the default), ``clipping=True``: the norm is summed as backward finishes
+  each unit, ``_clip_grad_norm`` returns it at once, and the updates run after ``step()``
+  into the next forward.
 - Gradients are averaged over ranks, like DDP's, so ``average_tokens_across_devices`` (which
   scales each rank's loss by the world size) gives DDP's numbers.
 - fp16: the engine's loss scaler multiplies the loss before accelerate's ``backward`` (a
@@ -407,9 +408,16 @@ class ZeroTrainer(Trainer):
 
     def _update_auto_batch_size(self, batch_size):
         """``--auto_find_batch_size``: the Trainer's loop starts again with ``batch_size``
-        after an out-of-memory error; the engine stays (the Trainer's wrapper is dropped),
-        and the estimate's check reads the new batch's shape."""
+        after an out-of-memory error; the engine stays (the Trainer's wrapper is dropped).
+        The memory check runs again after the new loop's first step, on the new batch's
+        shape, with the peaks of the failed pass forgotten."""
         self._batch_shape = None
+        if self._estimate_hook is not None:
+            self._estimate_hook.remove()
+            self._estimate_hook = None
+        self.memory_measured = self.estimate_warnings = None
+        reset_peak_rss()
+        accelerator_allocated(self.args.device)  # resets its peak
         super()._update_auto_batch_size(batch_size)
 
     def check_memory_estimate(self) -> list[str]:

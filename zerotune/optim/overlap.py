@@ -197,6 +197,10 @@ class OverlappedStep:
             for unit in self.unfinished.values():
                 self.opt.uncount_step(unit)
                 unit.update_done()
+                # A gradient kept for the update goes where the next micro-batch adds to
+                # it (the caller may go on without zero_grad, as with torch's .grad).
+                unit.accumulator.spill_held()
+                unit.wait_writes()
             self.launched.clear()
             self.unfinished.clear()
         self.pump(block=True)

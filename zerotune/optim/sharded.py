@@ -207,9 +207,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reducer.end_overlapped_step()
 
     def _abort_overlap(self) -> None:
-        overlap, self._overlap = self._overlap, None
+        # Should finishing the updates in flight fail, the step is broken: it stays, and
+        # step() refuses it.
+        updated = self._overlap.abort()
+        self._overlap = None
         try:
-            updated = overlap.abort() if overlap is not None else 0
             if updated:
                 owned = sum(1 for u in self.engine.units if self.owns(u))
                 log.warning(

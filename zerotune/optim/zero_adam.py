@@ -129,8 +129,10 @@ A backward can raise part way (an out-of-memory error that the Trainer's
 ``--auto_find_batch_size`` retries with a smaller batch, an interrupt in a notebook). The
 step is then given up, so that the caller can zero the gradients and go on
 (``OverlappedStep.abort``). With ``clipping=True`` nothing was updated yet: the reads
-ahead are given up, and the units whose gradients were already final give back the step
-counts taken for them. The optimizer is then exactly as it was before the backward.
+ahead are given up, the units whose gradients were already final give back the step
+counts taken for them, and gradient shards kept in memory for their updates go to their
+files. The optimizer is then as it was before the backward, and the gradients hold what
+the failed backward added, as torch's ``.grad`` does.
 Without clipping those units have been updated. Updates cannot be undone, so those in
 flight are finished, the step stays partial, and a warning says how many units were
 updated. The engine starts its next forward from a clean pass either way
