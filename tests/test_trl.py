@@ -126,6 +126,30 @@ def test_sft_on_chat_data_logs_the_plain_sft_losses(tmp_path, zero_name, plain_s
     trainer.close()
 
 
+def test_sft_with_packing_logs_the_plain_sft_losses(tmp_path):
+    """TRL's packing (several conversations a row, told apart by their position ids):
+    ZeroTrainer logs the plain SFTTrainer's losses."""
+    packed = dict(ARGS, **SFT, packing=True, max_length=128)
+    plain = SFTTrainer(
+        model=byte_gpt2(),
+        args=SFTConfig(output_dir=str(tmp_path / "plain"), **packed),
+        train_dataset=chats(),
+        processing_class=chat_tokenizer(),
+    )
+    batch = next(iter(plain.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "position_ids" in batch  # flattened rows
+    plain.train()
+    trainer = zero(SFTTrainer)(
+        model=byte_gpt2(),
+        args=zero(SFTConfig)(output_dir=str(tmp_path / "zero"), **packed, zero_stage=3),
+        train_dataset=chats(),
+        processing_class=chat_tokenizer(),
+    )
+    trainer.train()
+    torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
+    trainer.close()
+
+
 DPO_LOGGED = ("loss", "rewards/margins", "logps/chosen")
 
 
