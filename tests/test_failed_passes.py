@@ -77,12 +77,14 @@ def train_with_a_failure(
     accum: int,
     overlap: bool,
     zero_after: bool = True,
+    device: str = "cpu",
 ) -> dict:
     """As harness.train_zero with clipping, but step FAIL_AT first runs its last micro-batch
     (where="backward", inside ``overlapped`` with ``overlap``) or its first one (where=
     "forward", while the step before's updates are carried) into a failure, then zeroes
-    the gradients (unless not ``zero_after``) and takes the whole step again."""
-    model = build("gpt2")
+    the gradients (unless not ``zero_after``) and takes the whole step again. ``device``:
+    where the model is when it is sharded."""
+    model = build("gpt2").to(device)
     groups = no_decay_groups(model, 0.1)
     config = dict(config)
     thread = config.pop("thread", None)
@@ -96,7 +98,7 @@ def train_with_a_failure(
     losses, norms, carried = [], [], []
 
     def micro_batches(mine, fail: bool) -> torch.Tensor:
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for k in range(accum):
             part = mine[k * micro : (k + 1) * micro]
             last = k == accum - 1
@@ -113,7 +115,7 @@ def train_with_a_failure(
         return total
 
     for step, ids in enumerate(batches("gpt2", STEPS)):
-        mine = ids[rank * per_rank : (rank + 1) * per_rank]
+        mine = ids[rank * per_rank : (rank + 1) * per_rank].to(device)
         if step == FAIL_AT:
             carried.append(opt._carry is not None)
             with pytest.raises(RuntimeError, match="can't allocate memory"):
@@ -128,7 +130,7 @@ def train_with_a_failure(
         if world > 1:
             torch.distributed.all_reduce(total)
         losses.append(float(total) / world)
-    weights = {n: w.clone() for n, w in engine.full_state_dict().items()}
+    weights = {n: w.cpu().clone() for n, w in engine.full_state_dict().items()}
     steps = sorted({opt.step_count(key) for key, *_ in opt.segments()})
     engine.close()
     return {

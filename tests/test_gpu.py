@@ -100,6 +100,23 @@ def test_overlapped_step_with_host_state_matches_plain_adamw_on_the_device(clip)
     assert res["launched"] > 0 and res["carried"] > 0, (res["launched"], res["carried"])
 
 
+def test_a_failed_overlapped_backward_on_the_device_is_given_up():
+    """[Note: a backward that raises inside overlapped()] with the Adam on the update
+    thread and the model on the device: after an out-of-memory error in the last
+    micro-batch's clipped overlapped backward and ``zero_grad``, the step taken again
+    trains like plain AdamW on the device."""
+    from test_failed_passes import FAIL_AT, STEPS, train_with_a_failure
+
+    config = {"stage": 3, "offload_optimizer": "cpu"}
+    res = train_with_a_failure(0, 1, config, "zero_adamw", "backward", 2, True, device="cuda")
+    ref = train_reference("gpt2", steps=STEPS, device="cuda")
+    ref["weights"] = {k: v.numpy() for k, v in ref["weights"].items()}
+    ref["grad_max"] = {k: v.numpy() for k, v in ref["grad_max"].items()}
+    res["weights"] = {k: v.numpy() for k, v in res["weights"].items()}
+    assert res["steps"] == [STEPS] and FAIL_AT < STEPS
+    check(res, ref, "cuda failed overlapped backward")
+
+
 def test_bf16_on_the_device_stays_within_bf16_tolerance():
     ref = cuda_reference("gpt2")
     res = train_zero(0, 1, "gpt2", {"stage": 3, "dtype": "bf16"}, accum=2, device="cuda")
