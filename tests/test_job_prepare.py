@@ -164,3 +164,27 @@ def test_the_default_job_prepared_and_a_refused_one_leaves_nothing(tmp_path, mon
         prepare_job(_options(output_dir=str(tmp_path / "out"), block_size=4096))
     assert list((tmp_path / "tmp").iterdir()) == []  # its temporary NVMe folder is gone
     assert not (tmp_path / "out").exists()
+
+
+def test_the_memory_check_plans_the_least_batch_auto_find_batch_size_can_reach(monkeypatch):
+    """gpt2 at 8 x 1024 tokens, fp32, stage 3, needs 30 GiB on a CPU: refused on a 16 GiB
+    host; with --auto_find_batch_size the Trainer lowers the batch until it fits, so the
+    check plans for one row (5.37 GiB): it passes there and is refused on a 1 GiB host."""
+    from transformers import GPT2Config
+
+    from zerotune.hf import ZeroTrainingArguments
+    from zerotune.hf.prepare import check_memory
+
+    def check(host: str, auto: bool) -> None:
+        monkeypatch.setenv("ZEROTUNE_HOST_MEMORY", host)
+        args = ZeroTrainingArguments(
+            output_dir="unused", per_device_train_batch_size=8, auto_find_batch_size=auto,
+            use_cpu=True, zero_stage=3,
+        )  # fmt: skip
+        check_memory(GPT2Config(), args, 1024, 1)
+
+    with pytest.raises(JobError, match=r"micro-batch 8 x 1024 tokens: per host: needs 30.00"):
+        check("16GiB", auto=False)
+    check("16GiB", auto=True)
+    with pytest.raises(JobError, match=r"micro-batch 1 x 1024 tokens: per host: needs 5.37"):
+        check("1GiB", auto=True)

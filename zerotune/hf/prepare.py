@@ -245,7 +245,8 @@ def check_memory(config, args, block: int, world: int) -> None:
             zero,
             world_size=world,
             seq_len=block,
-            micro_batch=args.per_device_train_batch_size,
+            # --auto_find_batch_size lowers the batch until it fits: plan for the least
+            micro_batch=1 if args.auto_find_batch_size else args.per_device_train_batch_size,
             checkpointing=bool(args.gradient_checkpointing),
             device="cuda" if cuda else "cpu",
             host_memory=host,
