@@ -156,8 +156,8 @@ class _Command(click.Command):
 @click.option(
     "--packing",
     is_flag=True,
-    help="Chat data: pack several conversations into each block (each still sees only "
-    "itself), instead of one padded block per conversation.",
+    help="Chat data or prompt/response pairs: pack several into each block, each seeing "
+    "only itself (instead of a padded block per conversation, or pairs run together).",
 )
 @click.option(
     "--block-size",

@@ -675,7 +675,7 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
         "optim for the whole model": (["--optim", "galore_adamw"], "hooks into the whole"),
         "no tensorboard": (["--report_to", "tensorboard"], "its package is not installed"),
         "zero block size": (["--block-size", "0"], "--block-size must be at least 1"),
-        "packing text": (["--packing"], "--packing is for chat data"),
+        "packing text": (["--packing"], "--packing is for chat data or prompt/response"),
         "packing opt": (
             ["--model", opt_config, "--init", "random", "--dataset", chat, "--packing"],
             "--packing: a opt model takes its positions from the attention mask",

@@ -80,6 +80,40 @@ def test_prompt_response_masks_the_prompt(tok, tmp_path):
     assert [t for b in train for t in b["labels"]][:2] == [ord("Q"), ord("?")]
 
 
+def test_packed_prompt_response_pairs_keep_each_pair_whole_and_alone(tok, tmp_path):
+    """With ``pack`` a pair is not run together with the ones around it: each is whole in
+    one block (prompt, response, end of text), its prompt without loss and its first label
+    -100, positions restarting at each pair and at the padding; pairs too long for a block
+    are cut, and one whose response lies past the cut is left out."""
+    path = tmp_path / "qa.jsonl"
+    rows = [{"question": "Q" * (i % 7 + 1) + "?", "answer": "A" * (i % 5 + 1)} for i in range(30)]
+    rows.append({"question": "L" * 40, "answer": "late"})  # its answer past a 32-token block
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    packed, _, _ = prepare_datasets(path, tok, 32, pack=True)
+    assert packed.column_names == ["input_ids", "labels", "position_ids"]
+    pairs = []
+    for b in packed:
+        pos = b["position_ids"]
+        starts = [i for i, p in enumerate(pos) if p == 0] + [32]
+        for a, z in zip(starts, starts[1:]):
+            assert pos[a:z] == list(range(z - a))
+            pairs.append((b["input_ids"][a:z], b["labels"][a:z]))
+        if set(pairs[-1][0]) == {tok.pad_token_id}:
+            assert set(pairs.pop()[1]) == {-100}
+    assert len(pairs) == 30
+    for (ids, labels), row in zip(pairs, rows):
+        q, a = list(row["question"].encode()), list(row["answer"].encode())
+        assert ids == q + a + [tok.eos_token_id]
+        assert labels == [-100] * len(q) + a + [tok.eos_token_id]
+    lengths = [len(r["question"]) + len(r["answer"]) + 1 for r in rows[:30]]
+    fill, expected = 32, 0
+    for n in lengths:
+        if fill + n > 32:
+            fill, expected = 0, expected + 1
+        fill += n
+    assert len(packed) == expected
+
+
 def test_column_choice():
     assert choose_columns(["id", "content"]).text == "content"
     pair = choose_columns(["prompt", "completion", "x"])

@@ -92,7 +92,8 @@ DEFAULT_CHAT_TEMPLATE = (
 # [Note: packed conversations]
 # Short conversations padded to long blocks spend most of each step on padding. With
 # ``pack``, consecutive conversations (each cut at ``block_size``) share a block while they
-# fit, 1,000 at a time; the rest of a block is padding. A block has no attention mask but
+# fit, 1,000 at a time; the rest of a block is padding. Prompt/response pairs of text,
+# otherwise concatenated across examples, are packed the same way. A block has no attention mask but
 # ``position_ids`` that start at 0 with every conversation (and with the padding), and
 # transformers' mask code (``find_packed_sequence_indices``) then builds a block-diagonal
 # causal mask from them: no token attends to another conversation, and each token gets
@@ -409,8 +410,8 @@ def tokenize_and_pack(
     """A dataset of ``input_ids`` and ``labels`` blocks of ``block_size`` tokens. Values
     of a column are text: strings, numbers (as written) or UTF-8 bytes; null is empty;
     anything else (chat message lists, records) is refused. ``source`` names the dataset
-    in messages. ``pack``: conversations share blocks ([Note: packed conversations]); text
-    is packed always."""
+    in messages. ``pack``: conversations, or prompt/response pairs, share blocks each alone
+    in its mask ([Note: packed conversations]); text is cut into full blocks always."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("the tokenizer has no end-of-sequence token; give one that does")
@@ -438,7 +439,17 @@ def tokenize_and_pack(
         counts = [len(p) + len(r) for p, r in zip(prompts, responses)]
         return {"input_ids": ids, "labels": labels, "text_tokens": counts}
 
-    def pack(batch):
+    def pack_pairs(batch):
+        """With ``pack``, for prompt/response pairs: each pair whole (cut at
+        ``block_size``) and alone in its mask, as conversations are."""
+        kept = (
+            (ids[:block_size], labels[:block_size])
+            for ids, labels in zip(batch["input_ids"], batch["labels"])
+            if any(t != -100 for t in labels[1:block_size])
+        )
+        return pack_sequences(kept, block_size, pad)
+
+    def concatenate(batch):
         ids = [t for x in batch["input_ids"] for t in x]
         labels = [t for x in batch["labels"] for t in x]
         n = len(ids) // block_size * block_size
@@ -470,9 +481,11 @@ def tokenize_and_pack(
             "null, or the tokenizer encodes nothing (is its folder complete?)"
         )
     # Packing goes 1,000 examples at a time (bounded memory); blocks cross example
-    # boundaries within a batch, and each batch drops its last partial block.
+    # boundaries within a batch, and each batch drops its last partial block (with
+    # ``pack``, pairs are packed whole instead, each alone in its mask).
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     blocks = tokenized.map(
-        pack,
+        pack_pairs if pack and columns.text is None else concatenate,
         batched=True,
         batch_size=1000,
         remove_columns=tokenized.column_names,
@@ -549,6 +562,31 @@ def chat_loss_mask(tokenizer, messages: list[dict], train_on_prompt: bool = Fals
     return ids, labels
 
 
+def pack_sequences(sequences, block_size: int, pad: int) -> dict[str, list]:
+    """Blocks of ``block_size`` from ``(ids, labels)`` sequences of at most ``block_size``
+    tokens each, next fit, with position ids restarting at each sequence and at the padding
+    ([Note: packed conversations])."""
+    out = {"input_ids": [], "labels": [], "position_ids": []}
+    ids, labels, positions = [], [], []
+
+    def close():
+        fill = block_size - len(ids)
+        out["input_ids"].append(ids + [pad] * fill)
+        out["labels"].append(labels + [-100] * fill)
+        out["position_ids"].append(positions + list(range(fill)))
+
+    for seq_ids, seq_labels in sequences:
+        if len(ids) + len(seq_ids) > block_size:
+            close()
+            ids, labels, positions = [], [], []
+        ids += seq_ids
+        labels += [-100] + seq_labels[1:]  # not predicted from the sequence before
+        positions += range(len(seq_ids))
+    if ids:
+        close()
+    return out
+
+
 def _chat_blocks(
     ds, tokenizer, columns: Columns, block_size: int, train_on_prompt, source, pack=False
 ):
@@ -585,25 +623,7 @@ def _chat_blocks(
         return out
 
     def packed(batch):
-        out = {"input_ids": [], "labels": [], "position_ids": []}
-        ids, labels, positions = [], [], []
-
-        def close():
-            fill = block_size - len(ids)
-            out["input_ids"].append(ids + [pad] * fill)
-            out["labels"].append(labels + [-100] * fill)
-            out["position_ids"].append(positions + list(range(fill)))
-
-        for conv_ids, conv_labels in learned(batch):
-            if len(ids) + len(conv_ids) > block_size:
-                close()
-                ids, labels, positions = [], [], []
-            ids += conv_ids
-            labels += [-100] + conv_labels[1:]  # not predicted from the one before
-            positions += range(len(conv_ids))
-        if ids:
-            close()
-        return out
+        return pack_sequences(learned(batch), block_size, pad)
 
     blocks = ds.map(
         packed if pack else block, batched=True, remove_columns=ds.column_names, desc="Tokenizing"

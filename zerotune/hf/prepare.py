@@ -164,10 +164,10 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
         block = options["block_size"] or min(context, 1024)
         if block > context:
             raise JobError(f"--block-size {block} exceeds the model's context length {context}")
-        if options["packing"] and not columns.conversational(raw):
+        if options["packing"] and columns.text is not None:
             raise JobError(
-                "--packing is for chat data (a messages or conversations column); text is "
-                "always packed into full blocks"
+                "--packing is for chat data or prompt/response pairs; a text column is always "
+                "cut into full blocks"
             )
         if options["packing"] and config.model_type not in PACKABLE:
             raise JobError(
