@@ -93,18 +93,18 @@ DEFAULT_CHAT_TEMPLATE = (
 # Short conversations padded to long blocks spend most of each step on padding. With
 # ``pack``, consecutive conversations (each cut at ``block_size``) share a block while they
 # fit, 1,000 at a time; the rest of a block is padding. Prompt/response pairs of text,
-# otherwise concatenated across examples, are packed the same way. A block has no attention mask but
-# ``position_ids`` that start at 0 with every conversation (and with the padding), and
-# transformers' mask code (``find_packed_sequence_indices``) then builds a block-diagonal
-# causal mask from them: no token attends to another conversation, and each token gets
-# the position it has alone, so every logit is what the conversation alone would give.
-# The label of each conversation's first token is -100 (the token before it belongs to the
-# conversation before). The mask is built only without a cache: batches carry
+# otherwise concatenated across examples, are packed the same way. A block has no attention
+# mask but ``position_ids`` that start at 0 with every conversation (and with the padding),
+# and transformers' mask code (``find_packed_sequence_indices``) then builds a
+# block-diagonal causal mask from them: no token attends to another conversation, and each
+# token gets the position it has alone, so every logit is what the conversation alone would
+# give. The label of each conversation's first token is -100 (the token before it belongs to
+# the conversation before). The mask is built only without a cache: batches carry
 # ``use_cache=False`` (``packed_collator``). Models whose positions come from the attention
-# mask (OPT's learned positions, Bloom's ALiBi) would mix conversations: ``--packing``
-# takes only the model types in ``PACKABLE``, each checked against the conversations
-# run alone (tests/test_trainer_data.py). What changes is the batch: a step averages the
-# loss over the tokens of more conversations.
+# mask (OPT's learned positions, Bloom's ALiBi) would mix conversations: ``--packing`` takes
+# only the model types in ``PACKABLE``, each checked against the conversations run alone
+# (tests/test_trainer_data.py). What changes is the batch: a step averages the loss over the
+# tokens of more conversations.
 PACKABLE = frozenset(
     {"gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox",
      "falcon", "gptj", "olmo2"}
