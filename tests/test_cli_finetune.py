@@ -436,11 +436,13 @@ def test_chat_data_with_a_template_file(cli, tmp_path):
     assert AutoTokenizer.from_pretrained(out).chat_template == template.read_text()
     # --packing: three conversations (about 30 tokens each) a block of 96.
     packed = tmp_path / "packed"
-    cli.finetune("--dataset", data, "--chat-template", template, "--output-dir", packed,
-                 "--block-size", "96", "--max_steps", "6", "--logging_steps", "1",
-                 "--learning_rate", "1e-2", "--save_strategy", "no", "--packing")  # fmt: skip
+    proc = cli.finetune("--dataset", data, "--chat-template", template, "--output-dir", packed,
+                        "--block-size", "96", "--max_steps", "6", "--logging_steps", "1",
+                        "--learning_rate", "1e-2", "--save_strategy", "no",
+                        "--packing")  # fmt: skip
     s = summary(packed)
-    assert s["train_blocks"] == 14, s["train_blocks"]
+    assert s["train_blocks"] == 14 and s["packing"] is True, s
+    assert "14 blocks of 96 tokens packed (chat column 'conversations'" in proc.stdout
     assert s["losses"][-1][1] < s["losses"][0][1]
     assert json.loads((packed / "zerotune_job.json").read_text())["packing"] is True
 

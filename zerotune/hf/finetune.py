@@ -213,6 +213,7 @@ class RunReport:
             f"  model    {s['model']} ({s['init']} init, {s['parameters'] / 1e6:.2f}M "
             f"parameters); {self.zero_description}; world size {s['world_size']}",
             f"  data     {s['dataset']}: {s['train_blocks']} blocks of {s['block_size']} tokens "
+            + ("packed " if s.get("packing") else "")
             + (f"(+{s['eval_blocks']} held out) " if self.held_out else "")
             + f"({s['columns']}; {s['tokenizer']})",
             f"  steps    {s['steps_this_run']} this run (global step {s['global_step']}), "
@@ -258,6 +259,7 @@ def _finish(job: Job, trainer, result, eval_metrics, memory, elapsed: float, ech
         "tokenizer": job.tokenizer_kind,
         "block_size": job.block_size,
         "train_blocks": len(job.train),
+        "packing": job.packing,  # several conversations (or pairs) a block
         "eval_blocks": len(job.eval) if job.eval is not None else 0,
         "global_step": result.global_step,
         "steps_this_run": steps_run,
