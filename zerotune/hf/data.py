@@ -14,7 +14,8 @@
    token; for a pair, the prompt's tokens get label -100 (no loss on the prompt) unless
    ``train_on_prompt``. Examples are concatenated (1,000 at a time) and cut into blocks of
    ``block_size`` tokens (each group's tail shorter than a block is dropped), so every batch
-   is full and needs no padding or attention mask. A block whose labels are all -100 (inside
+   is full and needs no padding or attention mask (with ``pack``, pairs are packed whole
+   instead: [Note: packed conversations]). A block whose labels are all -100 (inside
    a long prompt) is left out: it would be a step of zero loss. Column values are strings,
    numbers or UTF-8 bytes (null is empty); lists and records are refused outside a chat
    column, and so is data that gives no token at all. Chat data goes its own way: see
