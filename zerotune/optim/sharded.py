@@ -211,21 +211,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # step() refuses it.
         updated = self._overlap.abort()
         self._overlap = None
-        try:
-            if updated:
-                owned = sum(1 for u in self.engine.units if self.owns(u))
-                log.warning(
-                    "overlapped(): backward raised after %d of %d units were updated with this "
-                    "step's gradients; the others were not (overlapped(clipping=True) updates "
-                    "nothing before step())",
-                    updated,
-                    owned,
-                )
-        finally:
-            self.norm_sq = None
-            self.pending_grad_norm = None
-            self._factor = 1.0
-            self._overlap_aborted()
+        self.norm_sq = None
+        self.pending_grad_norm = None
+        self._factor = 1.0
+        self._overlap_aborted()
+        if updated:
+            owned = sum(1 for u in self.engine.units if self.owns(u))
+            log.warning(
+                "overlapped(): backward raised after %d of %d units were updated with this "
+                "step's gradients; the others were not (overlapped(clipping=True) updates "
+                "nothing before step())",
+                updated,
+                owned,
+            )
 
     def _overlap_aborted(self) -> None:
         """After an overlapped step was given up (its queued updates done)."""
