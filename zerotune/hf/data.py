@@ -416,8 +416,9 @@ def tokenize_and_pack(
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("the tokenizer has no end-of-sequence token; give one that does")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if columns.conversational(ds):
-        return _chat_blocks(ds, tokenizer, columns, block_size, train_on_prompt, source, pack)
+        return _chat_blocks(ds, tokenizer, columns, block_size, train_on_prompt, source, pad, pack)
 
     def ids_of(batch, column):
         texts = [_as_text(t, column, source) for t in batch[column]]
@@ -443,12 +444,8 @@ def tokenize_and_pack(
     def pack_pairs(batch):
         """With ``pack``, for prompt/response pairs: each pair whole (cut at
         ``block_size``) and alone in its mask, as conversations are."""
-        kept = (
-            (ids[:block_size], labels[:block_size])
-            for ids, labels in zip(batch["input_ids"], batch["labels"])
-            if any(t != -100 for t in labels[1:block_size])
-        )
-        return pack_sequences(kept, block_size, pad)
+        pairs = zip(batch["input_ids"], batch["labels"])
+        return pack_sequences(_learnable(pairs, block_size), block_size, pad)
 
     def concatenate(batch):
         ids = [t for x in batch["input_ids"] for t in x]
@@ -484,7 +481,6 @@ def tokenize_and_pack(
     # Packing goes 1,000 examples at a time (bounded memory); blocks cross example
     # boundaries within a batch, and each batch drops its last partial block (with
     # ``pack``, pairs are packed whole instead, each alone in its mask).
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     blocks = tokenized.map(
         pack_pairs if pack and columns.text is None else concatenate,
         batched=True,
@@ -563,6 +559,16 @@ def chat_loss_mask(tokenizer, messages: list[dict], train_on_prompt: bool = Fals
     return ids, labels
 
 
+def _learnable(sequences, block_size: int):
+    """``(ids, labels)`` sequences cut at ``block_size``, without those left with nothing to
+    learn (no label past the first token, which nothing predicts: all prompt, or the
+    answers past the cut)."""
+    for ids, labels in sequences:
+        ids, labels = ids[:block_size], labels[:block_size]
+        if any(t != -100 for t in labels[1:]):
+            yield ids, labels
+
+
 def pack_sequences(sequences, block_size: int, pad: int) -> dict[str, list]:
     """Blocks of ``block_size`` from ``(ids, labels)`` sequences of at most ``block_size``
     tokens each, next fit, with position ids restarting at each sequence and at the padding
@@ -589,14 +595,13 @@ def pack_sequences(sequences, block_size: int, pad: int) -> dict[str, list]:
 
 
 def _chat_blocks(
-    ds, tokenizer, columns: Columns, block_size: int, train_on_prompt, source, pack=False
+    ds, tokenizer, columns: Columns, block_size: int, train_on_prompt, source, pad: int, pack
 ):
     """One padded block per conversation (see [Note: chat data]), or with ``pack`` several
     ([Note: packed conversations]): a chat column's, or a prompt/completion pair of message
     lists (TRL's conversational shape: the loss on the completion's assistant turns)."""
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def conversations(batch):
         if columns.chat is not None:
@@ -608,11 +613,8 @@ def _chat_blocks(
             yield prompt + _conversation(r, columns.response, source), len(prompt)
 
     def learned(batch):
-        for messages, first in conversations(batch):
-            ids, labels = chat_loss_mask(tokenizer, messages, train_on_prompt, first)
-            ids, labels = ids[:block_size], labels[:block_size]
-            if any(t != -100 for t in labels[1:]):  # else nothing to learn in it (or its
-                yield ids, labels  # answers lie past block_size)
+        masked = (chat_loss_mask(tokenizer, m, train_on_prompt, f) for m, f in conversations(batch))
+        return _learnable(masked, block_size)
 
     def block(batch):
         out = {"input_ids": [], "labels": [], "attention_mask": []}
