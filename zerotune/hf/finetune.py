@@ -213,7 +213,7 @@ class RunReport:
             f"  model    {s['model']} ({s['init']} init, {s['parameters'] / 1e6:.2f}M "
             f"parameters); {self.zero_description}; world size {s['world_size']}",
             f"  data     {s['dataset']}: {s['train_blocks']} blocks of {s['block_size']} tokens "
-            + ("packed " if s.get("packing") else "")
+            + ("packed " if s["packing"] else "")
             + (f"(+{s['eval_blocks']} held out) " if self.held_out else "")
             + f"({s['columns']}; {s['tokenizer']})",
             f"  steps    {s['steps_this_run']} this run (global step {s['global_step']}), "
