@@ -217,15 +217,18 @@ def train_zero(
     device: str = "cpu",
     optimizer: str = "zero_adamw",
     overlap: bool = False,
+    compile_kwargs: dict | None = None,
 ) -> dict:
     """zerotune on this rank: its slice of the global batch, split into ``accum`` micro-batches,
     the engine on ``device`` (where the model's parameters are when it is sharded), trained
     with ZeroAdamW or ``optimizer`` over the shards (see ``make_optimizer``); with
     ``overlap`` the last micro-batch's backward runs inside ``opt.overlapped()`` (with
-    ``clipping`` when ``clip`` is set)."""
+    ``clipping`` when ``clip`` is set); ``compile_kwargs``: ``engine.compile(**them)``."""
     model = build(model_name).to(device)
     groups = no_decay_groups(model, WD)  # reads shapes: before sharding empties the params
     engine = zerotune.shard(model, config)
+    if compile_kwargs is not None:
+        engine.compile(**compile_kwargs)
     opt = make_optimizer(optimizer, groups, engine)
     per_rank = GLOBAL_BATCH // world
     micro = per_rank // accum

@@ -372,7 +372,8 @@ def test_resume_reuses_the_runs_own_options_and_refuses_others(cli, tmp_path):
 
 def test_local_model_folder_and_jsonl(cli, tmp_path):
     """A local HF folder (with its tokenizer) and prompt/response jsonl, ZeRO-2 with CPU
-    optimizer offload, an eval split, an optimizer other than AdamW (--optim adafactor)."""
+    optimizer offload, an eval split, an optimizer other than AdamW (--optim adafactor),
+    compiled blocks (--torch_compile)."""
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from zerotune.hf.data import byte_tokenizer
@@ -389,7 +390,8 @@ def test_local_model_folder_and_jsonl(cli, tmp_path):
     proc = cli.finetune("--model", folder, "--dataset", data, "--output-dir", out,
                         "--stage", "2", "--offload", "cpu", "--eval-split", "0.2", "--block-size",
                         "32", "--max_steps", "4", "--logging_steps", "1",
-                        "--learning_rate", "1e-2", "--optim", "adafactor")  # fmt: skip
+                        "--learning_rate", "1e-2", "--optim", "adafactor",
+                        "--torch_compile", "--torch_compile_backend", "aot_eager")  # fmt: skip
     s = summary(out)
     blocks = f"{s['train_blocks']} blocks of 32 tokens (+{s['eval_blocks']} held out)"
     assert blocks in proc.stdout, proc.stdout
@@ -666,12 +668,12 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
             ["--save_strategy", "best", *evaluated, "--metric_for_best_model", "accuracy"],
             "computes no metric but the loss",
         ),
-        "compile mode": (["--torch_compile_mode", "default"], "--torch_compile_mode"),
+        "compile mode": (["--torch_compile_mode", "reduce-overhead"], "records CUDA graphs"),
         "two configs": (
             ["--config", "zero3", "--zero_config", impossible],
             "config once",
         ),  # fmt: skip
-        "compile": (["--torch_compile"], "is not supported by ZeroTrainer"),
+        "compile backend": (["--torch_compile_backend", "nope"], "has no backend 'nope'"),
         "optim args": (["--optim_args", "foo=1"], "--optim_args is not read"),
         "optim not installed": (["--optim", "schedule_free_sgd"], "cannot run here"),
         "optim for the whole model": (["--optim", "galore_adamw"], "hooks into the whole"),

@@ -240,11 +240,11 @@ class ZeroTrainingArguments(TrainingArguments):
                 "--dataloader_persistent_workers needs --dataloader_num_workers of at least 1"
             )
         if self.torch_compile or self.torch_compile_mode or self.torch_compile_backend:
-            raise ConfigError(
-                "--torch_compile (or --torch_compile_mode / --torch_compile_backend) is not "
-                "supported by ZeroTrainer: the engine gathers and releases parameters in "
-                "module hooks that a compiled graph would skip; drop the flag."
-            )
+            from ..sharding.compiled import compile_problem
+
+            problem = compile_problem(self.torch_compile_mode, self.torch_compile_backend)
+            if problem is not None:
+                raise ConfigError(f"--torch_compile: {problem}")
         if self.optim_args and self.uses_zero_adamw:
             raise ConfigError(
                 "--optim_args is not read by ZeroAdamW; set --adam_beta1, --adam_beta2, "

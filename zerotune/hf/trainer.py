@@ -217,12 +217,14 @@ class ZeroTrainer(Trainer):
         if isinstance(model, nn.Module) and getattr(model, "_zerotune_engine", None) is None:
             model.requires_grad_(False)  # only read: no gradient buffers
             self.ref_engine = build_engine(model, self.args)
+            self._compile(self.ref_engine)
             model = self.ref_engine.module
             model._is_accelerate_prepared = True  # placed by the engine: accelerate keeps off
         self.__dict__["_ref_model"] = model
 
     def _use_engine(self, engine: ZeroEngine) -> None:
         self.engine = engine
+        self._compile(engine)
         # Counted from the engine: at stage 3 the model's own count sees empty parameters.
         self.num_parameters = sum(s.numel for u in engine.units for s in u.slots)
         # As transformers counts for total_flos: without the embeddings' parameters.
@@ -235,6 +237,14 @@ class ZeroTrainer(Trainer):
         self.num_parameters_without_embeddings = sum(
             s.numel for u in engine.units for s in u.slots if id(s.param) not in embeddings
         )
+
+    def _compile(self, engine: ZeroEngine) -> None:
+        """``--torch_compile``: the units' forwards compiled, the hooks left eager ([Note:
+        compiled units]); what accelerate would compile is the engine, which it never sees."""
+        if self.args.torch_compile:
+            engine.compile(
+                backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode
+            )
 
     def call_model_init(self, trial=None):
         """``model_init``'s model, sharded: what it returns (a module, a transformers config

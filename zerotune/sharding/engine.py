@@ -45,6 +45,7 @@ from .buffers import (
     pool_keep_sizes,
     prefetch_budget,
 )
+from .compiled import CompiledUnits
 from .external import ExternalParams, ShardedParameterError
 from .grads import GradReducer
 from .hooks import Prefetcher, in_backward, install_hooks
@@ -127,9 +128,7 @@ class ZeroEngine(nn.Module):
         the parameters real (returns None) or returns ``fill(unit, master_slice)`` that writes
         this rank's slice of the unit from elsewhere."""
         super().__init__()
-        if isinstance(model, ZeroEngine):
-            raise ValueError("this model is already sharded by zerotune")
-        if getattr(model, "_zerotune_engine", None) is not None:
+        if isinstance(model, ZeroEngine) or getattr(model, "_zerotune_engine", None) is not None:
             raise ValueError("this model is already sharded by zerotune")
         self.module = model
         self.config = config
@@ -140,8 +139,7 @@ class ZeroEngine(nn.Module):
             device = params[0].device if params else torch.device("cpu")
         self.device = torch.device(device)
         if self.device.type != "cpu" and self.device.index is None:
-            # "cuda" and "cuda:0" compare unequal: name the index, so that device checks
-            # (is this shard on the host?) hold.
+            # "cuda" and "cuda:0" compare unequal: name the index, so that device checks hold.
             dm = getattr(torch, self.device.type)
             self.device = torch.device(self.device.type, dm.current_device())
         self._prepare_unit = prepare_unit
@@ -166,13 +164,10 @@ class ZeroEngine(nn.Module):
         # kept for the run at every size (pinning is slow; one buffer per unit size).
         self.host_pool = self.pool if self.device.type == "cpu" else BufferPool("cpu", pin=True)
         self.prefetcher = Prefetcher(prefetch_budget(config))
-        self.scaler = (
-            DynamicLossScaler(
-                config.loss_scale_init, config.loss_scale_window, config.loss_scale_min
-            )
-            if config.torch_dtype == torch.float16
-            else None
-        )
+        self.scaler = None
+        if config.torch_dtype == torch.float16:
+            limits = (config.loss_scale_init, config.loss_scale_window, config.loss_scale_min)
+            self.scaler = DynamicLossScaler(*limits)
         self.swap = None
         self.staging = None
         self._grads_on_disk = False
@@ -207,6 +202,7 @@ class ZeroEngine(nn.Module):
         self._final_callback_queued = False
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
+        self.compiled: CompiledUnits | None = None  # see compile()
         self.activations = None  # see [Note: activation checkpoint offload] in activations.py
         if config.offload_activations != "none":
             from .activations import CheckpointOffload
@@ -416,6 +412,12 @@ class ZeroEngine(nn.Module):
             checkpoint, function, *args, use_reentrant=use_reentrant, **kwargs
         )
 
+    def compile(self, **kwargs) -> None:
+        """Compiles each unit's forward ([Note: compiled units]); ``disable=True`` undoes it."""
+        if self.compiled is not None:
+            self.compiled.remove()
+        self.compiled = None if kwargs.get("disable") else CompiledUnits(self.units, **kwargs)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate full gradients locally, without communication;
@@ -481,6 +483,7 @@ class ZeroEngine(nn.Module):
             h.remove()
         self._handles.clear()
         self.external.remove()
+        self.compile(disable=True)
         if self.activations is not None:
             self.activations.remove()
 

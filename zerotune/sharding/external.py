@@ -20,6 +20,10 @@ inference tensor: writing to it in place raises, as writes could not reach the s
 world size > 1 it raises ``ShardedParameterError`` with what to do instead
 (``engine.gathered()``, entered by every rank): an attribute read that all-gathers would hang
 when one rank reads and the others do not. ``remove()`` restores the original classes.
+Reads traced by ``torch.compile`` (a compiled unit, [Note: compiled units]) are not watched: a
+compiled unit's own parameters and its dependencies known at wrap time are gathered by its
+hooks; one of another unit that only shows inside a compiled forward needs
+``register_external``.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def _watching_class(cls: type) -> type:
             value = base_getattr(self, name)
             if isinstance(value, nn.Parameter):
                 watcher = self.__dict__.get("_zerotune_watcher")
-                if watcher is not None:
+                if watcher is not None and not torch.compiler.is_compiling():
                     return watcher.on_access(self, name, value)
             return value
 

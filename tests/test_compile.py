@@ -1,0 +1,187 @@
+"""``engine.compile()`` and ``--torch_compile``: each unit's forward compiled, the engine's hooks
+eager ([Note: compiled units] in sharding/compiled.py). Training equals plain (eager) AdamW,
+and the compiled graphs are what runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import run_world
+from harness import assert_weights_match, batches, build, loss_of, train_reference, train_zero
+from torch._dynamo.testing import CompileCounterWithBackend
+from trainer_cases import COMMON, dataset, logged, model
+
+import zerotune
+from zerotune.config import ConfigError
+from zerotune.hf import ZeroTrainer, ZeroTrainingArguments
+
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: dynamo's caches (and its recompilation limit, past
+    which it would run a frame eagerly) are per process."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled_run(rank, world, model_name, config, overlap, backend):
+    counter = CompileCounterWithBackend(backend)
+    out = train_zero(
+        rank,
+        world,
+        model_name,
+        config,
+        steps=STEPS,
+        overlap=overlap,
+        compile_kwargs={"backend": counter},
+    )
+    out["frames"], out["ops"] = counter.frame_count, counter.op_count
+    return out
+
+
+_refs: dict[str, dict] = {}
+
+
+def reference(model_name: str) -> dict:
+    if model_name not in _refs:
+        _refs[model_name] = train_reference(model_name, steps=STEPS)
+    return _refs[model_name]
+
+
+def nvme(path) -> dict:
+    return {
+        "stage": 3,
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "nvme_path": str(path),
+        "grad_host_bytes": 2**16,
+    }
+
+
+CASES = {
+    # name: model, config (nvme added with a path), world, overlapped step
+    "stage 3": ("gpt2", {"stage": 3}, 1, False),
+    "stage 3, world 2": ("gpt2", {"stage": 3}, 2, False),
+    "both tiers on nvme, clipped overlapped step": ("gpt2", "nvme", 1, True),
+    "checkpointed blocks, their inputs on nvme": (
+        "gpt2_ckpt",
+        {"stage": 3, "offload_activations": "nvme"},
+        1,
+        False,
+    ),
+    "stage 2, world 2": ("gpt2", {"stage": 2}, 2, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_units_train_as_plain_adamw(case, tmp_path):
+    model_name, config, world, overlap = CASES[case]
+    if config == "nvme":
+        config = nvme(tmp_path)
+    elif "offload_activations" in config:
+        config = {**config, "nvme_path": str(tmp_path)}
+    ref = reference(model_name)
+    results = run_world(world, compiled_run, model_name, config, overlap, "aot_eager")
+    for out in results:
+        # Embedding, block and head forwards are compiled (the two embeddings share the
+        # class's graph for one shape each), and hold the model's operations.
+        assert out["frames"] >= 3, out["frames"]
+        assert out["ops"] >= 20, out["ops"]
+        torch.testing.assert_close(out["losses"], ref["losses"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(out["norms"], ref["norms"], rtol=1e-5, atol=0)
+        assert_weights_match(out["weights"], ref["weights"], rtol=1e-5, atol=2e-5, label=case)
+        assert out["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+
+
+def test_inductor_compiled_units_train_as_plain_adamw():
+    """The default backend: inductor generates C++ for the blocks on a CPU."""
+    ref = reference("gpt2")
+    out = compiled_run(0, 1, "gpt2", {"stage": 3}, False, "inductor")
+    assert out["frames"] >= 3
+    torch.testing.assert_close(out["losses"], ref["losses"], rtol=1e-5, atol=0)
+    assert_weights_match(out["weights"], ref["weights"], rtol=1e-5, atol=2e-5)
+
+
+def test_the_blocks_share_their_class_graph_and_the_root_stays_eager():
+    model = build("gpt2")
+    model.config.use_cache = False  # as the Trainer sets it: a cache would guard each layer
+    engine = zerotune.shard(model, {"stage": 3})
+    counter = CompileCounterWithBackend("aot_eager")
+    engine.compile(backend=counter)
+    compiled = list(engine.compiled.modules)
+    blocks = list(model.transformer.h)
+    expected = [model.transformer.wte, model.transformer.wpe, *blocks]
+    assert all(any(m is c for c in compiled) for m in expected)
+    assert not any(m is model or m is model.transformer for m in compiled)
+    ids = batches("gpt2", 1)[0][:4]
+    loss_of(engine, ids).backward()
+    # One graph for the block class (two instances), the head's, and the embedding
+    # class's two: the token ids and the position ids differ in shape.
+    assert counter.frame_count == 4, counter.frame_count
+    # Compiling again replaces the compiled forwards instead of wrapping them.
+    engine.compile(backend="aot_eager")
+    assert len(engine.compiled.modules) == len(compiled)
+    engine.remove_hooks()
+    assert engine.compiled is None
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"mode": "reduce-overhead"}, "records CUDA graphs"),
+        ({"mode": "max-autotune"}, "records CUDA graphs"),
+        ({"backend": "cudagraphs"}, "records CUDA graphs"),
+        ({"mode": "fastest"}, "has no mode 'fastest'"),
+        ({"backend": "nope"}, "has no backend 'nope'"),
+    ],
+)
+def test_compile_options_that_cannot_work_are_refused(kwargs, message):
+    engine = zerotune.shard(build("gpt2"), {"stage": 3})
+    with pytest.raises(ValueError, match=message):
+        engine.compile(**kwargs)
+    assert engine.compiled is None
+    engine.close()
+    flags = {f"torch_compile_{k}": v for k, v in kwargs.items()}
+    with pytest.raises(ConfigError, match=f"--torch_compile: .*{message}"):
+        ZeroTrainingArguments(output_dir="unused", use_cpu=True, **flags)
+
+
+def test_torch_compile_logs_the_plain_trainers_losses(tmp_path):
+    """``--torch_compile`` in ZeroTrainer against the plain Trainer without it: the same
+    losses, gradient norms, evaluation loss and weights."""
+    from transformers import Trainer, TrainingArguments
+
+    m = model()
+    plain = Trainer(
+        model=m,
+        args=TrainingArguments(output_dir=str(tmp_path / "plain"), **COMMON),
+        train_dataset=dataset(),
+        eval_dataset=dataset(16),
+    )
+    plain.train()
+    plain_eval = plain.evaluate()["eval_loss"]
+    args = ZeroTrainingArguments(
+        output_dir=str(tmp_path / "zero"),
+        **COMMON,
+        zero_stage=3,
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+    )
+    zero = ZeroTrainer(model=model(), args=args, train_dataset=dataset(), eval_dataset=dataset(16))
+    assert len(zero.engine.compiled.modules) == 5  # two embeddings, two blocks, the head
+    zero.train()
+    torch.testing.assert_close(logged(zero), logged(plain), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        logged(zero, "grad_norm"), logged(plain, "grad_norm"), rtol=1e-5, atol=0
+    )
+    assert zero.evaluate()["eval_loss"] == pytest.approx(plain_eval, rel=1e-5)
+    live = zero.engine.full_state_dict()
+    for name, value in m.named_parameters():
+        torch.testing.assert_close(live[name], value.detach(), rtol=1e-5, atol=2e-5, msg=name)
+    zero.close()
