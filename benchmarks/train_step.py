@@ -27,6 +27,7 @@ one JSON line with ``step_time_ratio`` and ``peak_rss_ratio`` (zerotune / plain)
         --batch 8 --seq 512                     # checkpoints offloaded vs kept, both checkpointed
     python benchmarks/train_step.py --model gpt2-xl --offload nvme --nvme-path /tmp \
         --no-baseline --squeeze-to 6GiB --compare-unsqueezed   # page cache squeezed out
+    python benchmarks/train_step.py --compile --compare-eager   # torch.compile, both sides
 
 With ``--optim adamw_8bit`` zerotune runs twice in the same invocation, with fp32 Adam states
 and with 8-bit ones (``optim_state_bits: 8``); the summary describes the 8-bit run and adds
@@ -211,6 +212,17 @@ def parse() -> argparse.Namespace:
         help="with --offload nvme: measure the disk's O_DIRECT write and read rates in this "
         "invocation and report each step against the time its device bytes need at them",
     )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile: plain compiles the model (as the Trainer's --torch_compile does), "
+        "zerotune its units (engine.compile()); the warmup steps hold the compilation",
+    )
+    ap.add_argument(
+        "--compare-eager",
+        action="store_true",
+        help="with --compile: also run zerotune without it",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     ap.add_argument("--no-baseline", action="store_true", help="skip plain PyTorch")
     ap.add_argument(
@@ -234,6 +246,7 @@ def parse() -> argparse.Namespace:
             "zerotune-read-params",
             "zerotune-flat-grads",
             "zerotune-host-cache",
+            "zerotune-eager",
         ],
         help=argparse.SUPPRESS,
     )
@@ -264,7 +277,7 @@ def run_variant(args: argparse.Namespace) -> dict:
             opt = getattr(torch.optim, name)(model.parameters(), **kwargs)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        runner = model
+        runner = torch.compile(model) if args.compile else model
     else:
         import zerotune
 
@@ -301,6 +314,8 @@ def run_variant(args: argparse.Namespace) -> dict:
                 unit.grads.in_params = False
         if args.variant == "zerotune-master-copied":
             opt.store.in_place = False  # [Note: the master updated in the page cache]
+        if args.compile and args.variant != "zerotune-eager":
+            runner.compile()  # [Note: compiled units]
     # --compare-unclipped: the same overlapped step without clipping; --compare-sequential:
     # the same clipping without overlap (the step after backward).
     clip = 0.0 if args.variant == "zerotune-unclipped" else args.max_grad_norm
@@ -516,6 +531,10 @@ def main() -> None:
         if args.offload != "nvme":
             sys.exit("--compare-read-params needs --offload nvme")
         variants.append("zerotune-read-params")
+    if args.compare_eager:
+        if not args.compile:
+            sys.exit("--compare-eager needs --compile")
+        variants.append("zerotune-eager")
     if args.compare_host_cache is not None:
         if args.offload == "none":
             sys.exit("--compare-host-cache needs --offload cpu or nvme (the cache serves offload)")
@@ -628,6 +647,7 @@ def main() -> None:
         ("zerotune-read-params", "moved_bytes_ratio_vs_read_params"),
         ("zerotune-flat-grads", "moved_bytes_ratio_vs_flat_grads"),
         ("zerotune-host-cache", "moved_bytes_ratio_vs_host_cache"),
+        ("zerotune-eager", "moved_bytes_ratio_vs_eager"),
     ):
         if other in results:
             o = results[other]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from conftest import run_world
+from conftest import run_world, tiny_llama_config
 from harness import assert_weights_match, batches, build, loss_of, train_reference, train_zero
 from torch._dynamo.testing import CompileCounterWithBackend
 from trainer_cases import COMMON, dataset, logged, model
@@ -104,6 +104,35 @@ def test_inductor_compiled_units_train_as_plain_adamw():
     assert out["frames"] >= 3
     torch.testing.assert_close(out["losses"], ref["losses"], rtol=1e-5, atol=0)
     assert_weights_match(out["weights"], ref["weights"], rtol=1e-5, atol=2e-5)
+
+
+def llama_losses(kind: str, compiled: bool) -> tuple[list[float], int]:
+    torch._dynamo.reset()
+    engine = zerotune.zero_init(tiny_llama_config(kind), {"stage": 3}, seed=0)
+    counter = CompileCounterWithBackend("aot_eager")
+    if compiled:
+        engine.compile(backend=counter)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-2)
+    losses = []
+    for ids in batches("gpt2", 3):
+        loss = engine(input_ids=ids[:4], labels=ids[:4], use_cache=False).loss
+        engine.backward(loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    engine.close()
+    return losses, counter.frame_count
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])
+def test_llama_family_blocks_compile_to_the_eager_losses(kind):
+    """Rotary embeddings and masks computed by the eager root and handed to compiled decoder
+    layers (Qwen2 and Gemma 2 with a tied head): the eager engine's losses, bit for bit."""
+    eager, _ = llama_losses(kind, compiled=False)
+    compiled, frames = llama_losses(kind, compiled=True)
+    assert frames == 3  # the embedding, the decoder layer class, the head
+    assert compiled == eager
 
 
 def test_the_blocks_share_their_class_graph_and_the_root_stays_eager():

@@ -24,7 +24,6 @@ import types
 from collections.abc import Callable
 
 import torch
-import torch._dynamo
 from torch import nn
 
 from .unit import Unit
@@ -48,8 +47,8 @@ def compile_problem(mode: str | None, backend: str | Callable | None) -> str | N
             return f"torch.compile has no mode {mode!r}; choose one of " + ", ".join(
                 ["default", *(m for m in list_mode_options() if m != "default")]
             )
-    if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
-        usable = [b for b in torch._dynamo.list_backends() if b != "cudagraphs"]
+    if isinstance(backend, str) and backend not in torch.compiler.list_backends(exclude_tags=()):
+        usable = [b for b in torch.compiler.list_backends() if b != "cudagraphs"]
         return f"torch.compile has no backend {backend!r} here; choose one of " + ", ".join(usable)
     return None
 
