@@ -3,19 +3,20 @@
 [Note: compiled units]
 ``torch.compile(model)`` would trace into the engine's hooks, whose gathers, file reads and
 storage swaps are not graph operations (a graph that captured a released parameter fails on
-its shape). ``engine.compile(**kwargs)`` compiles instead the ``forward`` of every unit whose
-module holds no other unit (the blocks, the embeddings, the head). ``nn.Module.__call__`` still runs the pre-forward hook (gather), then
-the compiled forward, then the post-forward hook (release; hooks on the outputs), and
-autograd runs the compiled backward between the engine's pre- and post-backward hooks as it
-runs an eager one. The parameters are inputs of the graph (dynamo does not specialise on a
-module's parameters), so the graph reads whatever storage the gather put under them.
-What is compiled is the class's ``forward``, bound to each instance: the blocks of a class
-share its compiled graphs instead of spending one recompilation each. Units that hold other
-units (the root) stay eager and call the compiled ones. Modes with CUDA graphs
-(``reduce-overhead``, ``max-autotune``) are refused: a CUDA graph replays the addresses it
-recorded, and a gathered parameter's memory is given back and taken again every step.
-``remove()`` (the engine's ``remove_hooks``) puts the eager forwards back. Dropout inside a
-compiled graph draws other random numbers than eager dropout, as for any compiled model.
+its shape). ``engine.compile(**kwargs)`` compiles instead the ``forward`` of every unit
+whose module holds no other unit (the blocks, the embeddings, the head).
+``nn.Module.__call__`` still runs the pre-forward hook (gather), then the compiled forward,
+then the post-forward hook (release; hooks on the outputs), and autograd runs the compiled
+backward between the engine's pre- and post-backward hooks as it runs an eager one. The
+parameters are inputs of the graph (dynamo does not specialise on a module's parameters), so
+the graph reads whatever storage the gather put under them. What is compiled is the class's
+``forward``, bound to each instance: the blocks of a class share its compiled graphs instead
+of spending one recompilation each. Units that hold other units (the root) stay eager and
+call the compiled ones. Modes with CUDA graphs (``reduce-overhead``, ``max-autotune``) are
+refused: a CUDA graph replays the addresses it recorded, and a gathered parameter's memory
+is given back and taken again every step. ``remove()`` (the engine's ``remove_hooks``) puts
+the eager forwards back. Dropout inside a compiled graph draws other random numbers than
+eager dropout, as for any compiled model.
 """
 
 from __future__ import annotations
