@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_gpt2
+from conftest import run_world, tiny_gpt2
 from datasets import Dataset
 from trainer_cases import COMMON, dataset, logged, model
 from transformers import TrainerCallback
@@ -241,3 +241,90 @@ def test_a_users_own_trainer_subclass_keeps_its_loss_and_callbacks(tmp_path):
     torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
     assert counts[0].steps == counts[1].steps == 3
     trainer.close()
+
+
+def counted_length(completions, **kwargs) -> list[float]:
+    """A reward that varies within a group: how many digits a completion holds."""
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+GRPO_ARGS = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    max_steps=3,
+    learning_rate=1e-3,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    seed=0,
+    use_cpu=True,
+    bf16=False,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+GRPO_LOGGED = ("loss", "grad_norm", "reward", "reward_std", "entropy", "completions/mean_length")
+
+
+def grpo_run(cls, args, extra=None):
+    from trl import GRPOTrainer
+
+    tok = byte_tokenizer()
+    prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+    trainer = cls(GRPOTrainer)(
+        model=byte_gpt2(),
+        reward_funcs=counted_length,
+        args=args,
+        train_dataset=prompts,
+        processing_class=tok,
+    )
+    trainer.train()
+    return trainer, {key: logged(trainer, key) for key in GRPO_LOGGED}
+
+
+@pytest.mark.parametrize("zero_name", list(ZERO))
+def test_grpo_generates_and_logs_the_plain_grpo_rewards_and_losses(tmp_path, zero_name):
+    """GRPO hands its training step prompts, generates completions with the trained model
+    (every token a forward through the engine's gathers) and trains on their rewards."""
+    from trl import GRPOConfig
+
+    def plain_cls(c):
+        return c
+
+    _, plain = grpo_run(plain_cls, GRPOConfig(output_dir=str(tmp_path / "plain"), **GRPO_ARGS))
+    options = dict(ZERO[zero_name])
+    if "nvme" in options.values():
+        (tmp_path / "swap").mkdir()
+        options["nvme_path"] = str(tmp_path / "swap")
+    args = zero(GRPOConfig)(output_dir=str(tmp_path / "zero"), **GRPO_ARGS, **options)
+    trainer, logs = grpo_run(zero, args)
+    assert isinstance(trainer, ZeroTrainer)
+    assert max(plain["reward_std"]) > 0  # the rewards differ within a group: a gradient
+    for key in GRPO_LOGGED:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+
+
+def generate_per_rank(rank, world):
+    """Rank r asks for 2 + 3r new tokens: the ranks finish at different steps."""
+    import zerotune
+
+    plain = byte_gpt2().eval()
+    engine = zerotune.shard(byte_gpt2().eval(), {"stage": 3})
+    prompt = torch.tensor([[ord(c) for c in f"count from {rank}:"]])
+    new = 2 + 3 * rank
+    with torch.no_grad():
+        expected = plain.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None)
+        got = engine.module.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None)
+    engine.close()
+    return got.tolist(), expected.tolist()
+
+
+def test_generate_at_world_2_runs_the_ranks_together_until_all_are_done():
+    """At stage 3 every forward gathers units with collectives: transformers' generate keeps
+    the rank that finished first running forwards (``synced_gpus``, as for FSDP) until the
+    other is done, instead of leaving it waiting in a gather alone."""
+    results = run_world(2, generate_per_rank, timeout=120)
+    for rank, (got, expected) in enumerate(results):
+        assert got == expected
+        assert len(got[0]) == len(f"count from {rank}:") + 2 + 3 * rank

@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -374,9 +375,17 @@ class ZeroTrainer(Trainer):
             grad_norm = self.optimizer.clip_grad_norm_(float("inf"))  # the norm, no clipping
         return float(grad_norm)
 
-    def training_step(self, model, inputs, *args, **kwargs):
+    def _main_input(self, inputs) -> torch.Tensor | None:
+        """The batch's input ids; None where ``inputs`` holds none (TRL's GRPO and RLOO pass
+        a list of prompts that their ``training_step`` generates from)."""
+        if not isinstance(inputs, Mapping):
+            return None
         ids = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
-        if isinstance(ids, torch.Tensor) and self._batch_shape is None:
+        return ids if isinstance(ids, torch.Tensor) else None
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        ids = self._main_input(inputs)
+        if ids is not None and self._batch_shape is None:
             self._batch_shape = tuple(ids.shape)  # for check_estimate's activation term
         if self.accelerator.sync_gradients and self.overlap_step:
             # The last micro-batch of a step: update units during its backward (see the
@@ -459,8 +468,8 @@ class ZeroTrainer(Trainer):
         # The plain Trainer's count (6 x tokens x parameters without the embeddings) reads
         # parameter sizes, which are 0 for released parameters; a model without
         # num_parameters counts 0, as there.
-        ids = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
-        if not isinstance(ids, torch.Tensor) or not hasattr(self.model, "num_parameters"):
+        ids = self._main_input(inputs)
+        if ids is None or not hasattr(self.model, "num_parameters"):
             return 0
         return 6 * ids.numel() * self.num_parameters_without_embeddings
 

@@ -209,6 +209,10 @@ class ZeroEngine(nn.Module):
 
             self.activations = CheckpointOffload(self)
         object.__setattr__(model, "_zerotune_engine", self)
+        if self.world > 1 and config.stage == 3:
+            # transformers' generate then runs forwards until every rank is done (synced_gpus):
+            # each forward gathers units, a collective that all ranks must join.
+            model._is_fsdp_managed_module = True
         n = sum(u.numel for u in self.units)
         log.info(
             "zerotune: stage %d, %d units, %.2fM parameters, world size %d, dtype %s",
