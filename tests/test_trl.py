@@ -1,6 +1,7 @@
-"""TRL's trainers through zerotune.hf.zero(): SFT on chat data and DPO with its reference
-model, at stage 3 without offload and with both tiers on NVMe, log the plain trainers' losses;
-a Trainer subclass of the user's own keeps its overrides and callbacks."""
+"""TRL's trainers through zerotune.hf.zero(): SFT on chat data, DPO with its reference model
+and GRPO generating its completions, at stage 3 without offload and with both tiers on NVMe,
+and RLOO, KTO and a reward model at stage 3, log the plain trainers' losses; a Trainer
+subclass of the user's own keeps its overrides and callbacks."""
 
 from __future__ import annotations
 
@@ -328,3 +329,67 @@ def test_generate_at_world_2_runs_the_ranks_together_until_all_are_done():
     for rank, (got, expected) in enumerate(results):
         assert got == expected
         assert len(got[0]) == len(f"count from {rank}:") + 2 + 3 * rank
+
+
+def trl_run(which: str, wrap, out: str, **options) -> dict[str, list[float]]:
+    """RLOO (generating), KTO (with its reference model) or a reward model, for ``wrap``:
+    ``zero`` or the plain classes."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+    from trl import KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
+
+    common = {
+        k: v for k, v in GRPO_ARGS.items() if k not in ("num_generations", "max_completion_length")
+    }
+    tok = byte_tokenizer()
+    if which == "rloo":
+        args = wrap(RLOOConfig)(output_dir=out, **GRPO_ARGS, beta=0.0, **options)
+        prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+        trainer = wrap(RLOOTrainer)(
+            model=byte_gpt2(), reward_funcs=counted_length, args=args, train_dataset=prompts,
+            processing_class=tok,
+        )  # fmt: skip
+    elif which == "kto":
+        # Its default loss pairs each example with its neighbours: sequential batches.
+        args = wrap(KTOConfig)(
+            output_dir=out, **common, max_length=64, train_sampling_strategy="sequential",
+            **options,
+        )  # fmt: skip
+        rows = [
+            {"prompt": f"count from {i}:", "completion": " ".join(str(i + k) for k in range(1, 4)),
+             "label": i % 2 == 0}
+            for i in range(16)
+        ]  # fmt: skip
+        trainer = wrap(KTOTrainer)(
+            model=byte_gpt2(), ref_model=byte_gpt2(), args=args,
+            train_dataset=Dataset.from_list(rows), processing_class=tok,
+        )  # fmt: skip
+    else:
+        args = wrap(RewardConfig)(output_dir=out, **common, max_length=64, **options)
+        torch.manual_seed(0)
+        config = GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=259, n_positions=64, num_labels=1,
+            pad_token_id=257, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        rows = [
+            {"chosen": f"count from {i}: " + " ".join(str(i + k) for k in range(1, 4)),
+             "rejected": f"count from {i}: " + " ".join(str(i - k) for k in range(1, 4))}
+            for i in range(16)
+        ]  # fmt: skip
+        trainer = wrap(RewardTrainer)(
+            model=GPT2ForSequenceClassification(config), args=args,
+            train_dataset=Dataset.from_list(rows), processing_class=tok,
+        )  # fmt: skip
+    trainer.train()
+    logs = {key: logged(trainer, key) for key in ("loss", "grad_norm")}
+    if options:
+        trainer.close()
+    return logs
+
+
+@pytest.mark.parametrize("which", ["rloo", "kto", "reward"])
+def test_rloo_kto_and_reward_trainers_log_the_plain_losses(tmp_path, which):
+    plain = trl_run(which, lambda cls: cls, str(tmp_path / "plain"))
+    logs = trl_run(which, zero, str(tmp_path / "zero"), zero_stage=3)
+    assert len(logs["loss"]) == 3 and max(logs["grad_norm"]) > 0
+    for key, values in plain.items():
+        torch.testing.assert_close(logs[key], values, rtol=RTOL, atol=1e-6, msg=key)
