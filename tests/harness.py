@@ -228,6 +228,7 @@ def train_zero(
     groups = no_decay_groups(model, WD)  # reads shapes: before sharding empties the params
     engine = zerotune.shard(model, config)
     if compile_kwargs is not None:
+        model.config.use_cache = False  # as the Trainer sets it: see [Note: compiled units]
         engine.compile(**compile_kwargs)
     opt = make_optimizer(optimizer, groups, engine)
     per_rank = GLOBAL_BATCH // world

@@ -241,7 +241,8 @@ class ZeroTrainer(Trainer):
 
     def _compile(self, engine: ZeroEngine) -> None:
         """``--torch_compile``: the units' forwards compiled, the hooks left eager ([Note:
-        compiled units]); what accelerate would compile is the engine, which it never sees."""
+        compiled units]); what accelerate would compile is the engine, which it never sees.
+        Without the flag an engine compiled before (by the user, an earlier trainer) stays so."""
         if self.args.torch_compile:
             engine.compile(
                 backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode

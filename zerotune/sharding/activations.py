@@ -280,6 +280,7 @@ class CheckpointOffload:
         ]
 
     # ------------------------------------------------------------------ wrapping checkpoints
+    @torch.compiler.disable  # dynamo does not trace the hooks: a compiled block runs it eagerly
     def checkpoint(self, checkpoint_fn, function, *args, **kwargs):
         """Run ``checkpoint_fn(function, *args, **kwargs)`` with its saved inputs offloaded."""
         self._calls += 1
