@@ -9,6 +9,7 @@ import torch
 import torch._dynamo
 from conftest import run_world, tiny_llama_config
 from harness import assert_weights_match, batches, build, loss_of, train_reference, train_zero
+from test_failed_passes import nvme
 from torch._dynamo.testing import CompileCounterWithBackend
 from trainer_cases import COMMON, dataset, logged, model
 
@@ -76,16 +77,6 @@ def reference(model_name: str) -> dict:
     if model_name not in _refs:
         _refs[model_name] = train_reference(model_name, steps=STEPS)
     return _refs[model_name]
-
-
-def nvme(path) -> dict:
-    return {
-        "stage": 3,
-        "offload_param": "nvme",
-        "offload_optimizer": "nvme",
-        "nvme_path": str(path),
-        "grad_host_bytes": 2**16,
-    }
 
 
 CASES = {

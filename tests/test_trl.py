@@ -249,21 +249,12 @@ def counted_length(completions, **kwargs) -> list[float]:
     return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 
-GRPO_ARGS = dict(
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=8,
-    max_steps=3,
-    learning_rate=1e-3,
-    logging_steps=1,
-    report_to="none",
-    save_strategy="no",
-    seed=0,
-    use_cpu=True,
-    bf16=False,
-    disable_tqdm=True,
-    dataloader_num_workers=0,
-)
+# GRPO and RLOO: four completions of at most 8 tokens a prompt (their own length options).
+GRPO_ARGS = {
+    **{k: v for k, v in ARGS.items() if k != "max_length"},
+    "num_generations": 4,
+    "max_completion_length": 8,
+}
 GRPO_LOGGED = ("loss", "grad_norm", "reward", "reward_std", "entropy", "completions/mean_length")
 
 
@@ -337,9 +328,6 @@ def trl_run(which: str, wrap, out: str, **options) -> dict[str, list[float]]:
     from transformers import GPT2Config, GPT2ForSequenceClassification
     from trl import KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
 
-    common = {
-        k: v for k, v in GRPO_ARGS.items() if k not in ("num_generations", "max_completion_length")
-    }
     tok = byte_tokenizer()
     if which == "rloo":
         args = wrap(RLOOConfig)(output_dir=out, **GRPO_ARGS, beta=0.0, **options)
@@ -351,7 +339,7 @@ def trl_run(which: str, wrap, out: str, **options) -> dict[str, list[float]]:
     elif which == "kto":
         # Its default loss pairs each example with its neighbours: sequential batches.
         args = wrap(KTOConfig)(
-            output_dir=out, **common, max_length=64, train_sampling_strategy="sequential",
+            output_dir=out, **ARGS, train_sampling_strategy="sequential",
             **options,
         )  # fmt: skip
         rows = [
@@ -364,7 +352,7 @@ def trl_run(which: str, wrap, out: str, **options) -> dict[str, list[float]]:
             train_dataset=Dataset.from_list(rows), processing_class=tok,
         )  # fmt: skip
     else:
-        args = wrap(RewardConfig)(output_dir=out, **common, max_length=64, **options)
+        args = wrap(RewardConfig)(output_dir=out, **ARGS, **options)
         torch.manual_seed(0)
         config = GPT2Config(
             n_layer=2, n_embd=32, n_head=2, vocab_size=259, n_positions=64, num_labels=1,
