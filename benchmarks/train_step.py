@@ -267,6 +267,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads or os.cpu_count())
     config = model_config(args.model)
+    if args.compile:
+        config.use_cache = False  # as the Trainer sets it: a KV cache keeps the blocks eager
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     checkpointed = args.offload_activations != "none"
     if args.variant == "plain":
