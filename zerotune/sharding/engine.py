@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import dist as zdist
 from ..config import ConfigError, ZeroConfig, load_config
@@ -135,8 +136,7 @@ class ZeroEngine(nn.Module):
         self.group = group
         self.rank, self.world = zdist.get_rank(group), zdist.get_world_size(group)
         if device is None:
-            params = list(model.parameters())
-            device = params[0].device if params else torch.device("cpu")
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.device = torch.device(device)
         if self.device.type != "cpu" and self.device.index is None:
             # "cuda" and "cuda:0" compare unequal: name the index, so that device checks hold.
@@ -210,8 +210,7 @@ class ZeroEngine(nn.Module):
             self.activations = CheckpointOffload(self)
         object.__setattr__(model, "_zerotune_engine", self)
         if self.world > 1 and config.stage == 3:
-            # transformers' generate then runs forwards until every rank is done (synced_gpus):
-            # each forward gathers units, a collective that all ranks must join.
+            # transformers' generate then runs forwards on every rank until all are done.
             model._is_fsdp_managed_module = True
         n = sum(u.numel for u in self.units)
         log.info(
@@ -405,11 +404,8 @@ class ZeroEngine(nn.Module):
         loss.backward()
 
     def checkpoint(self, function, *args, use_reentrant: bool = False, **kwargs):
-        """``torch.utils.checkpoint.checkpoint(function, *args, ...)`` whose saved inputs follow
-        ``offload_activations`` (Hugging Face layers need not call this: their own
-        checkpointing is picked up)."""
-        from torch.utils.checkpoint import checkpoint
-
+        """``torch.utils.checkpoint.checkpoint`` whose saved inputs follow ``offload_activations``
+        (Hugging Face layers need not call it: their own checkpointing is picked up)."""
         if self.activations is None:
             return checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
         return self.activations.checkpoint(
@@ -789,8 +785,7 @@ class ZeroEngine(nn.Module):
         cache = self.pool.gather_cache
         report["gather_cache"] = cache.peak_kept_bytes if cache is not None else 0
         # Freed tensors kept for reuse (memory/host.py), process-wide: at most the budget.
-        kept = host_cache_report()["peak_kept"] if self._release_host_cache else 0
-        report["host_cache"] = kept
+        report["host_cache"] = host_cache_report()["peak_kept"] if self._release_host_cache else 0
         if self.activations is not None:
             report.update(self.activations.memory_report())
         return report
