@@ -111,9 +111,20 @@ def main(out: str) -> None:
             "grad_norm": logged(trainer, "grad_norm"),
         }
         trainer.close()
+    # TRL's GRPO: completions generated on each rank by the sharded model, then trained on.
+    from test_trl import GRPO_ARGS, grpo_run
+    from trl import GRPOConfig
+
+    from zerotune.hf import zero
+
+    _, plain_grpo = grpo_run(lambda cls: cls, GRPOConfig(str(work / "grpo-plain"), **GRPO_ARGS))
+    zero_args = zero(GRPOConfig)(str(work / "grpo-zero"), **GRPO_ARGS, zero_stage=3)
+    trainer, zero_grpo = grpo_run(zero, zero_args)
+    grpo = {"engine_world": trainer.engine.world, "plain": plain_grpo, "zero": zero_grpo}
+    trainer.close()
     if rank == 0:
         results["plain"]["grad_norm"] = logged(plain, "grad_norm")
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps({**results, "grpo": grpo}))
 
 
 if __name__ == "__main__":
