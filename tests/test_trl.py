@@ -41,6 +41,8 @@ TEMPLATE = (
 ZERO = {
     "stage3": dict(zero_stage=3),
     "stage3-nvme": dict(zero_stage=3, offload_param="nvme", offload_optimizer="nvme"),
+    # Compiled blocks (the reference model's too); generation runs them eagerly.
+    "stage3-compiled": dict(zero_stage=3, torch_compile=True, torch_compile_backend="aot_eager"),
 }
 
 
@@ -186,6 +188,8 @@ def test_dpo_shards_its_reference_model_and_logs_the_plain_dpo_losses(
     assert not any(p.requires_grad for p in trainer.ref_model.parameters())
     released = [s.param.numel() for u in ref.units if not u.persistent for s in u.slots]
     assert len(released) > 4 and not any(released)
+    if "torch_compile" in ZERO[zero_name]:  # both models' blocks
+        assert len(trainer.engine.compiled.modules) == len(ref.compiled.modules) == 2
     trainer.train()
     for key in DPO_LOGGED:
         torch.testing.assert_close(logged(trainer, key), plain_dpo[key], rtol=RTOL, atol=1e-6)
