@@ -300,3 +300,46 @@ def test_auto_find_batch_size_retries_as_the_plain_trainer_does(tmp_path, case):
     for name, value in weights.items():
         torch.testing.assert_close(live[name], value, rtol=RTOL, atol=2e-5, msg=name)
     zero.close()
+
+
+def _debug_run(tmp_path, zero: bool, poisoned: bool, capsys) -> tuple[list[float], str, str]:
+    """A run with ``--debug underflow_overflow``: its logged losses, the error it stopped with
+    and the frames it printed (each module's weights, inputs and outputs, abs min and max)."""
+    from transformers import Trainer, TrainingArguments
+
+    m = model()
+    if poisoned:
+        with torch.no_grad():
+            m.transformer.h[1].mlp.c_fc.weight[0, 0] = float("inf")
+    options = {**SHORT, "debug": "underflow_overflow", "disable_tqdm": True}
+    if zero:
+        args = ZeroTrainingArguments(output_dir=str(tmp_path / "z"), **options, zero_stage=3)
+        trainer = ZeroTrainer(model=m, args=args, train_dataset=dataset())
+    else:
+        args = TrainingArguments(output_dir=str(tmp_path / "p"), **options)
+        trainer = Trainer(model=m, args=args, train_dataset=dataset())
+    capsys.readouterr()
+    error = ""
+    try:
+        trainer.train()
+    except ValueError as exc:
+        error = str(exc)
+    frames = "\n".join(
+        line for line in capsys.readouterr().out.splitlines() if not line.startswith("{")
+    )
+    assert args.debug == ["underflow_overflow"]  # restored after train()
+    return logged(trainer), error, frames
+
+
+def test_debug_underflow_overflow_reads_the_gathered_weights_as_the_plain_trainer(tmp_path, capsys):
+    """``--debug underflow_overflow`` at stage 3: its hooks run before the engine releases a
+    unit's parameters, so the frames it prints on an inf weight are the plain Trainer's, byte
+    for byte, and a clean run trains as the plain one."""
+    plain = _debug_run(tmp_path, zero=False, poisoned=True, capsys=capsys)
+    zero = _debug_run(tmp_path, zero=True, poisoned=True, capsys=capsys)
+    assert "inf/nan detected" in plain[1] and zero[1] == plain[1]
+    assert "transformer.h.1.mlp.c_fc" in plain[2] and zero[2] == plain[2]
+    clean_plain = _debug_run(tmp_path, zero=False, poisoned=False, capsys=capsys)
+    clean_zero = _debug_run(tmp_path, zero=True, poisoned=False, capsys=capsys)
+    assert clean_zero[1] == clean_plain[1] == ""
+    torch.testing.assert_close(clean_zero[0], clean_plain[0], rtol=RTOL, atol=0)

@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import PretrainedConfig, Trainer
+from transformers.debug_utils import DebugOption, DebugUnderflowOverflow
 
 from .. import dist as zdist
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_hf
@@ -105,6 +106,14 @@ log.addFilter(zdist.RankFilter())
 
 # Checkpoints of a model up to this size also hold its consolidated weights by default.
 GATHER_ON_SAVE_BYTES = 2**30
+
+
+class DebugBeforeRelease(DebugUnderflowOverflow):
+    """``--debug underflow_overflow`` whose hooks run before the engine's post-forward hooks,
+    while a unit's parameters are still gathered (stage 3 releases them there)."""
+
+    def register_forward_hook(self) -> None:
+        self.model.apply(lambda m: m.register_forward_hook(self.forward_hook, prepend=True))
 
 
 def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
@@ -184,6 +193,7 @@ class ZeroTrainer(Trainer):
         self.memory_measured: dict[str, int] | None = None  # what they compared
         self._estimate_hook = None  # see _check_estimate_after_the_first_step
         self._batch_shape: tuple[int, ...] | None = None
+        self._debug_overflow: DebugBeforeRelease | None = None  # --debug underflow_overflow
         self.args = args  # call_model_init builds the engine with them
         if model is not None:
             self._use_engine(build_engine(model, args))
@@ -596,10 +606,18 @@ class ZeroTrainer(Trainer):
             return real_count(model, trainable_only)
 
         hf_trainer.get_model_param_count = count
+        debug = self.args.debug
+        if DebugOption.UNDERFLOW_OVERFLOW in debug:
+            # Installed here, its hooks first: the Trainer's would run after the engine's
+            # post-forward hooks, which release the parameters they read.
+            if self._debug_overflow is None or self._debug_overflow.model is not self.model:
+                self._debug_overflow = DebugBeforeRelease(self.model)
+            self.args.debug = [o for o in debug if o != DebugOption.UNDERFLOW_OVERFLOW]
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         finally:
             hf_trainer.get_model_param_count = real_count
+            self.args.debug = debug
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # Only checked here: the weights are loaded with the optimizer state, once the
