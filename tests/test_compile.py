@@ -10,7 +10,6 @@ import torch._dynamo
 from conftest import run_world, tiny_llama_config
 from harness import assert_weights_match, batches, build, loss_of, train_reference, train_zero
 from test_failed_passes import nvme
-from torch._dynamo.testing import CompileCounterWithBackend
 from trainer_cases import COMMON, dataset, logged, model
 
 import zerotune
@@ -130,7 +129,7 @@ def test_inductor_compiled_units_train_as_plain_adamw():
 def llama_losses(kind: str, compiled: bool) -> tuple[list[float], int]:
     torch._dynamo.reset()
     engine = zerotune.zero_init(tiny_llama_config(kind), {"stage": 3}, seed=0)
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = GraphCalls("aot_eager")
     if compiled:
         engine.compile(backend=counter)
     opt = zerotune.ZeroAdamW(engine, lr=1e-2)
@@ -143,7 +142,7 @@ def llama_losses(kind: str, compiled: bool) -> tuple[list[float], int]:
         opt.zero_grad()
         losses.append(float(loss))
     engine.close()
-    return losses, counter.frame_count
+    return losses, counter.frames
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])
@@ -192,14 +191,14 @@ def test_the_blocks_share_their_class_graph_and_the_rest_stays_eager():
     model = build("gpt2")
     model.config.use_cache = False  # as the Trainer sets it: a cache would guard each layer
     engine = zerotune.shard(model, {"stage": 3})
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = GraphCalls("aot_eager")
     engine.compile(backend=counter)
     compiled = list(engine.compiled.modules)
     blocks = list(model.transformer.h)
     assert len(compiled) == 2 and all(any(b is c for c in compiled) for b in blocks)
     ids = batches("gpt2", 1)[0][:4]
     loss_of(engine, ids).backward()
-    assert counter.frame_count == 1, counter.frame_count  # one graph for both blocks
+    assert counter.frames == 1, counter.frames  # one graph for both blocks
     # Compiling again replaces the compiled forwards instead of wrapping them.
     engine.compile(backend="aot_eager")
     assert len(engine.compiled.modules) == len(compiled)

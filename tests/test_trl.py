@@ -262,12 +262,17 @@ GRPO_ARGS = {
 GRPO_LOGGED = ("loss", "grad_norm", "reward", "reward_std", "entropy", "completions/mean_length")
 
 
-def grpo_run(cls, args, extra=None):
+def unwrapped(cls):
+    """The plain class, where the other runs pass ``zero``."""
+    return cls
+
+
+def grpo_run(wrap, args):
     from trl import GRPOTrainer
 
     tok = byte_tokenizer()
     prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
-    trainer = cls(GRPOTrainer)(
+    trainer = wrap(GRPOTrainer)(
         model=byte_gpt2(),
         reward_funcs=counted_length,
         args=args,
@@ -284,10 +289,7 @@ def test_grpo_generates_and_logs_the_plain_grpo_rewards_and_losses(tmp_path, zer
     (every token a forward through the engine's gathers) and trains on their rewards."""
     from trl import GRPOConfig
 
-    def plain_cls(c):
-        return c
-
-    _, plain = grpo_run(plain_cls, GRPOConfig(output_dir=str(tmp_path / "plain"), **GRPO_ARGS))
+    _, plain = grpo_run(unwrapped, GRPOConfig(output_dir=str(tmp_path / "plain"), **GRPO_ARGS))
     options = dict(ZERO[zero_name])
     if "nvme" in options.values():
         (tmp_path / "swap").mkdir()
@@ -380,7 +382,7 @@ def trl_run(which: str, wrap, out: str, **options) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize("which", ["rloo", "kto", "reward"])
 def test_rloo_kto_and_reward_trainers_log_the_plain_losses(tmp_path, which):
-    plain = trl_run(which, lambda cls: cls, str(tmp_path / "plain"))
+    plain = trl_run(which, unwrapped, str(tmp_path / "plain"))
     logs = trl_run(which, zero, str(tmp_path / "zero"), zero_stage=3)
     assert len(logs["loss"]) == 3 and max(logs["grad_norm"]) > 0
     for key, values in plain.items():

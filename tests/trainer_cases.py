@@ -112,12 +112,12 @@ def main(out: str) -> None:
         }
         trainer.close()
     # TRL's GRPO: completions generated on each rank by the sharded model, then trained on.
-    from test_trl import GRPO_ARGS, grpo_run
+    from test_trl import GRPO_ARGS, grpo_run, unwrapped
     from trl import GRPOConfig
 
     from zerotune.hf import zero
 
-    _, plain_grpo = grpo_run(lambda cls: cls, GRPOConfig(str(work / "grpo-plain"), **GRPO_ARGS))
+    _, plain_grpo = grpo_run(unwrapped, GRPOConfig(str(work / "grpo-plain"), **GRPO_ARGS))
     zero_args = zero(GRPOConfig)(str(work / "grpo-zero"), **GRPO_ARGS, zero_stage=3)
     trainer, zero_grpo = grpo_run(zero, zero_args)
     grpo = {"engine_world": trainer.engine.world, "plain": plain_grpo, "zero": zero_grpo}

@@ -69,9 +69,10 @@ def compile_problem(mode: str | None, backend: str | Callable | None) -> str | N
     if mode is not None:
         from torch._inductor import list_mode_options
 
-        if mode not in list_mode_options():
+        modes = list_mode_options()
+        if mode not in modes:
             return f"torch.compile has no mode {mode!r}; choose one of " + ", ".join(
-                ["default", *(m for m in list_mode_options() if m != "default")]
+                ["default", *(m for m in modes if m != "default")]
             )
     if isinstance(backend, str) and backend not in torch.compiler.list_backends(exclude_tags=()):
         usable = [b for b in torch.compiler.list_backends() if b != "cudagraphs"]
