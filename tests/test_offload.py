@@ -1340,7 +1340,7 @@ def test_an_embedding_gathered_for_a_lookup_then_needed_whole(tmp_path, monkeypa
             looked_up = wte.slots[0].param[row].detach().clone()
             with engine.gathered([wte]):
                 weights[carry] = wte.slots[0].param.detach().clone()
-            engine._unpin(wte)
+            wte.unpin()
             assert not wte.update_pending and not wte.previewed
             assert torch.equal(looked_up, weights[carry][row])  # the preview was exact
         else:

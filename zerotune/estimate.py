@@ -519,12 +519,14 @@ def _judge(option: Option, limits: dict[str, int | None], headroom: float) -> No
             continue  # unknown space: the engine checks it at start
         if usable[tier] is not None and n > usable[tier]:
             fits = False
-            option.why_not.append(f"{where[tier]}: needs {_gib(n)}, usable {_gib(usable[tier])}")
+            option.why_not.append(
+                f"{where[tier]}: needs {format_bytes(n)}, usable {format_bytes(usable[tier])}"
+            )
     option.fits = fits
 
 
 # -------------------------------------------------------------------------- formatting
-def _gib(n: int | None) -> str:
+def format_bytes(n: int | None) -> str:
     if n is None:
         return "-"
     if n >= 2**40:
@@ -546,8 +548,9 @@ def _format(plan: MemoryPlan) -> str:
         f"  world size {plan.world_size} ({plan.gpus_per_node} per node), compute {plan.dtype}, "
         f"gradients {plan.grad_dtype}, Adam moments {plan.optim_state_bits}-bit, "
         f"padding {plan.padding_elements:,} elements per rank",
-        f"  machine: GPU {_gib(lim['device'])}, host {_gib(lim['host'])}, "
-        f"NVMe {_gib(lim['nvme'])} (- = not checked); {int(plan.headroom * 100)}% kept free",
+        f"  machine: GPU {format_bytes(lim['device'])}, host {format_bytes(lim['host'])}, "
+        f"NVMe {format_bytes(lim['nvme'])} (- = not checked); "
+        f"{int(plan.headroom * 100)}% kept free",
     ]
     act = plan.activations
     if act is None:
@@ -555,8 +558,8 @@ def _format(plan: MemoryPlan) -> str:
     else:
         lines.append(
             f"  activations per GPU (seq {act['seq_len']} x micro-batch {act['micro_batch']}): "
-            f"{_gib(act['without_checkpointing'])} without checkpointing, "
-            f"{_gib(act['with_checkpointing'])} with"
+            f"{format_bytes(act['without_checkpointing'])} without checkpointing, "
+            f"{format_bytes(act['with_checkpointing'])} with"
             + (" (used below)" if act["checkpointing"] else " (the first used below)")
         )
     lines.append("")
@@ -745,15 +748,16 @@ def check_estimate(
         log.info(
             "zerotune: peak %s memory: estimated %s, measured %s",
             tier,
-            _gib(expected),
-            _gib(measured),
+            format_bytes(expected),
+            format_bytes(measured),
         )
         if expected == 0 and measured == 0:
             continue
         off = abs(measured - expected) / max(expected, 1)
         if off > tolerance and abs(measured - expected) > min_bytes:
             warnings.append(
-                f"peak {tier} memory {_gib(measured)} differs from the estimate {_gib(expected)} "
+                f"peak {tier} memory {format_bytes(measured)} differs from the estimate "
+                f"{format_bytes(expected)} "
                 f"by {off:.0%} (more than {tolerance:.0%}); plans made with zerotune estimate "
                 "may not hold for this run"
             )

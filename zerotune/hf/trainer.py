@@ -82,6 +82,7 @@ from .checkpoints import (
     restore_rng,
 )
 from .configs import describe_config
+from .generation import gather_for_generation
 from .optimizers import (
     ModelGroup,
     ModelParams,
@@ -236,6 +237,11 @@ class ZeroTrainer(Trainer):
     def _use_engine(self, engine: ZeroEngine) -> None:
         self.engine = engine
         self._compile(engine)
+        # TRL's flag (default True): the whole model gathered once per generate call.
+        gathering = engine.config.stage == 3 and getattr(
+            self.args, "ds3_gather_for_generation", True
+        )
+        gather_for_generation(engine.module, gathering)
         # Counted from the engine: at stage 3 the model's own count sees empty parameters.
         self.num_parameters = sum(s.numel for u in engine.units for s in u.slots)
         # As transformers counts for total_flos: without the embeddings' parameters.

@@ -428,17 +428,22 @@ class ZeroEngine(nn.Module):
     @contextlib.contextmanager
     def gathered(self, units: list[Unit] | None = None) -> Iterator[None]:
         """Gather parameters for reading (or writing) outside forward; every rank must enter.
+        On leaving, the units it gathered that nobody else holds are released again.
 
         Changes made to gathered parameters are not written back to the shards.
         """
         chosen = self.units if units is None else units
+        fresh = [u for u in chosen if u.state is UnitState.SHARDED]
         for unit in chosen:
             self._pin(unit)
         try:
             yield
         finally:
             for unit in chosen:
-                self._unpin(unit)
+                unit.unpin()
+            for unit in fresh:
+                if unit.pins == 0:
+                    unit.release()
 
     def register_external(self, owner, user, pin: bool = False) -> None:
         """Gather ``owner`` whenever ``user`` runs (forward and backward).
@@ -545,8 +550,9 @@ class ZeroEngine(nn.Module):
                 unit.reread()  # gathered for a lookup: only its rows were new
         unit.gather()
 
-    def _unpin(self, unit: Unit) -> None:
-        unit.unpin()
+    def _unpin_with_deps(self, unit: Unit) -> None:
+        for held in (unit, *unit.deps):
+            held.unpin()
 
     def _make_room(self, unit: Unit) -> None:
         limit = self.config.max_live_bytes
@@ -595,18 +601,14 @@ class ZeroEngine(nn.Module):
 
     def post_forward(self, unit: Unit) -> None:
         unit.end_forward()
-        self._unpin(unit)
-        for dep in unit.deps:
-            self._unpin(dep)
+        self._unpin_with_deps(unit)
         if unit.index == 0:
             self._release_unheld()
 
     def forward_in_backward_done(self, unit: Unit) -> None:
         """A forward re-run inside backward (activation checkpointing) just finished."""
         if unit.holds_backward_pins:
-            self._unpin(unit)
-            for dep in unit.deps:
-                self._unpin(dep)
+            self._unpin_with_deps(unit)
         else:
             unit.begin_backward()  # the forward pins become the backward pins
 
@@ -674,9 +676,7 @@ class ZeroEngine(nn.Module):
     def _end_backward_if_done(self, unit: Unit) -> None:
         """Let go of ``unit``'s backward pins once its backward is complete."""
         if unit.backward_complete and unit.end_backward():
-            self._unpin(unit)
-            for dep in unit.deps:
-                self._unpin(dep)
+            self._unpin_with_deps(unit)
 
     def post_backward_final(self) -> None:
         """End of a backward pass: reduce what is pending, release everything."""

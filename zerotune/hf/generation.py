@@ -1,0 +1,112 @@
+"""Generation from a model sharded at stage 3: the whole model gathered once per ``generate``.
+
+[Note: gathered for generation]
+At stage 3 a unit is gathered when its forward starts and released when it ends. Training
+wants that: one gather per unit per step. ``generate`` runs one forward per new token, so
+the same rule gathers every unit once per token: an all-gather over the ranks, or a read
+from the parameter tier in host memory or on NVMe, for every layer and every token. That
+is what makes sampling in TRL's online trainers (GRPO, RLOO, online DPO, GKD) crawl.
+
+``gather_for_generation`` gives the model an instance ``generate`` that runs the class's own
+inside ``engine.gathered()``: every unit is gathered once, the tokens are sampled from
+gathered weights, and on return the units are released again. TRL's
+``ds3_gather_for_generation`` flag asks for the same thing from DeepSpeed; ZeroTrainer
+follows it (default True). It needs the whole model in memory at once, so each call first
+checks that the units still to gather fit (by default 80% of the free memory of the
+engine's device, and ``max_live_bytes`` when set); when they do not, on any rank, every
+rank generates unit by unit as before and one warning says so. Ranks agree on the choice
+with one all-reduce, because ``gathered()`` is a collective: one rank alone would hang.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .. import dist as zdist
+from ..estimate import format_bytes
+from ..sharding.unit import UnitState
+
+log = logging.getLogger(__name__)
+log.addFilter(zdist.RankFilter())
+
+FREE_SHARE = 0.8  # of the free device memory the gathered model may take
+
+
+class GatheredGenerate:
+    """``model.generate`` with the whole model gathered for the call (see [Note: gathered
+    for generation]). Held by the model as an attribute, so that a copy of the model gets
+    its own."""
+
+    def __init__(self, model: nn.Module, budget: int | None = None):
+        self.model = model
+        self.budget = budget
+        self.warned = False
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        generate = type(model).generate
+        engine = getattr(model, "_zerotune_engine", None)
+        if engine is None or engine.config.stage != 3 or not self._fits(engine):
+            return generate(model, *args, **kwargs)
+        with engine.gathered():
+            return generate(model, *args, **kwargs)
+
+    def _fits(self, engine) -> bool:
+        units = [u for u in engine.units if not u.persistent]
+        fresh = sum(u.gathered_bytes for u in units if u.state is UnitState.SHARDED)
+        whole = sum(u.gathered_bytes for u in units)
+        room = self.budget if self.budget is not None else int(FREE_SHARE * free_bytes(engine))
+        cap = engine.config.max_live_bytes
+        short = torch.tensor(float(fresh > room or 0 < cap < whole), device=engine.device)
+        if engine.world > 1:
+            zdist.all_reduce_max(short, group=engine.group)
+        if not short.item():
+            return True
+        if not self.warned:
+            self.warned = True
+            log.warning(
+                "zerotune: generate gathers each unit once per token: the whole model (%s to "
+                "gather) does not fit on every rank (room here: %s%s); expect it to be several "
+                "times slower (ds3_gather_for_generation=False asks for this)",
+                format_bytes(fresh),
+                format_bytes(room),
+                f", max_live_bytes {format_bytes(cap)}" if cap > 0 else "",
+            )
+        return False
+
+
+def free_bytes(engine) -> int:
+    """Memory free for gathered weights on the engine's device: the CUDA allocator's free and
+    cached-unused bytes on a GPU, the host's available memory on the CPU."""
+    device = torch.device(engine.device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def gather_for_generation(model: nn.Module, enabled: bool = True, budget: int | None = None):
+    """Make ``model.generate`` gather the whole sharded model once per call (stage 3; see
+    [Note: gathered for generation]), or with ``enabled=False`` take that off again.
+
+    ``model``: a model sharded by zerotune (``engine.module``). ``budget``: the bytes the
+    gathered units may take (default: 80% of the free memory of the engine's device).
+    """
+    ours = isinstance(model.__dict__.get("generate"), GatheredGenerate)
+    if not enabled:
+        if ours:
+            del model.__dict__["generate"]
+        return
+    if getattr(model, "_zerotune_engine", None) is None:
+        raise ValueError("gather_for_generation: the model is not sharded by zerotune")
+    if not callable(getattr(type(model), "generate", None)):
+        return  # nothing generates: nothing to change
+    if "generate" in model.__dict__ and not ours:
+        raise ValueError("gather_for_generation: the model has its own generate attribute")
+    model.__dict__["generate"] = GatheredGenerate(model, budget)
