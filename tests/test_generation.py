@@ -93,6 +93,32 @@ def test_gathered_generate_fetches_each_unit_once_and_gives_the_plain_tokens(
     engine.close()
 
 
+def test_continuous_batching_is_gathered_once_too(monkeypatch):
+    """``generate_batch`` (TRL's use_transformers_paged): the plain model's tokens, one gather
+    per unit for the whole batch of requests."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    # A small paged cache: the default one is sized to the free memory, slow to set up.
+    paged = dict(page_size=16, num_blocks=8, max_batch_tokens=64)
+    requests = prompts().tolist()
+
+    def tokens(model) -> list:
+        out = model.generate_batch(
+            inputs=requests, generation_config=config, warmup=False,
+            continuous_batching_config=ContinuousBatchingConfig(**paged),
+        )  # fmt: skip
+        return [out[key].generated_tokens for key in sorted(out)]
+
+    expected = tokens(byte_gpt2().eval())
+    engine = zerotune.shard(byte_gpt2().eval(), {"stage": 3})
+    gather_for_generation(engine.module)
+    gathers = CountGathers(monkeypatch)
+    assert tokens(engine.module) == expected
+    assert gathers.counts == {u.index: 1 for u in engine.units if not u.persistent}
+    engine.close()
+
+
 def test_a_model_that_does_not_fit_generates_unit_by_unit_with_one_warning(
     tmp_path, monkeypatch, caplog
 ):

@@ -7,10 +7,10 @@ the same rule gathers every unit once per token: an all-gather over the ranks, o
 from the parameter tier in host memory or on NVMe, for every layer and every token. That
 is what makes sampling in TRL's online trainers (GRPO, RLOO, online DPO, GKD) crawl.
 
-``gather_for_generation`` gives the model an instance ``generate`` that runs the class's own
-inside ``engine.gathered()``: every unit is gathered once, the tokens are sampled from
-gathered weights, and on return the units are released again. TRL's
-``ds3_gather_for_generation`` flag asks for the same thing from DeepSpeed; ZeroTrainer
+``gather_for_generation`` gives the model an instance ``generate`` (and ``generate_batch``,
+continuous batching) that runs the class's own inside ``engine.gathered()``: every unit is
+gathered once, the tokens are sampled from gathered weights, and on return the units are
+released again. TRL's ``ds3_gather_for_generation`` flag asks DeepSpeed for the same; ZeroTrainer
 follows it (default True). It needs the whole model in memory at once, so each call first
 checks that the units still to gather fit (by default 80% of the free memory of the
 engine's device, and ``max_live_bytes`` when set); when they do not, on any rank, every
@@ -35,19 +35,23 @@ log.addFilter(zdist.RankFilter())
 FREE_SHARE = 0.8  # of the free device memory the gathered model may take
 
 
-class GatheredGenerate:
-    """``model.generate`` with the whole model gathered for the call (see [Note: gathered
-    for generation]). Held by the model as an attribute, so that a copy of the model gets
-    its own."""
+METHODS = ("generate", "generate_batch")  # transformers' generation entry points
 
-    def __init__(self, model: nn.Module, budget: int | None = None):
+
+class GatheredGenerate:
+    """``model.generate`` (or ``generate_batch``) with the whole model gathered for the call
+    (see [Note: gathered for generation]). Held by the model as an attribute, so that a copy
+    of the model gets its own."""
+
+    def __init__(self, model: nn.Module, name: str, budget: int | None = None):
         self.model = model
+        self.name = name
         self.budget = budget
         self.warned = False
 
     def __call__(self, *args, **kwargs):
         model = self.model
-        generate = type(model).generate
+        generate = getattr(type(model), self.name)
         engine = getattr(model, "_zerotune_engine", None)
         if engine is None or engine.config.stage != 3 or not self._fits(engine):
             return generate(model, *args, **kwargs)
@@ -92,21 +96,23 @@ def free_bytes(engine) -> int:
 
 
 def gather_for_generation(model: nn.Module, enabled: bool = True, budget: int | None = None):
-    """Make ``model.generate`` gather the whole sharded model once per call (stage 3; see
-    [Note: gathered for generation]), or with ``enabled=False`` take that off again.
+    """Make ``model.generate`` and ``generate_batch`` gather the whole sharded model once per
+    call (stage 3; see [Note: gathered for generation]), or with ``enabled=False`` take that
+    off again.
 
     ``model``: a model sharded by zerotune (``engine.module``). ``budget``: the bytes the
     gathered units may take (default: 80% of the free memory of the engine's device).
     """
-    ours = isinstance(model.__dict__.get("generate"), GatheredGenerate)
+    for name in METHODS:
+        if isinstance(model.__dict__.get(name), GatheredGenerate):
+            del model.__dict__[name]
     if not enabled:
-        if ours:
-            del model.__dict__["generate"]
         return
     if getattr(model, "_zerotune_engine", None) is None:
         raise ValueError("gather_for_generation: the model is not sharded by zerotune")
-    if not callable(getattr(type(model), "generate", None)):
-        return  # nothing generates: nothing to change
-    if "generate" in model.__dict__ and not ours:
-        raise ValueError("gather_for_generation: the model has its own generate attribute")
-    model.__dict__["generate"] = GatheredGenerate(model, budget)
+    names = [n for n in METHODS if callable(getattr(type(model), n, None))]
+    for name in names:
+        if name in model.__dict__:
+            raise ValueError(f"gather_for_generation: the model has its own {name} attribute")
+    for name in names:
+        model.__dict__[name] = GatheredGenerate(model, name, budget)
