@@ -35,8 +35,8 @@ class CountGathers:
         monkeypatch.setattr(Unit, "gather", counted)
 
 
-def shard(tmp_path, offload: str):
-    config = {"stage": 3}
+def shard(tmp_path, offload: str, **extra):
+    config = {"stage": 3, **extra}
     if offload == "nvme":
         config.update(offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
     elif offload == "cpu":
@@ -76,7 +76,7 @@ def test_gathered_generate_fetches_each_unit_once_and_gives_the_plain_tokens(
     gathers = CountGathers(monkeypatch)
     assert generate(engine.module) == expected
     per_token = dict(gathers.counts)
-    assert all(per_token.get(i, 0) >= NEW for i in units), per_token  # one a token at least
+    assert all(per_token.get(i, 0) >= NEW for i in units), per_token  # at least one per token
 
     gather_for_generation(engine.module)
     assert isinstance(engine.module.generate, GatheredGenerate)
@@ -93,48 +93,56 @@ def test_gathered_generate_fetches_each_unit_once_and_gives_the_plain_tokens(
     engine.close()
 
 
+def paged_tokens(model, requests: list, new: int = NEW) -> list:
+    """``generate_batch``'s greedy tokens for each request."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None)
+    # A small paged cache: the default one is sized to the free memory, slow to set up.
+    paged = ContinuousBatchingConfig(page_size=16, num_blocks=8, max_batch_tokens=64)
+    out = model.generate_batch(
+        inputs=requests, generation_config=config, continuous_batching_config=paged,
+        warmup=False,
+    )  # fmt: skip
+    return [out[key].generated_tokens for key in sorted(out)]
+
+
 def test_continuous_batching_is_gathered_once_too(monkeypatch):
     """``generate_batch`` (TRL's use_transformers_paged): the plain model's tokens, one gather
     per unit for the whole batch of requests."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    config = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None)
-    # A small paged cache: the default one is sized to the free memory, slow to set up.
-    paged = dict(page_size=16, num_blocks=8, max_batch_tokens=64)
     requests = prompts().tolist()
-
-    def tokens(model) -> list:
-        out = model.generate_batch(
-            inputs=requests, generation_config=config, warmup=False,
-            continuous_batching_config=ContinuousBatchingConfig(**paged),
-        )  # fmt: skip
-        return [out[key].generated_tokens for key in sorted(out)]
-
-    expected = tokens(byte_gpt2().eval())
+    expected = paged_tokens(byte_gpt2().eval(), requests)
     engine = zerotune.shard(byte_gpt2().eval(), {"stage": 3})
     gather_for_generation(engine.module)
     gathers = CountGathers(monkeypatch)
-    assert tokens(engine.module) == expected
+    assert paged_tokens(engine.module, requests) == expected
     assert gathers.counts == {u.index: 1 for u in engine.units if not u.persistent}
     engine.close()
+
+
+def generation_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "zerotune.hf.generation"]
 
 
 def test_a_model_that_does_not_fit_generates_unit_by_unit_with_one_warning(
     tmp_path, monkeypatch, caplog
 ):
     expected = plain_ids()
-    engine = shard(tmp_path, "none")
+    engine = shard(tmp_path, "nvme")  # each gather takes memory of its own
     units = [u for u in engine.units if not u.persistent]
     whole = sum(u.gathered_bytes for u in units)
-    gather_for_generation(engine.module, budget=whole - 1)
+    gather_for_generation(engine.module, budget=whole - 100)
     gathers = CountGathers(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="zerotune.hf.generation"):
         assert generate(engine.module) == expected
         assert generate(engine.module) == expected
     assert all(gathers.counts[u.index] >= 2 * NEW for u in units), gathers.counts
-    warnings = [r.getMessage() for r in caplog.records if r.name == "zerotune.hf.generation"]
+    warnings = generation_warnings(caplog)
     assert len(warnings) == 1, warnings
-    assert f"({format_bytes(whole)} to gather)" in warnings[0]
+    assert (
+        f"the whole model ({format_bytes(whole)}) would take {format_bytes(100)} more"
+        in (warnings[0])
+    )
 
     gather_for_generation(engine.module, budget=whole)  # exactly fits
     gathers.counts.clear()
@@ -143,12 +151,28 @@ def test_a_model_that_does_not_fit_generates_unit_by_unit_with_one_warning(
     engine.close()
 
 
-def test_max_live_bytes_bounds_the_gathered_model(tmp_path, monkeypatch):
-    engine = zerotune.shard(byte_gpt2().eval(), {"stage": 3, "max_live_bytes": 1})
+def test_shards_that_are_the_whole_buffer_cost_nothing_to_gather(monkeypatch, caplog):
+    """World size 1, parameters on the device: the shard is the whole flat buffer, so even a
+    budget of nothing gathers the model once, without a warning."""
+    engine = zerotune.shard(byte_gpt2().eval(), {"stage": 3})
+    gather_for_generation(engine.module, budget=0)
+    gathers = CountGathers(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="zerotune.hf.generation"):
+        assert generate(engine.module) == plain_ids()
+    assert gathers.counts == {u.index: 1 for u in engine.units if not u.persistent}
+    assert generation_warnings(caplog) == []
+    engine.close()
+
+
+def test_max_live_bytes_bounds_the_gathered_model(tmp_path, monkeypatch, caplog):
+    engine = shard(tmp_path, "nvme", max_live_bytes=1)
     gather_for_generation(engine.module)
     gathers = CountGathers(monkeypatch)
-    assert generate(engine.module) == plain_ids()
+    with caplog.at_level(logging.WARNING, logger="zerotune.hf.generation"):
+        assert generate(engine.module) == plain_ids()
     assert min(gathers.counts.values()) == NEW
+    warnings = generation_warnings(caplog)
+    assert len(warnings) == 1 and "more than max_live_bytes (0.0 MiB)" in warnings[0], warnings
     engine.close()
 
 
@@ -190,9 +214,18 @@ def generate_gathered_per_rank(rank, world, budget_on_rank_1):
             )
     finally:
         Unit.gather = gather
+    # Continuous batching, each rank its own requests: gathered, the plain model's tokens;
+    # unit by unit refused (its ranks would not step together).
+    refusal = batch = expected_batch = None
+    try:
+        batch = paged_tokens(engine.module, prompt.tolist(), new)
+        expected_batch = paged_tokens(plain, prompt.tolist(), new)
+    except RuntimeError as exc:
+        refusal = str(exc)
     units = [u.index for u in engine.units if not u.persistent]
     engine.close()
-    return got.tolist(), expected.tolist(), [counts.get(i, 0) for i in units]
+    gathered = [counts.get(i, 0) for i in units]
+    return got.tolist(), expected.tolist(), gathered, refusal, batch, expected_batch
 
 
 @pytest.mark.parametrize("budget_on_rank_1", [None, 1])
@@ -200,13 +233,15 @@ def test_world_2_ranks_agree_on_gathering_and_stop_at_different_lengths(budget_o
     """Rank 1 finishes its tokens later; with a budget too small on rank 1 only, both ranks
     generate unit by unit (one rank alone in gathered() would wait forever)."""
     results = run_world(2, generate_gathered_per_rank, budget_on_rank_1, timeout=120)
-    for rank, (got, expected, counts) in enumerate(results):
+    for rank, (got, expected, counts, refusal, batch, expected_batch) in enumerate(results):
         assert got == expected
         assert len(got[0]) == len(f"count from {rank}:") + 2 + 3 * rank
         if budget_on_rank_1 is None:
             assert counts == [1] * len(counts)
+            assert refusal is None and batch == expected_batch and len(batch[0]) == 2 + 3 * rank
         else:
             assert min(counts) == 2 + 3 * 1  # both ranks run rank 1's 5 forwards
+            assert "generate_batch at world size > 1 needs the whole model" in refusal
 
 
 def grpo_gathers(tmp_path, monkeypatch, **flag) -> dict[int, int]:

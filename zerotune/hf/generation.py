@@ -5,22 +5,25 @@ At stage 3 a unit is gathered when its forward starts and released when it ends.
 wants that: one gather per unit per step. ``generate`` runs one forward per new token, so
 the same rule gathers every unit once per token: an all-gather over the ranks, or a read
 from the parameter tier in host memory or on NVMe, for every layer and every token. That
-is what makes sampling in TRL's online trainers (GRPO, RLOO, online DPO, GKD) crawl.
+is what makes sampling in TRL's GRPO and RLOO crawl.
 
-``gather_for_generation`` gives the model an instance ``generate`` (and ``generate_batch``,
-continuous batching) that runs the class's own inside ``engine.gathered()``: every unit is
-gathered once, the tokens are sampled from gathered weights, and on return the units are
-released again. TRL's ``ds3_gather_for_generation`` flag asks DeepSpeed for the same; ZeroTrainer
-follows it (default True). It needs the whole model in memory at once, so each call first
-checks that the units still to gather fit (by default 80% of the free memory of the
-engine's device, and ``max_live_bytes`` when set); when they do not, on any rank, every
-rank generates unit by unit as before and one warning says so. Ranks agree on the choice
-with one all-reduce, because ``gathered()`` is a collective: one rank alone would hang.
+``gather_for_generation`` gives the model instance attributes ``generate`` and
+``generate_batch`` (continuous batching) that run the class's own inside
+``engine.gathered()``: every unit is gathered once, the tokens are sampled from gathered
+weights, and on return the units are released. ZeroTrainer follows TRL's
+``ds3_gather_for_generation`` flag (default True), which asks DeepSpeed for the same. The
+whole model must fit in memory, so each call first checks the units still to gather
+against 80% of the free memory of the engine's device (or a given budget), against
+``max_live_bytes`` when set, and mapped NVMe gathers against the open-file limit. When it
+does not fit on some rank, every rank gathers unit by unit and one warning says so. Ranks
+agree with one all-reduce, because ``gathered()`` is a collective: one rank alone in it
+would wait forever.
 """
 
 from __future__ import annotations
 
 import logging
+import resource
 
 import torch
 from torch import nn
@@ -53,31 +56,53 @@ class GatheredGenerate:
         model = self.model
         generate = getattr(type(model), self.name)
         engine = getattr(model, "_zerotune_engine", None)
-        if engine is None or engine.config.stage != 3 or not self._fits(engine):
+        if engine is None or engine.config.stage != 3:
             return generate(model, *args, **kwargs)
-        with engine.gathered():
-            return generate(model, *args, **kwargs)
+        if self._fits(engine):
+            with engine.gathered():
+                return generate(model, *args, **kwargs)
+        if self.name == "generate_batch" and engine.world > 1:
+            # Continuous batching does not keep the ranks stepping together (no synced_gpus):
+            # unit by unit, their gathers would wait for each other forever.
+            raise RuntimeError(
+                "zerotune: generate_batch at world size > 1 needs the whole model gathered, "
+                "which does not fit (see the warning above); use generate instead (TRL: "
+                "use_transformers_paged=False)"
+            )
+        return generate(model, *args, **kwargs)
 
     def _fits(self, engine) -> bool:
-        units = [u for u in engine.units if not u.persistent]
+        """Whether the model may be gathered whole, agreed by every rank (a collective)."""
+        # Units whose gather takes memory of its own (not a shard that is the whole buffer).
+        units = [u for u in engine.units if not u.persistent and u.params.lends_storage(u)]
         fresh = sum(u.gathered_bytes for u in units if u.state is UnitState.SHARDED)
         whole = sum(u.gathered_bytes for u in units)
         room = self.budget if self.budget is not None else int(FREE_SHARE * free_bytes(engine))
         cap = engine.config.max_live_bytes
-        short = torch.tensor(float(fresh > room or 0 < cap < whole), device=engine.device)
+        # Each mapped gather holds a file descriptor: keep to half the process's limit.
+        mapped = sum(1 for u in units if u.params.mapped)
+        maps = resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2
+        over = [fresh - room, whole - cap if cap > 0 else -1, mapped - maps]
+        over = torch.tensor(over, dtype=torch.float64, device=engine.device)
         if engine.world > 1:
-            zdist.all_reduce_max(short, group=engine.group)
-        if not short.item():
+            zdist.all_reduce_max(over, group=engine.group)
+        over_room, over_cap, over_maps = over.tolist()
+        if max(over_room, over_cap, over_maps) <= 0:
             return True
         if not self.warned:
             self.warned = True
+            why = (
+                f"{format_bytes(int(over_room))} more than the memory it may take on some rank"
+                if over_room > 0
+                else f"more than max_live_bytes ({format_bytes(cap)})"
+                if over_cap > 0
+                else "more mapped gathers than half the open-file limit allows"
+            )
             log.warning(
-                "zerotune: generate gathers each unit once per token: the whole model (%s to "
-                "gather) does not fit on every rank (room here: %s%s); expect it to be several "
-                "times slower (ds3_gather_for_generation=False asks for this)",
+                "zerotune: generate gathers each unit once per token: gathering the whole "
+                "model (%s) would take %s; expect it to be several times slower",
                 format_bytes(fresh),
-                format_bytes(room),
-                f", max_live_bytes {format_bytes(cap)}" if cap > 0 else "",
+                why,
             )
         return False
 
@@ -101,7 +126,8 @@ def gather_for_generation(model: nn.Module, enabled: bool = True, budget: int | 
     off again.
 
     ``model``: a model sharded by zerotune (``engine.module``). ``budget``: the bytes the
-    gathered units may take (default: 80% of the free memory of the engine's device).
+    gathered units may take (default: 80% of the free memory of the engine's device). A
+    ZeroTrainer built over the model installs its own (the default budget).
     """
     for name in METHODS:
         if isinstance(model.__dict__.get(name), GatheredGenerate):

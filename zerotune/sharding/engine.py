@@ -428,12 +428,11 @@ class ZeroEngine(nn.Module):
     @contextlib.contextmanager
     def gathered(self, units: list[Unit] | None = None) -> Iterator[None]:
         """Gather parameters for reading (or writing) outside forward; every rank must enter.
-        On leaving, the units it gathered that nobody else holds are released again.
+        On leaving, units that nothing else holds are released.
 
         Changes made to gathered parameters are not written back to the shards.
         """
         chosen = self.units if units is None else units
-        fresh = [u for u in chosen if u.state is UnitState.SHARDED]
         for unit in chosen:
             self._pin(unit)
         try:
@@ -441,9 +440,6 @@ class ZeroEngine(nn.Module):
         finally:
             for unit in chosen:
                 unit.unpin()
-            for unit in fresh:
-                if unit.pins == 0:
-                    unit.release()
 
     def register_external(self, owner, user, pin: bool = False) -> None:
         """Gather ``owner`` whenever ``user`` runs (forward and backward).
