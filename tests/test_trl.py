@@ -387,3 +387,93 @@ def test_rloo_kto_and_reward_trainers_log_the_plain_losses(tmp_path, which):
     assert len(logs["loss"]) == 3 and max(logs["grad_norm"]) > 0
     for key, values in plain.items():
         torch.testing.assert_close(logs[key], values, rtol=RTOL, atol=1e-6, msg=key)
+
+
+def mix_per_rank(rank, world, config):
+    """The reference's shards mixed with the trained model's, against the mix of the whole
+    parameters; ``config`` may keep small units gathered (persistent)."""
+    import zerotune
+    from zerotune.hf.reference import mix_into_reference
+
+    trained, ref = tiny_gpt2(seed=1), tiny_gpt2(seed=2)
+    expected = {
+        name: 0.75 * r.detach() + 0.25 * t.detach()
+        for (name, r), t in zip(ref.named_parameters(), trained.parameters())
+    }
+    engine, ref_engine = zerotune.shard(trained, config), zerotune.shard(ref, config)
+    mix_into_reference(engine, ref_engine, alpha=0.25)
+    with ref_engine.gathered():
+        got = {name: p.detach().clone() for name, p in ref_engine.module.named_parameters()}
+    persistent = sum(u.persistent for u in ref_engine.units)
+    other = zerotune.shard(tiny_gpt2(seed=3, layers=1), config)
+    with pytest.raises(ValueError, match="not sharded like the trained model"):
+        mix_into_reference(engine, other, alpha=0.25)
+    for e in (engine, ref_engine, other):
+        e.close()
+    return {n: float((got[n] - expected[n]).abs().max()) for n in expected}, persistent
+
+
+@pytest.mark.parametrize(
+    "world,config",
+    [(1, {"stage": 3}), (2, {"stage": 3}), (2, {"stage": 3, "persistence_threshold": 4096})],
+)
+def test_reference_shards_mix_like_whole_parameters(world, config):
+    for errors, persistent in run_world(world, mix_per_rank, config):
+        assert max(errors.values()) < 1e-6, errors
+        # The threshold keeps more than the root's unit gathered.
+        assert (persistent > 1) == ("persistence_threshold" in config), persistent
+
+
+SYNC = dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
+
+
+def synced_run(which: str, wrap, out: str, folder, **options):
+    """GRPO with a KL term (its reference model built from the model's folder) or DPO, the
+    reference model mixed with the trained one after every step."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    if which == "grpo":
+        args = wrap(GRPOConfig)(output_dir=out, **GRPO_ARGS, **SYNC, **options)
+        prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+        trainer = wrap(GRPOTrainer)(
+            model=str(folder), reward_funcs=counted_length, args=args,
+            train_dataset=prompts, processing_class=byte_tokenizer(),
+        )  # fmt: skip
+        keys = (*GRPO_LOGGED, "kl")
+    else:
+        args = wrap(DPOConfig)(output_dir=out, **ARGS, **SYNC, **options)
+        trainer = wrap(DPOTrainer)(
+            model=byte_gpt2(), ref_model=byte_gpt2(), args=args, train_dataset=preferences(),
+            processing_class=byte_tokenizer(),
+        )  # fmt: skip
+        keys = DPO_LOGGED
+    trainer.train()
+    return trainer, {key: logged(trainer, key) for key in keys}
+
+
+@pytest.mark.parametrize(
+    "which,zero_name", [("grpo", "stage3"), ("grpo", "stage3-nvme"), ("dpo", "stage3")]
+)
+def test_sync_ref_model_mixes_the_reference_like_the_plain_trainer(tmp_path, which, zero_name):
+    """TRL's SyncRefModelCallback would mix the empty placeholders of the sharded parameters
+    (nothing): ZeroTrainer's mixes the shards, and the reference ends where the plain one
+    does."""
+    folder = tmp_path / "model"
+    byte_gpt2().save_pretrained(folder)
+    plain, plain_logs = synced_run(which, unwrapped, str(tmp_path / "plain"), folder)
+    options = dict(ZERO[zero_name])
+    if "nvme" in options.values():
+        (tmp_path / "swap").mkdir()
+        options["nvme_path"] = str(tmp_path / "swap")
+    trainer, logs = synced_run(which, zero, str(tmp_path / "zero"), folder, **options)
+    for key in plain_logs:
+        torch.testing.assert_close(logs[key], plain_logs[key], rtol=RTOL, atol=1e-6, msg=key)
+    with trainer.ref_engine.gathered():
+        ref = {n: p.detach().clone() for n, p in trainer.ref_engine.module.named_parameters()}
+    start = dict(byte_gpt2().named_parameters())
+    moved = 0
+    for name, p in plain.ref_model.named_parameters():
+        torch.testing.assert_close(ref[name], p.detach(), rtol=1e-5, atol=2e-5, msg=name)
+        moved += not torch.equal(p.detach(), start[name].detach())
+    assert moved > 0  # the plain reference moved: the mix is not a no-op
+    trainer.close()

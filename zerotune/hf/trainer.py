@@ -92,6 +92,7 @@ from .optimizers import (
     embeddings_in_32_bits,
     rebuild_over_shards,
 )
+from .reference import SyncReferenceShards, replaces_trl_sync
 
 __all__ = [
     "TRAINER_MARKER",
@@ -233,6 +234,13 @@ class ZeroTrainer(Trainer):
             model = self.ref_engine.module
             model._is_accelerate_prepared = True  # placed by the engine: accelerate keeps off
         self.__dict__["_ref_model"] = model
+
+    def add_callback(self, callback) -> None:
+        """TRL's ``SyncRefModelCallback`` would mix the placeholders of sharded parameters:
+        its sharded counterpart goes in its place ([Note: syncing the reference model])."""
+        if replaces_trl_sync(callback) and not isinstance(callback, type):
+            callback = SyncReferenceShards(callback.ref_model)
+        super().add_callback(callback)
 
     def _use_engine(self, engine: ZeroEngine) -> None:
         self.engine = engine
