@@ -470,6 +470,42 @@ def test_zero_trainer_on_the_device_logs_the_plain_trainers_losses(tmp_path):
     zero.close()
 
 
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_gathered_generation_on_the_device_gives_the_plain_tokens(offload, tmp_path):
+    """[Note: gathered for generation] on a GPU: the room is the device's free memory (CUDA's
+    count), each unit is fetched from the host or the file once, and a budget too small
+    falls back to unit by unit with the same tokens."""
+    from test_generation import CountGathers, byte_gpt2
+    from test_generation import prompts as ids
+
+    from zerotune.hf.generation import free_bytes, gather_for_generation
+
+    prompt = ids().cuda()
+    settings = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        expected = byte_gpt2().cuda().eval().generate(prompt, **settings).tolist()
+    config = {"stage": 3, "offload_param": offload, "offload_optimizer": offload}
+    if offload == "nvme":
+        config["nvme_path"] = str(tmp_path)
+    engine = zerotune.ZeroEngine(byte_gpt2().eval(), zerotune.load_config(config), device="cuda")
+    assert 0 < free_bytes(engine) <= torch.cuda.mem_get_info()[1]
+    units = [u.index for u in engine.units if not u.persistent]
+    mp = pytest.MonkeyPatch()
+    gathers = CountGathers(mp)
+    try:
+        for budget, per_unit in ((None, 1), (1, 6)):
+            gather_for_generation(engine.module, budget=budget)
+            gathers.counts.clear()
+            with torch.no_grad():
+                assert engine.module.generate(prompt, **settings).tolist() == expected
+            assert all(gathers.counts[i] >= per_unit for i in units), gathers.counts
+            if budget is None:
+                assert gathers.counts == {i: 1 for i in units}
+    finally:
+        mp.undo()
+        engine.close()
+
+
 def test_inductor_compiled_units_on_the_device_match_plain_adamw():
     """[Note: compiled units] with Triton kernels: the gathered parameters' device memory
     changes between steps under the same compiled graphs. Last in the file: compiling takes
