@@ -428,16 +428,19 @@ def test_default_callbacks_and_parameter_counts_are_the_plain_trainers(tmp_path,
 def test_world2_torchrun_matches_ddp(world2_run):
     """The plain Trainer under DDP and ZeroTrainer (stages 1 and 3; stage 2 with NVMe
     optimizer state), each on 2 ranks under torchrun: the same logged losses and gradient
-    norms; and TRL's GRPO, plain and at stage 3, the same losses, rewards and norms."""
+    norms; and TRL's GRPO and distillation, plain and at stage 3, the same losses, rewards
+    and norms."""
     job, out = world2_run
     proc = job.result(timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
     # TRL's GRPO, generating on both ranks: zero(GRPOTrainer) at stage 3 logs the plain one's.
-    grpo = results.pop("grpo")
-    assert grpo["engine_world"] == 2 and len(grpo["plain"]["loss"]) == 3
-    for key, values in grpo["plain"].items():
-        torch.testing.assert_close(grpo["zero"][key], values, rtol=1e-5, atol=1e-6, msg=key)
+    # And TRL's distillation with the teacher sharded over both ranks.
+    for trl_case in ("grpo", "distil"):
+        got = results.pop(trl_case)
+        assert got["engine_world"] == 2 and len(got["plain"]["loss"]) == 3
+        for key, values in got["plain"].items():
+            torch.testing.assert_close(got["zero"][key], values, rtol=1e-5, atol=1e-6, msg=key)
     plain = results.pop("plain")
     assert plain["world"] == 2 and len(plain["loss"]) == COMMON["max_steps"]
     for name, got in results.items():

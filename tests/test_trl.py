@@ -328,6 +328,59 @@ def test_generate_at_world_2_runs_the_ranks_together_until_all_are_done():
         assert len(got[0]) == len(f"count from {rank}:") + 2 + 3 * rank
 
 
+def teacher_gpt2():
+    """A teacher of the byte GPT-2's vocabulary, other weights, one layer more."""
+    return tiny_gpt2(
+        seed=5, layers=3, vocab_size=259, n_positions=64, bos_token_id=256, eos_token_id=256,
+        pad_token_id=257,
+    )  # fmt: skip
+
+
+DISTIL_ARGS = {k: v for k, v in GRPO_ARGS.items() if k != "num_generations"}
+
+
+def distil_run(wrap, args):
+    """TRL's DistillationTrainer: completions sampled from the student, scored against the
+    teacher's distributions (its logits computed from its head's weight, chunk by chunk)."""
+    from trl import DistillationTrainer
+
+    prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+    trainer = wrap(DistillationTrainer)(
+        model=byte_gpt2(), teacher_model=teacher_gpt2(), args=args, train_dataset=prompts,
+        processing_class=byte_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    return trainer, {key: logged(trainer, key) for key in ("loss", "grad_norm", "entropy")}
+
+
+@pytest.mark.parametrize("zero_name", ["stage3", "stage3-nvme"])
+def test_distillation_shards_its_teacher_and_logs_the_plain_losses(tmp_path, zero_name):
+    """The teacher is sharded like the student, frozen, before the trainer places it on the
+    device; its head's unit stays gathered (TRL reads that weight outside the teacher's
+    forward), the other units are released between forwards."""
+    from trl import DistillationConfig
+
+    args = DistillationConfig(output_dir=str(tmp_path / "plain"), **DISTIL_ARGS)
+    _, plain = distil_run(unwrapped, args)
+    options = dict(ZERO[zero_name])
+    if "nvme" in options.values():
+        (tmp_path / "swap").mkdir()
+        options["nvme_path"] = str(tmp_path / "swap")
+    args = zero(DistillationConfig)(output_dir=str(tmp_path / "zero"), **DISTIL_ARGS, **options)
+    trainer, logs = distil_run(zero, args)
+    teacher = trainer.teacher_engine
+    assert teacher is not None and trainer.teacher_model is teacher.module
+    assert teacher.optimizer is None and len(teacher.units) == 7  # root, wte, wpe, 3 blocks, head
+    assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
+    kept = [u.name for u in teacher.units if u.state.name == "GATHERED" and not u.persistent]
+    released = [u for u in teacher.units if u.state.name == "SHARDED"]
+    assert kept == ["transformer.wte"] and len(released) == 5  # the head's weight is tied to wte
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+    assert all(u.state.name == "SHARDED" for u in teacher.units if not u.persistent)
+
+
 def trl_run(which: str, wrap, out: str, **options) -> dict[str, list[float]]:
     """RLOO (generating), KTO (with its reference model) or a reward model, for ``wrap``:
     ``zero`` or the plain classes."""

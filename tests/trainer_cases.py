@@ -122,9 +122,24 @@ def main(out: str) -> None:
     trainer, zero_grpo = grpo_run(zero, zero_args)
     grpo = {"engine_world": trainer.engine.world, "plain": plain_grpo, "zero": zero_grpo}
     trainer.close()
+    # TRL's distillation: the teacher sharded too, its head read outside its forward.
+    from test_trl import DISTIL_ARGS, distil_run
+    from trl import DistillationConfig
+
+    _, plain_distil = distil_run(
+        unwrapped, DistillationConfig(str(work / "d-plain"), **DISTIL_ARGS)
+    )
+    zero_args = zero(DistillationConfig)(str(work / "d-zero"), **DISTIL_ARGS, zero_stage=3)
+    trainer, zero_distil = distil_run(zero, zero_args)
+    distil = {
+        "engine_world": trainer.teacher_engine.world,
+        "plain": plain_distil,
+        "zero": zero_distil,
+    }
+    trainer.close()
     if rank == 0:
         results["plain"]["grad_norm"] = logged(plain, "grad_norm")
-        Path(out).write_text(json.dumps({**results, "grpo": grpo}))
+        Path(out).write_text(json.dumps({**results, "grpo": grpo, "distil": distil}))
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ class ``(ZeroTrainer, cls)``: its method order is ZeroTrainer, then ``cls``, the
 HF model, as with the plain Trainer), and every override of ``cls`` still runs, between
 ZeroTrainer's and the Trainer's. Its arguments must be both: ``zero(SFTConfig)`` is the
 dataclass ``(ZeroTrainingArguments, SFTConfig)``, with the fields of both, so that ``cls``
-finds its own fields and ZeroTrainer its own. The model a subclass keeps beside the
-trained one, TRL's reference model, is assigned to ``self.ref_model``: ZeroTrainer's
-property shards it there with the same configuration, frozen and without optimizer, so
-that it never sits whole in memory beside the shards of the model it is compared with.
+finds its own fields and ZeroTrainer its own. The models a subclass keeps beside the
+trained one, TRL's reference model (``self.ref_model``) and distilling teacher
+(``self.teacher_model``, sharded already when given to the constructor), are sharded by
+ZeroTrainer's properties as they are assigned, with the same configuration, frozen and
+without optimizer, so that they never sit whole in memory beside the shards of the model
+they are compared with.
 """
 
 from __future__ import annotations

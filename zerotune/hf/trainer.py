@@ -52,6 +52,7 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -190,6 +191,8 @@ class ZeroTrainer(Trainer):
         self._overlap_backward: bool = False  # the next accelerator.backward is a step's last
         self.engine: ZeroEngine | None = None  # with model_init: built by call_model_init
         self.ref_engine: ZeroEngine | None = None  # a reference model's (ref_model)
+        self.teacher_engine: ZeroEngine | None = None  # a distilling teacher's (teacher_model)
+        self._held = contextlib.ExitStack()  # units kept gathered until close()
         self._resume_rng: dict | None = None
         self.estimate_warnings: list[str] | None = None  # set after the first step
         self.memory_measured: dict[str, int] | None = None  # what they compared
@@ -200,6 +203,8 @@ class ZeroTrainer(Trainer):
         if model is not None:
             self._use_engine(build_engine(model, args))
             model = self.engine.module
+        if "teacher_model" in kwargs:  # sharded before the subclass places it on the device
+            kwargs["teacher_model"] = self._shard_beside(kwargs["teacher_model"], "teacher_engine")
         if optimizer is None or self.engine is None:
             pass  # model_init with optimizers= is the Trainer's to refuse
         elif optimizer is self.engine.optimizer:
@@ -227,13 +232,45 @@ class ZeroTrainer(Trainer):
 
     @ref_model.setter
     def ref_model(self, model: nn.Module | None) -> None:
-        if isinstance(model, nn.Module) and getattr(model, "_zerotune_engine", None) is None:
-            model.requires_grad_(False)  # only read: no gradient buffers
-            self.ref_engine = build_engine(model, self.args)
-            self._compile(self.ref_engine)
-            model = self.ref_engine.module
-            model._is_accelerate_prepared = True  # placed by the engine: accelerate keeps off
-        self.__dict__["_ref_model"] = model
+        self.__dict__["_ref_model"] = self._shard_beside(model, "ref_engine")
+
+    @property
+    def teacher_model(self) -> nn.Module | None:
+        """The teacher of trainers that distil (TRL's ``DistillationTrainer``): sharded like
+        the reference model; one given to the constructor is sharded before the subclass
+        sees it, so that it never sits whole on the device."""
+        return self.__dict__.get("_teacher_model")
+
+    @teacher_model.setter
+    def teacher_model(self, model: nn.Module | None) -> None:
+        self.__dict__["_teacher_model"] = self._shard_beside(model, "teacher_engine")
+
+    def _keep_head_gathered(self, engine: ZeroEngine) -> None:
+        """TRL's distillation computes the teacher's logits chunk by chunk from its output
+        embedding's weight, outside the teacher's forward: the unit holding that weight
+        stays gathered until ``close()`` (every rank gets here together)."""
+        head = engine.module.get_output_embeddings() if hasattr(engine.module, "config") else None
+        if head is None:
+            return
+        weights = dict(head.named_parameters(recurse=False)).values()  # read, not gathered
+        held = [u for u in engine.units if any(s.param is w for w in weights for s in u.slots)]
+        self._held.enter_context(engine.gathered(held))
+
+    def _shard_beside(self, model, engine_name: str):
+        """A model kept beside the trained one, sharded with the same arguments and frozen
+        (no gradient buffers, no optimizer); its engine goes to ``self.<engine_name>``.
+        Anything else (None, a sharded model) is kept as it is."""
+        sharded = getattr(model, "_zerotune_engine", None) is not None
+        if not isinstance(model, nn.Module) or sharded:
+            return model
+        model.requires_grad_(False)  # only read: no gradient buffers
+        engine = build_engine(model, self.args)
+        setattr(self, engine_name, engine)
+        self._compile(engine)
+        if engine_name == "teacher_engine":
+            self._keep_head_gathered(engine)
+        engine.module._is_accelerate_prepared = True  # placed by the engine: accelerate keeps off
+        return engine.module
 
     def add_callback(self, callback) -> None:
         """TRL's ``SyncRefModelCallback`` would mix the placeholders of sharded parameters:
@@ -683,6 +720,8 @@ class ZeroTrainer(Trainer):
 
     def close(self) -> None:
         """Finish pending I/O and remove this rank's NVMe swap files."""
+        self._held.close()
         self.engine.close()
-        if self.ref_engine is not None:
-            self.ref_engine.close()
+        for engine in (self.ref_engine, self.teacher_engine):
+            if engine is not None:
+                engine.close()
