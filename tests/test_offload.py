@@ -1471,3 +1471,44 @@ def test_carried_steps_at_world_2_with_ranks_at_different_speeds(tmp_path):
     assert carried[0]["losses"] == plain[0]["losses"] == carried[1]["losses"]
     for name, w in plain[0]["weights"].items():
         assert np.array_equal(carried[0]["weights"][name], w), name
+
+
+def frozen_engine_per_rank(rank, world, nvme_root, dtype):
+    """A model that never trains, sharded with its parameters on NVMe: no fp32 master in
+    memory, its weights read back from the file, written through load_unit_state."""
+    import torch
+    from conftest import tiny_gpt2
+
+    import zerotune
+
+    model = tiny_gpt2(seed=3).requires_grad_(False)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = {
+        "stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "dtype": dtype,
+        "nvme_path": os.path.join(nvme_root, f"rank{rank}"),
+    }  # fmt: skip
+    os.makedirs(config["nvme_path"], exist_ok=True)
+    engine = zerotune.shard(model, config)
+    report = engine.memory_report()
+    read = engine.full_state_dict()
+    unit = engine.units[1]
+    doubled = engine.unit_state(unit)["master"] * 2
+    engine.load_unit_state(unit, {"master": doubled})
+    again = engine.unit_state(unit)["master"]
+    engine.close()
+    to = torch.bfloat16 if dtype == "bf16" else torch.float32
+    errors = {
+        n: float((read[n].float() - w.to(to).float()).abs().max()) for n, w in weights.items()
+    }
+    return report["master"], report["params"], errors, bool(torch.equal(again, doubled))
+
+
+@pytest.mark.parametrize("world,dtype", [(1, "fp32"), (2, "fp32"), (1, "bf16")])
+def test_a_frozen_model_keeps_no_master_in_memory(tmp_path, world, dtype):
+    for master, params, errors, written in run_world(
+        world, frozen_engine_per_rank, str(tmp_path), dtype
+    ):
+        assert master == 0  # no fp32 copy of the shards on the compute device
+        assert params < 2000  # the persistent root's few bytes; the rest is on NVMe
+        assert max(errors.values()) == 0, errors
+        assert written

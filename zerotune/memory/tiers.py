@@ -191,6 +191,10 @@ class DeviceParams:
         if unit.shard is not unit.master:
             unit.shard.copy_(values)
 
+    def read(self, unit) -> torch.Tensor:
+        """This rank's shard (the live tensor)."""
+        return unit.shard
+
 
 class HostParams(DeviceParams):
     """The shard in (pinned) host memory of an accelerator run: copied in on each gather."""
@@ -272,6 +276,13 @@ class NvmeParams:
         staged.copy_(values)
         self.store(unit, staged, give_back=unit.host_pool.release)
         unit.wait_writes()
+
+    def read(self, unit) -> torch.Tensor:
+        """This rank's shard, read from its extent into a tensor of its own."""
+        unit.wait_writes()
+        shard = aligned_empty(unit.shard_numel, unit.dtype)
+        self.extent.file.read(shard, self.extent.offset).wait()
+        return shard
 
 
 # ------------------------------------------------------------------------- gradient tiers

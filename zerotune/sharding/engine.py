@@ -240,6 +240,8 @@ class ZeroEngine(nn.Module):
         ]
         self._open_swap(plans)
         unit_module_ids = {id(m) for _, m in specs[1:]}
+        # A model that never trains (a reference, a teacher) keeps no fp32 master.
+        frozen = not any(p.requires_grad for params in per_unit for _, p in params)
         units: list[Unit] = []
         for i, (name, module) in enumerate(specs):
             fill = None
@@ -260,6 +262,8 @@ class ZeroEngine(nn.Module):
                 fill=fill,
             )
             self._place(unit)  # to its tiers now: the next unit's construction needs the room
+            if frozen:
+                unit.drop_master()
             units.append(unit)
         # Dependencies: parameters that a unit's modules hold but another unit owns (tied
         # weights), found at wrap time; see external.py for those found while running.
@@ -723,7 +727,7 @@ class ZeroEngine(nn.Module):
         self.settle_optimizer()
         if optimizer is not None and optimizer.owns(unit):
             return optimizer.read_unit(unit)
-        return {"master": unit.master}
+        return {"master": unit.params.read(unit).float() if unit.master is None else unit.master}
 
     @torch.no_grad()
     def load_unit_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
@@ -744,7 +748,7 @@ class ZeroEngine(nn.Module):
                 )
         if with_optimizer:
             optimizer.write_unit(unit, state)
-        elif "master" in state:
+        elif "master" in state and unit.master is not None:
             unit.master.copy_(state["master"].reshape(-1))
         if "master" in state:
             unit.params.put(unit, state["master"].reshape(-1).to(unit.dtype))

@@ -457,7 +457,8 @@ class Unit:
             self.master = _to_host(self.master.float())
 
     def drop_master(self) -> None:
-        """The optimizer's files hold the fp32 master from now on: no copy in memory."""
+        """No fp32 master in memory from now on: the optimizer's files hold it, or the unit
+        never trains (its parameters are its weights)."""
         self.master = None
 
     def store_shard(self, values: torch.Tensor, give_back=None) -> None:
