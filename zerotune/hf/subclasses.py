@@ -13,11 +13,8 @@ HF model, as with the plain Trainer), and every override of ``cls`` still runs, 
 ZeroTrainer's and the Trainer's. Its arguments must be both: ``zero(SFTConfig)`` is the
 dataclass ``(ZeroTrainingArguments, SFTConfig)``, with the fields of both, so that ``cls``
 finds its own fields and ZeroTrainer its own. The models a subclass keeps beside the
-trained one, TRL's reference model (``self.ref_model``) and distilling teacher
-(``self.teacher_model``, sharded already when given to the constructor), are sharded by
-ZeroTrainer's properties as they are assigned, with the same configuration, frozen and
-without optimizer, so that they never sit whole in memory beside the shards of the model
-they are compared with.
+trained one (TRL's reference model and distilling teacher) are sharded as they are
+assigned: see [Note: models beside the trained one] in hf/companions.py.
 """
 
 from __future__ import annotations

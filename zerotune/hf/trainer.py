@@ -52,7 +52,6 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -82,6 +81,14 @@ from .checkpoints import (
     move_model_files,
     restore_rng,
 )
+from .companions import (
+    TEACHER,
+    Companions,
+    SyncReferenceShards,
+    check_same_layout,
+    engine_of,
+    replaces_trl_sync,
+)
 from .configs import describe_config
 from .generation import gather_for_generation
 from .optimizers import (
@@ -93,7 +100,6 @@ from .optimizers import (
     embeddings_in_32_bits,
     rebuild_over_shards,
 )
-from .reference import SyncReferenceShards, replaces_trl_sync
 
 __all__ = [
     "TRAINER_MARKER",
@@ -119,11 +125,11 @@ class DebugBeforeRelease(DebugUnderflowOverflow):
         self.model.apply(lambda m: m.register_forward_hook(self.forward_hook, prepend=True))
 
 
-def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
+def build_engine(model, args: ZeroTrainingArguments, frozen: bool = False) -> ZeroEngine:
     """The engine for ``model``: a ``ZeroEngine`` or a model it shards (used as is), a built
     ``nn.Module`` (sharded in place), a transformers config (zero-init, seeded with
     ``args.seed``), or a local folder or hub id (pretrained weights streamed into the
-    shards)."""
+    shards). ``frozen``: a module or folder to be only read (no gradients, no master)."""
     device = args.device  # also sets up torch.distributed under torchrun
     config = args.zero
     if isinstance(model, ZeroEngine):
@@ -141,6 +147,8 @@ def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
         # as the plain Trainer does with a model object given twice.
         return build_engine(engine, args)
     if isinstance(model, nn.Module):
+        if frozen:
+            model.requires_grad_(False)
         for module in model.modules():  # the shards go to `device`; buffers follow
             for name, buf in module._buffers.items():
                 if buf is not None and buf.device != device:
@@ -149,7 +157,7 @@ def build_engine(model, args: ZeroTrainingArguments) -> ZeroEngine:
     if isinstance(model, PretrainedConfig):
         return zero_init(model, config, seed=args.seed, device=device)
     if isinstance(model, (str, os.PathLike)):
-        return from_pretrained(model, config, device=device)
+        return from_pretrained(model, config, device=device, frozen=frozen)
     raise TypeError(
         "ZeroTrainer needs a model: a ZeroEngine, an nn.Module, a transformers config (random "
         f"init; zerotune.hf.model_config(name) for presets), or a folder / hub id, not {model!r}"
@@ -190,9 +198,9 @@ class ZeroTrainer(Trainer):
         self._accel_base: int | None = accelerator_allocated(args.device)
         self._overlap_backward: bool = False  # the next accelerator.backward is a step's last
         self.engine: ZeroEngine | None = None  # with model_init: built by call_model_init
-        self.ref_engine: ZeroEngine | None = None  # a reference model's (ref_model)
-        self.teacher_engine: ZeroEngine | None = None  # a distilling teacher's (teacher_model)
-        self._held = contextlib.ExitStack()  # units kept gathered until close()
+        # The reference model and teacher, sharded and frozen ([Note: models beside the
+        # trained one] in hf/companions.py).
+        self.companions = Companions(self._build_frozen)
         self._resume_rng: dict | None = None
         self.estimate_warnings: list[str] | None = None  # set after the first step
         self.memory_measured: dict[str, int] | None = None  # what they compared
@@ -203,8 +211,8 @@ class ZeroTrainer(Trainer):
         if model is not None:
             self._use_engine(build_engine(model, args))
             model = self.engine.module
-        if "teacher_model" in kwargs:  # sharded before the subclass places it on the device
-            kwargs["teacher_model"] = self._shard_beside(kwargs["teacher_model"], "teacher_engine")
+        if self._shards_teacher_first(kwargs.get(TEACHER), args):
+            kwargs[TEACHER] = self.companions.assign(TEACHER, kwargs[TEACHER])
         if optimizer is None or self.engine is None:
             pass  # model_init with optimizers= is the Trainer's to refuse
         elif optimizer is self.engine.optimizer:
@@ -226,58 +234,65 @@ class ZeroTrainer(Trainer):
     @property
     def ref_model(self) -> nn.Module | None:
         """The reference model of trainers that keep one (TRL's ``DPOTrainer``): sharded like
-        the trained model, and frozen, as it is assigned (see [Note: any Trainer subclass]
-        in hf/subclasses.py); None for trainers without one."""
+        the trained model, and frozen, as it is assigned (see [Note: models beside the
+        trained one] in hf/companions.py); None for trainers without one."""
         return self.__dict__.get("_ref_model")
 
     @ref_model.setter
     def ref_model(self, model: nn.Module | None) -> None:
-        self.__dict__["_ref_model"] = self._shard_beside(model, "ref_engine")
+        self.__dict__["_ref_model"] = self.companions.assign("ref_model", model)
 
     @property
     def teacher_model(self) -> nn.Module | None:
-        """The teacher of trainers that distil (TRL's ``DistillationTrainer``): sharded like
-        the reference model; one given to the constructor is sharded before the subclass
-        sees it, so that it never sits whole on the device."""
+        """The teacher of trainers that distil (TRL's ``DistillationTrainer``), sharded like
+        the reference model; its head's unit stays gathered."""
         return self.__dict__.get("_teacher_model")
 
     @teacher_model.setter
     def teacher_model(self, model: nn.Module | None) -> None:
-        self.__dict__["_teacher_model"] = self._shard_beside(model, "teacher_engine")
+        self.__dict__["_teacher_model"] = self.companions.assign(TEACHER, model)
 
-    def _keep_head_gathered(self, engine: ZeroEngine) -> None:
-        """TRL's distillation computes the teacher's logits chunk by chunk from its output
-        embedding's weight, outside the teacher's forward: the unit holding that weight
-        stays gathered until ``close()`` (every rank gets here together)."""
-        head = engine.module.get_output_embeddings() if hasattr(engine.module, "config") else None
-        if head is None:
-            return
-        weights = dict(head.named_parameters(recurse=False)).values()  # read, not gathered
-        held = [u for u in engine.units if any(s.param is w for w in weights for s in u.slots)]
-        self._held.enter_context(engine.gathered(held))
+    @property
+    def ref_engine(self) -> ZeroEngine | None:
+        return self.companions.engines.get("ref_model")
 
-    def _shard_beside(self, model, engine_name: str):
-        """A model kept beside the trained one, sharded with the same arguments and frozen
-        (no gradient buffers, no optimizer); its engine goes to ``self.<engine_name>``.
-        Anything else (None, a sharded model) is kept as it is."""
-        sharded = getattr(model, "_zerotune_engine", None) is not None
-        if not isinstance(model, nn.Module) or sharded:
-            return model
-        model.requires_grad_(False)  # only read: no gradient buffers
-        engine = build_engine(model, self.args)
-        setattr(self, engine_name, engine)
+    @property
+    def teacher_engine(self) -> ZeroEngine | None:
+        return self.companions.engines.get(TEACHER)
+
+    def _build_frozen(self, model) -> ZeroEngine:
+        engine = build_engine(model, self.args, frozen=True)
         self._compile(engine)
-        if engine_name == "teacher_engine":
-            self._keep_head_gathered(engine)
         engine.module._is_accelerate_prepared = True  # placed by the engine: accelerate keeps off
-        return engine.module
+        return engine
+
+    @staticmethod
+    def _shards_teacher_first(teacher, args) -> bool:
+        """A teacher given to the constructor is sharded before the subclass places it on the
+        device: a module, or a folder / hub id unless TRL's own loading options are set."""
+        if isinstance(teacher, nn.Module):
+            return True
+        own_loading = ("teacher_model_init_kwargs", "teacher_model_revision")
+        return isinstance(teacher, (str, os.PathLike)) and not any(
+            getattr(args, name, None) is not None for name in own_loading
+        )
 
     def add_callback(self, callback) -> None:
         """TRL's ``SyncRefModelCallback`` would mix the placeholders of sharded parameters:
         its sharded counterpart goes in its place ([Note: syncing the reference model])."""
         if replaces_trl_sync(callback) and not isinstance(callback, type):
+            if callback.ref_model is not None and self.engine is not None:
+                check_same_layout(self.engine, engine_of(callback.ref_model))
             callback = SyncReferenceShards(callback.ref_model)
         super().add_callback(callback)
+
+    def pop_callback(self, callback):
+        return super().pop_callback(
+            SyncReferenceShards if replaces_trl_sync(callback) else callback
+        )
+
+    def remove_callback(self, callback) -> None:
+        super().remove_callback(SyncReferenceShards if replaces_trl_sync(callback) else callback)
 
     def _use_engine(self, engine: ZeroEngine) -> None:
         self.engine = engine
@@ -505,7 +520,15 @@ class ZeroTrainer(Trainer):
         """Compare this rank's measured peaks (host: peak RSS added since the engine was
         built; accelerator: peak allocated added; nvme: swap files) with `zerotune
         estimate` for this engine and these arguments; logs both, warns beyond 15% and
-        returns the warnings. Called once after the first optimizer step."""
+        returns the warnings. Called once after the first optimizer step. Not compared while
+        a reference model or teacher is held: the estimate covers the trained model only."""
+        if self.companions.engines:
+            log.info(
+                "zerotune: memory not checked against the estimate (a %s is held)",
+                "/".join(self.companions.engines),
+            )
+            self.estimate_warnings = []
+            return self.estimate_warnings
         measured = {
             "host": max(peak_rss() - self._rss_base, 0),
             "nvme": self.engine.memory_report().get("nvme", 0),
@@ -720,8 +743,5 @@ class ZeroTrainer(Trainer):
 
     def close(self) -> None:
         """Finish pending I/O and remove this rank's NVMe swap files."""
-        self._held.close()
+        self.companions.close()
         self.engine.close()
-        for engine in (self.ref_engine, self.teacher_engine):
-            if engine is not None:
-                engine.close()

@@ -371,8 +371,10 @@ def from_pretrained(
     *,
     device: torch.device | str | None = None,
     group=None,
+    frozen: bool = False,
 ) -> ZeroEngine:
-    """Load an HF causal LM straight into shards (see [Note: streaming load])."""
+    """Load an HF causal LM straight into shards (see [Note: streaming load]); ``frozen``:
+    for reading only (no gradients, no fp32 master)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = resolve_model_folder(name_or_path)
@@ -384,6 +386,7 @@ def from_pretrained(
     ckpt = SafetensorsCheckpoint(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
+    model.requires_grad_(not frozen)
     device = torch.device(device) if device is not None else default_device()
     realize_placeholders(model, device)
     # Tiles first (the engine would tile later), so that the loader maps each to its block.

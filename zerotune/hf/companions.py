@@ -1,0 +1,152 @@
+"""The models a trainer keeps beside the trained one (TRL's reference model, a distilling
+teacher): sharded like it and frozen; and TRL's ``sync_ref_model`` for them.
+
+[Note: models beside the trained one]
+TRL's DPO, KTO, GRPO (with a KL term) and RLOO keep a reference model, and its
+DistillationTrainer a teacher, often larger than the student. Left alone they would sit
+whole on every rank. ZeroTrainer shards each as it is assigned (``self.ref_model``,
+``self.teacher_model``; a teacher given to the constructor, module or folder, before the
+subclass places it on the device) with the trained model's arguments: frozen, without
+optimizer, without an fp32 master (their parameters are their weights). A model sharded
+already is used as it is. Replacing one closes the engine built for the one before. A
+teacher's head is special: TRL computes its logits chunk by chunk from
+``get_output_embeddings().weight`` outside the teacher's forward, where a sharded unit
+holds nothing, so the unit holding that weight stays gathered for as long as the teacher
+is in use. The memory estimate covers the trained model only, so its check after the first
+step is skipped while such a model is held.
+
+[Note: syncing the reference model]
+With ``sync_ref_model=True`` TRL's DPO, KTO, GRPO and RLOO trainers move the reference
+model towards the trained one every ``ref_model_sync_steps`` steps: each reference weight
+becomes ``(1 - alpha) * ref + alpha * model`` (``ref_model_mixup_alpha``). TRL's callback
+does it parameter by parameter on ``param.data``; at stage 3 those are empty placeholders
+between forwards, so it would mix nothing and say nothing. ZeroTrainer puts this callback
+in its place. Both models are sharded by the same arguments into the same units, so the
+mix is elementwise on each rank's slices, in fp32: the trained model's master (its
+optimizer's, wherever its tier keeps it) and the reference's parameters, written back to
+the reference's tier through ``load_unit_state``. No rank talks to another but for
+gathered (persistent) units, and no model is gathered whole. In bf16 the reference is
+rounded to bf16 after each mix, as TRL's is; its trained side comes from the fp32 master.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from ..sharding import ZeroEngine
+
+TEACHER = "teacher_model"
+
+
+class Companions:
+    """The frozen models beside the trained one, by the attribute that holds them
+    (``ref_model``, ``teacher_model``); see [Note: models beside the trained one].
+    ``build(model)``: a frozen engine for a module or a folder, with the trainer's arguments."""
+
+    def __init__(self, build: Callable[[object], ZeroEngine]) -> None:
+        self.build = build
+        self.engines: dict[str, ZeroEngine] = {}  # the engine of each model held
+        self.built: dict[str, ZeroEngine] = {}  # those built here: closed when let go
+        self.holds: dict[str, contextlib.ExitStack] = {}  # units kept gathered
+
+    def assign(self, role: str, model):
+        """What ``self.<role> = model`` keeps: the sharded module, or ``model`` itself when
+        it is not a model (None, a client of a teacher server)."""
+        current = self.engines.get(role)
+        if current is not None and model is current.module:
+            return model
+        self.let_go(role)
+        engine = getattr(model, "_zerotune_engine", None) if isinstance(model, nn.Module) else None
+        if engine is None and isinstance(model, (nn.Module, str, os.PathLike)):
+            engine = self.built[role] = self.build(model)
+        elif engine is None:
+            return model
+        self.engines[role] = engine
+        if role == TEACHER:
+            self.holds[role] = keep_head_gathered(engine)
+        return engine.module
+
+    def let_go(self, role: str) -> None:
+        hold = self.holds.pop(role, None)
+        if hold is not None:
+            hold.close()
+        self.engines.pop(role, None)
+        built = self.built.pop(role, None)
+        if built is not None:
+            built.close()
+
+    def close(self) -> None:
+        for role in list(self.engines):
+            self.let_go(role)
+
+
+def keep_head_gathered(engine: ZeroEngine) -> contextlib.ExitStack:
+    """Keep the unit holding the model's output embedding gathered until the stack closes
+    (every rank calls it together)."""
+    stack = contextlib.ExitStack()
+    module = engine.module
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if head is not None:
+        weights = dict(head.named_parameters(recurse=False)).values()  # read, not gathered
+        held = [u for u in engine.units if any(s.param is w for w in weights for s in u.slots)]
+        stack.enter_context(engine.gathered(held))
+    return stack
+
+
+def engine_of(model) -> ZeroEngine:
+    engine = model if isinstance(model, ZeroEngine) else getattr(model, "_zerotune_engine", None)
+    if engine is None:
+        raise ValueError("sync_ref_model: the model is not sharded by zerotune")
+    return engine
+
+
+def check_same_layout(engine: ZeroEngine, ref: ZeroEngine) -> None:
+    """Refuse a reference model whose units do not match the trained model's slot by slot."""
+
+    def layout(e: ZeroEngine) -> list:
+        return [(u.shard_numel, [(s.name, s.offset, s.numel) for s in u.slots]) for u in e.units]
+
+    if (engine.world, engine.rank) != (ref.world, ref.rank) or layout(engine) != layout(ref):
+        raise ValueError(
+            "sync_ref_model: the reference model is not sharded like the trained model (other "
+            "parameters or another zero configuration); give both the same architecture"
+        )
+
+
+@torch.no_grad()
+def mix_into_reference(engine: ZeroEngine, ref: ZeroEngine, alpha: float) -> None:
+    """``ref = (1 - alpha) * ref + alpha * model``, unit by unit on this rank's slices (see
+    [Note: syncing the reference model]). Every rank must call it."""
+    check_same_layout(engine, ref)
+    for unit, ref_unit in zip(engine.units, ref.units):
+        trained = engine.unit_state(unit)["master"]
+        mixed = ref.unit_state(ref_unit)["master"].float().mul(1.0 - alpha)
+        mixed.add_(trained.to(mixed.device, torch.float32), alpha=alpha)
+        ref.load_unit_state(ref_unit, {"master": mixed})
+
+
+class SyncReferenceShards(TrainerCallback):
+    """TRL's ``SyncRefModelCallback`` for sharded models (ZeroTrainer adds it in that one's
+    place): every ``ref_model_sync_steps`` steps the reference model's shards are mixed with
+    the trained model's."""
+
+    def __init__(self, ref_model) -> None:
+        self.ref_model = ref_model
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.ref_model is not None and state.global_step % args.ref_model_sync_steps == 0:
+            engine = engine_of(model)
+            mix_into_reference(engine, engine_of(self.ref_model), args.ref_model_mixup_alpha)
+
+
+def replaces_trl_sync(callback) -> bool:
+    """Whether ``callback`` is TRL's ``SyncRefModelCallback`` itself (an instance or the class;
+    not a subclass, which may sync something else)."""
+    cls = callback if isinstance(callback, type) else type(callback)
+    return cls.__name__ == "SyncRefModelCallback" and cls.__module__.startswith("trl.")
