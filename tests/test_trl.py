@@ -88,11 +88,17 @@ def preferences() -> Dataset:
     )
 
 
-def _zero_args(cls, tmp_path, zero_name: str, **extra):
+def zero_options(tmp_path, zero_name: str) -> dict:
+    """The zerotune fields of a ZERO setting, with a swap folder under ``tmp_path``."""
     options = dict(ZERO[zero_name])
     if "nvme" in options.values():
         (tmp_path / "swap").mkdir(exist_ok=True)
         options["nvme_path"] = str(tmp_path / "swap")
+    return options
+
+
+def _zero_args(cls, tmp_path, zero_name: str, **extra):
+    options = zero_options(tmp_path, zero_name)
     return zero(cls)(output_dir=str(tmp_path / "zero"), **ARGS, **options, **extra)
 
 
@@ -292,10 +298,7 @@ def test_grpo_generates_and_logs_the_plain_grpo_rewards_and_losses(tmp_path, zer
     from trl import GRPOConfig
 
     _, plain = grpo_run(unwrapped, GRPOConfig(output_dir=str(tmp_path / "plain"), **GRPO_ARGS))
-    options = dict(ZERO[zero_name])
-    if "nvme" in options.values():
-        (tmp_path / "swap").mkdir()
-        options["nvme_path"] = str(tmp_path / "swap")
+    options = zero_options(tmp_path, zero_name)
     args = zero(GRPOConfig)(output_dir=str(tmp_path / "zero"), **GRPO_ARGS, **options)
     trainer, logs = grpo_run(zero, args)
     assert isinstance(trainer, ZeroTrainer)
@@ -364,10 +367,7 @@ def test_distillation_shards_its_teacher_and_logs_the_plain_losses(tmp_path, zer
 
     args = DistillationConfig(output_dir=str(tmp_path / "plain"), **DISTIL_ARGS)
     _, plain = distil_run(unwrapped, args)
-    options = dict(ZERO[zero_name])
-    if "nvme" in options.values():
-        (tmp_path / "swap").mkdir()
-        options["nvme_path"] = str(tmp_path / "swap")
+    options = zero_options(tmp_path, zero_name)
     args = zero(DistillationConfig)(output_dir=str(tmp_path / "zero"), **DISTIL_ARGS, **options)
     trainer, logs = distil_run(zero, args)
     teacher = trainer.teacher_engine
@@ -516,10 +516,7 @@ def test_sync_ref_model_mixes_the_reference_like_the_plain_trainer(tmp_path, whi
     folder = tmp_path / "model"
     byte_gpt2().save_pretrained(folder)
     plain, plain_logs = synced_run(which, unwrapped, str(tmp_path / "plain"), folder)
-    options = dict(ZERO[zero_name])
-    if "nvme" in options.values():
-        (tmp_path / "swap").mkdir()
-        options["nvme_path"] = str(tmp_path / "swap")
+    options = zero_options(tmp_path, zero_name)
     trainer, logs = synced_run(which, zero, str(tmp_path / "zero"), folder, **options)
     for key in plain_logs:
         torch.testing.assert_close(logs[key], plain_logs[key], rtol=RTOL, atol=1e-6, msg=key)
