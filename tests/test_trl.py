@@ -308,6 +308,48 @@ def test_grpo_generates_and_logs_the_plain_grpo_rewards_and_losses(tmp_path, zer
     trainer.close()
 
 
+def reward_gpt2():
+    """A GPT-2 reward model (one score) over the byte tokenizer's ids."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(7)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=259, n_positions=64, num_labels=1,
+        pad_token_id=257, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2ForSequenceClassification(config)
+
+
+@pytest.mark.parametrize("zero_name", ["stage3", "stage3-nvme"])
+def test_grpo_shards_its_reward_model_and_logs_the_plain_rewards(tmp_path, zero_name):
+    """A reward model among GRPO's reward functions is sharded and frozen like a reference
+    model (TRL would place it whole on the device) and scores as the plain one does."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    def run(wrap, args):
+        prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+        trainer = wrap(GRPOTrainer)(
+            model=byte_gpt2(), reward_funcs=[reward_gpt2(), counted_length], args=args,
+            train_dataset=prompts, processing_class=byte_tokenizer(),
+            reward_processing_classes=[byte_tokenizer(), None],
+        )  # fmt: skip
+        trainer.train()
+        return trainer, {key: logged(trainer, key) for key in GRPO_LOGGED}
+
+    _, plain = run(unwrapped, GRPOConfig(output_dir=str(tmp_path / "plain"), **GRPO_ARGS))
+    options = zero_options(tmp_path, zero_name)
+    trainer, logs = run(zero, zero(GRPOConfig)(str(tmp_path / "zero"), **GRPO_ARGS, **options))
+    scorer = trainer.reward_funcs[0]
+    engine = trainer.companions.engines["reward_funcs[0]"]
+    assert scorer is engine.module and engine.optimizer is None
+    assert engine.memory_report()["master"] == 0
+    assert all(u.state.name == "SHARDED" for u in engine.units if not u.persistent)
+    assert max(plain["reward_std"]) > 0
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+
+
 def generate_per_rank(rank, world):
     """Rank r asks for 2 + 3r new tokens: the ranks finish at different steps."""
     import zerotune

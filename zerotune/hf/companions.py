@@ -1,18 +1,18 @@
 """The models a trainer keeps beside the trained one (TRL's reference model, a distilling
-teacher): sharded like it and frozen; and TRL's ``sync_ref_model`` for them.
+teacher, reward models): sharded like it and frozen; and TRL's ``sync_ref_model``.
 
 [Note: models beside the trained one]
-TRL's DPO, KTO, GRPO (with a KL term) and RLOO keep a reference model, and its
-DistillationTrainer a teacher, often larger than the student. Left alone they would sit
-whole on every rank. ZeroTrainer shards each as it is assigned (``self.ref_model``,
-``self.teacher_model``; a teacher given to the constructor, module or folder, before the
-subclass places it on the device) with the trained model's arguments: frozen, without
-optimizer, without an fp32 master (their parameters are their weights). A model sharded
-already is used as it is. Replacing one closes the engine built for the one before. A
-teacher's head is special: TRL computes its logits chunk by chunk from
+TRL's DPO, KTO, GRPO (with a KL term) and RLOO keep a reference model, its
+DistillationTrainer a teacher, often larger than the student, and GRPO and RLOO may score
+with reward models. Left alone they would sit whole on every rank. ZeroTrainer shards each
+(``self.ref_model`` as it is assigned; a teacher, module or folder, and the modules among
+``reward_funcs`` given to the constructor, before the subclass places them on the device)
+with the trained model's arguments: frozen, without optimizer, without an fp32 master. A
+model sharded already is used as it is. Replacing one closes the engine built for the one
+before. A teacher's head is special: TRL computes its logits chunk by chunk from
 ``get_output_embeddings().weight`` outside the teacher's forward, where a sharded unit
-holds nothing, so the unit holding that weight stays gathered for as long as the teacher
-is in use. The memory estimate covers the trained model only, so its check after the first
+holds nothing, so the unit holding that weight stays gathered for as long as the teacher is
+in use. The memory estimate covers the trained model only, so its check after the first
 step is skipped while such a model is held.
 
 [Note: syncing the reference model]

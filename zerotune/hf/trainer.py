@@ -213,6 +213,8 @@ class ZeroTrainer(Trainer):
             model = self.engine.module
         if self._shards_teacher_first(kwargs.get(TEACHER), args):
             kwargs[TEACHER] = self.companions.assign(TEACHER, kwargs[TEACHER])
+        if kwargs.get("reward_funcs") is not None:  # GRPO's and RLOO's reward models
+            kwargs["reward_funcs"] = self._shard_reward_models(kwargs["reward_funcs"])
         if optimizer is None or self.engine is None:
             pass  # model_init with optimizers= is the Trainer's to refuse
         elif optimizer is self.engine.optimizer:
@@ -265,6 +267,16 @@ class ZeroTrainer(Trainer):
         self._compile(engine)
         engine.module._is_accelerate_prepared = True  # placed by the engine: accelerate keeps off
         return engine
+
+    def _shard_reward_models(self, funcs):
+        """The modules among ``reward_funcs`` (one or a list), sharded and frozen like a
+        reference model before the subclass places them on the device; the rest as given."""
+        listed = funcs if isinstance(funcs, list) else [funcs]
+        listed = [
+            self.companions.assign(f"reward_funcs[{i}]", f) if isinstance(f, nn.Module) else f
+            for i, f in enumerate(listed)
+        ]
+        return listed if isinstance(funcs, list) else listed[0]
 
     @staticmethod
     def _shards_teacher_first(teacher, args) -> bool:
