@@ -46,7 +46,8 @@ TEACHER = "teacher_model"
 
 class Companions:
     """The frozen models beside the trained one, by the attribute that holds them
-    (``ref_model``, ``teacher_model``); see [Note: models beside the trained one].
+    (``ref_model``, ``teacher_model``, ``reward_funcs[i]``); see [Note: models beside the
+    trained one].
     ``build(model)``: a frozen engine for a module or a folder, with the trainer's arguments."""
 
     def __init__(self, build: Callable[[object], ZeroEngine]) -> None:
