@@ -261,9 +261,9 @@ class ZeroEngine(nn.Module):
                 group=self.group,
                 fill=fill,
             )
-            self._place(unit)  # to its tiers now: the next unit's construction needs the room
             if frozen:
-                unit.drop_master()
+                unit.drop_master()  # before placing: no master to copy to a tier
+            self._place(unit)  # to its tiers now: the next unit's construction needs the room
             units.append(unit)
         # Dependencies: parameters that a unit's modules hold but another unit owns (tied
         # weights), found at wrap time; see external.py for those found while running.

@@ -452,7 +452,7 @@ class Unit:
                 # The flat buffer was the shard; now its storage exists only while gathered.
                 self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
                 self.flat.untyped_storage().resize_(0)
-        if master and self.master.device != torch.device("cpu"):
+        if master and self.master is not None and self.master.device != torch.device("cpu"):
             # With fp32 the master was the device shard itself: now a host copy.
             self.master = _to_host(self.master.float())
 
