@@ -193,15 +193,8 @@ def generate_gathered_per_rank(rank, world, budget_on_rank_1):
     engine = zerotune.shard(byte_gpt2().eval(), {"stage": 3})
     budget = budget_on_rank_1 if rank == 1 else None
     gather_for_generation(engine.module, budget=budget)
-    counts: dict[int, int] = {}
-    gather = Unit.gather
-
-    def counted(unit, *args, **kwargs):
-        if unit.state is UnitState.SHARDED:
-            counts[unit.index] = counts.get(unit.index, 0) + 1
-        return gather(unit, *args, **kwargs)
-
-    Unit.gather = counted
+    patches = pytest.MonkeyPatch()  # a rank process has no fixture
+    gathers = CountGathers(patches)
     try:
         prompt = torch.tensor([[ord(c) for c in f"count from {rank}:"]])
         new = 2 + 3 * rank
@@ -213,7 +206,7 @@ def generate_gathered_per_rank(rank, world, budget_on_rank_1):
                 prompt, max_new_tokens=new, do_sample=False, eos_token_id=None
             )
     finally:
-        Unit.gather = gather
+        patches.undo()
     # Continuous batching, each rank its own requests: gathered, the plain model's tokens;
     # unit by unit refused (its ranks would not step together).
     refusal = batch = expected_batch = None
@@ -224,7 +217,7 @@ def generate_gathered_per_rank(rank, world, budget_on_rank_1):
         refusal = str(exc)
     units = [u.index for u in engine.units if not u.persistent]
     engine.close()
-    gathered = [counts.get(i, 0) for i in units]
+    gathered = [gathers.counts.get(i, 0) for i in units]
     return got.tolist(), expected.tolist(), gathered, refusal, batch, expected_batch
 
 
