@@ -1475,7 +1475,8 @@ def test_carried_steps_at_world_2_with_ranks_at_different_speeds(tmp_path):
 
 def frozen_engine_per_rank(rank, world, nvme_root, dtype):
     """A model that never trains, sharded with its parameters on NVMe: no fp32 master in
-    memory, its weights read back from the file, written through load_unit_state."""
+    memory, its weights read back from the file, written through load_unit_state (also
+    while a unit is held gathered)."""
     import torch
     from conftest import tiny_gpt2
 
@@ -1495,11 +1496,20 @@ def frozen_engine_per_rank(rank, world, nvme_root, dtype):
     doubled = engine.unit_state(unit)["master"] * 2
     engine.load_unit_state(unit, {"master": doubled})
     again = engine.unit_state(unit)["master"]
+    # A unit held gathered (a teacher's head) sees what is written while it is held.
+    held = engine.units[3]
+    with engine.gathered([held]):
+        engine.load_unit_state(held, {"master": engine.unit_state(held)["master"] * 3})
+        seen = {s.name: s.param.detach().clone() for s in held.slots}
     engine.close()
     to = torch.bfloat16 if dtype == "bf16" else torch.float32
     errors = {
         n: float((read[n].float() - w.to(to).float()).abs().max()) for n, w in weights.items()
     }
+    for name, value in seen.items():
+        errors[f"held {name}"] = float(
+            (value.float() - (weights[name].to(to) * 3).float()).abs().max()
+        )
     return report["master"], report["params"], errors, bool(torch.equal(again, doubled))
 
 

@@ -752,7 +752,7 @@ class ZeroEngine(nn.Module):
             unit.master.copy_(state["master"].reshape(-1))
         if "master" in state:
             unit.params.put(unit, state["master"].reshape(-1).to(unit.dtype))
-        unit.refresh()
+        unit.reload()
 
     # ------------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, int]:

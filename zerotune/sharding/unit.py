@@ -504,6 +504,21 @@ class Unit:
         zdist.all_gather_into(self.full, send, group=self.group)
         self.pool.release(send)
 
+    def reload(self) -> None:
+        """After its shard was overwritten (``load_unit_state``): a persistent unit
+        refreshes, a gathered one whose whole buffer is not its shard (a held unit) fetches
+        it again. Collective at world size > 1, like the gather."""
+        if self.persistent:
+            self.refresh()
+            return
+        if self.state is UnitState.SHARDED or not self.params.lends_storage(self):
+            return
+        self.wait()
+        self._empty_params()
+        self._free_storage()
+        self.state = UnitState.SHARDED
+        self.gather()
+
     def alloc_storage(self, mapped: torch.Tensor | None = None) -> None:
         """Give the flat buffer storage: ``mapped`` (a mapping of the parameter file), a
         buffer lent by the gather cache, or its own."""
