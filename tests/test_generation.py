@@ -87,6 +87,7 @@ def test_gathered_generate_fetches_each_unit_once_and_gives_the_plain_tokens(
 
     gather_for_generation(engine.module, enabled=False)
     assert "generate" not in engine.module.__dict__
+    assert not engine.module.__dict__["generate_batch"].gather  # refused at world size > 1
     gathers.counts.clear()
     assert generate(engine.module) == expected
     assert gathers.counts == per_token
@@ -187,12 +188,12 @@ def test_gather_for_generation_refuses_what_it_cannot_wrap():
     engine.close()
 
 
-def generate_gathered_per_rank(rank, world, budget_on_rank_1):
+def generate_gathered_per_rank(rank, world, budget_on_rank_1, enabled=True):
     """Rank r asks for 2 + 3r new tokens; rank 1 alone may be given a budget too small."""
     plain = byte_gpt2().eval()
     engine = zerotune.shard(byte_gpt2().eval(), {"stage": 3})
     budget = budget_on_rank_1 if rank == 1 else None
-    gather_for_generation(engine.module, budget=budget)
+    gather_for_generation(engine.module, enabled, budget=budget)
     patches = pytest.MonkeyPatch()  # a rank process has no fixture
     gathers = CountGathers(patches)
     try:
@@ -221,20 +222,23 @@ def generate_gathered_per_rank(rank, world, budget_on_rank_1):
     return got.tolist(), expected.tolist(), gathered, refusal, batch, expected_batch
 
 
-@pytest.mark.parametrize("budget_on_rank_1", [None, 1])
-def test_world_2_ranks_agree_on_gathering_and_stop_at_different_lengths(budget_on_rank_1):
-    """Rank 1 finishes its tokens later; with a budget too small on rank 1 only, both ranks
-    generate unit by unit (one rank alone in gathered() would wait forever)."""
-    results = run_world(2, generate_gathered_per_rank, budget_on_rank_1, timeout=120)
+@pytest.mark.parametrize("budget_on_rank_1, enabled", [(None, True), (1, True), (None, False)])
+def test_world_2_ranks_agree_on_gathering_and_stop_at_different_lengths(budget_on_rank_1, enabled):
+    """Rank 1 finishes its tokens later; with a budget too small on rank 1 only, or gathering
+    off, both ranks generate unit by unit (one rank alone in gathered() would wait forever),
+    and generate_batch is refused instead of hanging."""
+    results = run_world(2, generate_gathered_per_rank, budget_on_rank_1, enabled, timeout=120)
     for rank, (got, expected, counts, refusal, batch, expected_batch) in enumerate(results):
         assert got == expected
         assert len(got[0]) == len(f"count from {rank}:") + 2 + 3 * rank
-        if budget_on_rank_1 is None:
+        if budget_on_rank_1 is None and enabled:
             assert counts == [1] * len(counts)
             assert refusal is None and batch == expected_batch and len(batch[0]) == 2 + 3 * rank
         else:
             assert min(counts) == 2 + 3 * 1  # both ranks run rank 1's 5 forwards
             assert "generate_batch at world size > 1 needs the whole model" in refusal
+            why = "does not fit" if enabled else "ds3_gather_for_generation=False"
+            assert why in refusal
 
 
 def grpo_gathers(tmp_path, monkeypatch, **flag) -> dict[int, int]:
@@ -249,6 +253,7 @@ def grpo_gathers(tmp_path, monkeypatch, **flag) -> dict[int, int]:
     trainer, logs = grpo_run(zero, args)
     gathered = isinstance(trainer.model.__dict__.get("generate"), GatheredGenerate)
     assert gathered == flag.get("ds3_gather_for_generation", True)
+    assert trainer.model.__dict__["generate_batch"].gather == gathered  # refused at world > 1
     assert logs["completions/mean_length"][0] == GRPO_ARGS["max_completion_length"]
     trainer.close()
     return dict(gathers.counts)  # a copy: the counter goes on counting

@@ -17,7 +17,9 @@ against 80% of the free memory of the engine's device (or a given budget), again
 ``max_live_bytes`` when set, and mapped NVMe gathers against the open-file limit. When it
 does not fit on some rank, every rank gathers unit by unit and one warning says so. Ranks
 agree with one all-reduce, because ``gathered()`` is a collective: one rank alone in it
-would wait forever.
+would wait forever. For the same reason ``generate_batch``, whose ranks do not step
+together, is refused at world size > 1 whenever it would run unit by unit: when the model
+does not fit, or when gathering is off (``ds3_gather_for_generation=False``).
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ class GatheredGenerate:
     (see [Note: gathered for generation]). Held by the model as an attribute, so that a copy
     of the model gets its own."""
 
-    def __init__(self, model: nn.Module, name: str, budget: int | None = None):
+    def __init__(self, model: nn.Module, name: str, budget: int | None = None, gather: bool = True):
         self.model = model
         self.name = name
         self.budget = budget
+        self.gather = gather  # False: only generate_batch's refusal at world size > 1
         self.warned = False
 
     def __call__(self, *args, **kwargs):
@@ -58,16 +61,20 @@ class GatheredGenerate:
         engine = getattr(model, "_zerotune_engine", None)
         if engine is None or engine.config.stage != 3:
             return generate(model, *args, **kwargs)
-        if self._fits(engine):
+        if self.gather and self._fits(engine):
             with engine.gathered():
                 return generate(model, *args, **kwargs)
         if self.name == "generate_batch" and engine.world > 1:
             # Continuous batching does not keep the ranks stepping together (no synced_gpus):
             # unit by unit, their gathers would wait for each other forever.
+            why = (
+                "which does not fit (see the warning above)"
+                if self.gather
+                else "which is off (TRL: ds3_gather_for_generation=False)"
+            )
             raise RuntimeError(
-                "zerotune: generate_batch at world size > 1 needs the whole model gathered, "
-                "which does not fit (see the warning above); use generate instead (TRL: "
-                "use_transformers_paged=False)"
+                f"zerotune: generate_batch at world size > 1 needs the whole model gathered, "
+                f"{why}; use generate instead (TRL: use_transformers_paged=False)"
             )
         return generate(model, *args, **kwargs)
 
@@ -123,7 +130,7 @@ def free_bytes(engine) -> int:
 def gather_for_generation(model: nn.Module, enabled: bool = True, budget: int | None = None):
     """Make ``model.generate`` and ``generate_batch`` gather the whole sharded model once per
     call (stage 3; see [Note: gathered for generation]), or with ``enabled=False`` take that
-    off again.
+    off again (``generate_batch`` is then refused at world size > 1).
 
     ``model``: a model sharded by zerotune (``engine.module``). ``budget``: the bytes the
     gathered units may take (default: 80% of the free memory of the engine's device). A
@@ -132,13 +139,15 @@ def gather_for_generation(model: nn.Module, enabled: bool = True, budget: int | 
     for name in METHODS:
         if isinstance(model.__dict__.get(name), GatheredGenerate):
             del model.__dict__[name]
-    if not enabled:
-        return
     if getattr(model, "_zerotune_engine", None) is None:
+        if not enabled:
+            return
         raise ValueError("gather_for_generation: the model is not sharded by zerotune")
     names = [n for n in METHODS if callable(getattr(type(model), n, None))]
+    if not enabled:  # only the refusal, where nothing of the model's own is in its place
+        names = [n for n in names if n == "generate_batch" and n not in model.__dict__]
     for name in names:
         if name in model.__dict__:
             raise ValueError(f"gather_for_generation: the model has its own {name} attribute")
     for name in names:
-        model.__dict__[name] = GatheredGenerate(model, name, budget)
+        model.__dict__[name] = GatheredGenerate(model, name, budget, gather=enabled)
