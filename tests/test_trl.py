@@ -580,13 +580,13 @@ def swap_files(folder) -> int:
 def test_a_teacher_folder_is_streamed_into_shards_and_let_go_when_replaced(tmp_path):
     """A teacher named by its folder is loaded straight into frozen shards (its parameters
     on NVMe, no fp32 master); a teacher sharded elsewhere is used as it is, its head held;
-    replacing a teacher closes the engine built for it; TRL's sync callback class still
-    finds its stand-in."""
+    replacing a teacher closes the engine built for it; TRL's sync callback mixes shards,
+    one that mixes in its own way is refused."""
     from trl import DistillationConfig, DistillationTrainer
     from trl.trainer.callbacks import SyncRefModelCallback
 
     import zerotune
-    from zerotune.hf.companions import SyncReferenceShards, replaces_trl_sync
+    from zerotune.hf.companions import mix_shards
 
     folder, swap = tmp_path / "teacher", tmp_path / "swap"
     teacher_gpt2().save_pretrained(folder)
@@ -618,9 +618,16 @@ def test_a_teacher_folder_is_streamed_into_shards_and_let_go_when_replaced(tmp_p
     trainer.teacher_model = None
     assert trainer.teacher_engine is None and head[0].state.name == "SHARDED"
 
-    assert replaces_trl_sync(SyncRefModelCallback)
-    assert not replaces_trl_sync(type("Mine", (SyncRefModelCallback,), {}))
-    trainer.add_callback(SyncReferenceShards(None))
-    assert isinstance(trainer.pop_callback(SyncRefModelCallback), SyncReferenceShards)
+    class OwnMix(SyncRefModelCallback):
+        @staticmethod
+        def sync_target_model(model, target_model, alpha):
+            pass
+
+    with pytest.raises(ValueError, match="OwnMix mixes the reference model in its own"):
+        trainer.add_callback(OwnMix(None, None))
+    sync = SyncRefModelCallback(None, None)
+    trainer.add_callback(sync)
+    assert sync.sync_target_model is mix_shards
+    assert trainer.pop_callback(SyncRefModelCallback) is sync
     trainer.close()
     other.close()

@@ -18,15 +18,17 @@ step is skipped while such a model is held.
 [Note: syncing the reference model]
 With ``sync_ref_model=True`` TRL's DPO, KTO, GRPO and RLOO trainers move the reference
 model towards the trained one every ``ref_model_sync_steps`` steps: each reference weight
-becomes ``(1 - alpha) * ref + alpha * model`` (``ref_model_mixup_alpha``). TRL's callback
-does it parameter by parameter on ``param.data``; at stage 3 those are empty placeholders
-between forwards, so it would mix nothing and say nothing. ZeroTrainer puts this callback
-in its place. Both models are sharded by the same arguments into the same units, so the
-mix is elementwise on each rank's slices, in fp32: the trained model's master (its
-optimizer's, wherever its tier keeps it) and the reference's parameters, written back to
-the reference's tier through ``load_unit_state``. No rank talks to another but for
-gathered (persistent) units, and no model is gathered whole. In bf16 the reference is
-rounded to bf16 after each mix, as TRL's is; its trained side comes from the fp32 master.
+becomes ``(1 - alpha) * ref + alpha * model`` (``ref_model_mixup_alpha``); SDPO's EMA
+teacher does the same on its own schedule, through a subclass of the same callback. TRL
+mixes parameter by parameter on ``param.data``; at stage 3 those are empty placeholders
+between forwards, so it would mix nothing or fail on shapes. ZeroTrainer keeps the
+callback and its schedule and points its ``sync_target_model`` at a mix of shards (a
+subclass that mixes in its own way is refused). Both models are sharded by the same
+arguments into the same units, so the mix is elementwise on each rank's slices, in fp32:
+the trained model's master (its optimizer's, wherever its tier keeps it) and the
+reference's parameters, written back to the reference's tier through ``load_unit_state``.
+No rank talks to another but for gathered (persistent) units, and no model is gathered
+whole. In bf16 the reference is rounded to bf16 after each mix, as TRL's is.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
 
 from ..sharding import ZeroEngine
 
@@ -132,22 +133,29 @@ def mix_into_reference(engine: ZeroEngine, ref: ZeroEngine, alpha: float) -> Non
         ref.load_unit_state(ref_unit, {"master": mixed})
 
 
-class SyncReferenceShards(TrainerCallback):
-    """TRL's ``SyncRefModelCallback`` for sharded models (ZeroTrainer adds it in that one's
-    place): every ``ref_model_sync_steps`` steps the reference model's shards are mixed with
-    the trained model's."""
-
-    def __init__(self, ref_model) -> None:
-        self.ref_model = ref_model
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if self.ref_model is not None and state.global_step % args.ref_model_sync_steps == 0:
-            engine = engine_of(model)
-            mix_into_reference(engine, engine_of(self.ref_model), args.ref_model_mixup_alpha)
+def trl_sync_base(callback) -> type | None:
+    """TRL's ``SyncRefModelCallback`` when ``callback`` is one (or a subclass's instance)."""
+    for cls in type(callback).__mro__:
+        if cls.__name__ == "SyncRefModelCallback" and cls.__module__.startswith("trl."):
+            return cls
+    return None
 
 
-def replaces_trl_sync(callback) -> bool:
-    """Whether ``callback`` is TRL's ``SyncRefModelCallback`` itself (an instance or the class;
-    not a subclass, which may sync something else)."""
-    cls = callback if isinstance(callback, type) else type(callback)
-    return cls.__name__ == "SyncRefModelCallback" and cls.__module__.startswith("trl.")
+def mix_shards(model, target_model, alpha: float) -> None:
+    """TRL's ``sync_target_model(model, target_model, alpha)`` for sharded models."""
+    mix_into_reference(engine_of(model), engine_of(target_model), alpha)
+
+
+def sync_shards(callback, engine: ZeroEngine | None) -> None:
+    """Point TRL's sync callback (or a subclass's) at the shards: its schedule stays, its
+    ``sync_target_model`` becomes ``mix_shards`` ([Note: syncing the reference model])."""
+    base = trl_sync_base(callback)
+    if type(callback).sync_target_model is not base.sync_target_model:
+        raise ValueError(
+            f"{type(callback).__name__} mixes the reference model in its own "
+            "sync_target_model, which sees only empty placeholders of sharded parameters; "
+            "leave sync_target_model to TRL's SyncRefModelCallback"
+        )
+    if callback.ref_model is not None and engine is not None:
+        check_same_layout(engine, engine_of(callback.ref_model))
+    callback.sync_target_model = mix_shards

@@ -84,10 +84,8 @@ from .checkpoints import (
 from .companions import (
     TEACHER,
     Companions,
-    SyncReferenceShards,
-    check_same_layout,
-    engine_of,
-    replaces_trl_sync,
+    sync_shards,
+    trl_sync_base,
 )
 from .configs import describe_config
 from .generation import gather_for_generation
@@ -242,7 +240,7 @@ class ZeroTrainer(Trainer):
 
     @ref_model.setter
     def ref_model(self, model: nn.Module | None) -> None:
-        self.__dict__["_ref_model"] = self.companions.assign("ref_model", model)
+        self.__dict__["_ref_model"] = self._companion("ref_model", model)
 
     @property
     def teacher_model(self) -> nn.Module | None:
@@ -252,7 +250,7 @@ class ZeroTrainer(Trainer):
 
     @teacher_model.setter
     def teacher_model(self, model: nn.Module | None) -> None:
-        self.__dict__["_teacher_model"] = self.companions.assign(TEACHER, model)
+        self.__dict__["_teacher_model"] = self._companion(TEACHER, model)
 
     @property
     def ref_engine(self) -> ZeroEngine | None:
@@ -264,9 +262,17 @@ class ZeroTrainer(Trainer):
 
     def _build_frozen(self, model) -> ZeroEngine:
         engine = build_engine(model, self.args, frozen=True)
-        self._compile(engine)
+        self._prepare_forwards(engine)  # a teacher generates too (GKD's seq_kd)
         engine.module._is_accelerate_prepared = True  # placed by the engine: accelerate keeps off
         return engine
+
+    def _companion(self, role: str, model):
+        """What ``self.<role> = model`` keeps: the trained model as it is (SDPO's live
+        teacher is the student), any other model sharded and frozen."""
+        if self.engine is not None and model is self.engine.module:
+            self.companions.let_go(role)
+            return model
+        return self.companions.assign(role, model)
 
     def _shard_reward_models(self, funcs):
         """The modules among ``reward_funcs`` (one or a list), sharded and frozen like a
@@ -290,30 +296,16 @@ class ZeroTrainer(Trainer):
         )
 
     def add_callback(self, callback) -> None:
-        """TRL's ``SyncRefModelCallback`` would mix the placeholders of sharded parameters:
-        its sharded counterpart goes in its place ([Note: syncing the reference model])."""
-        if replaces_trl_sync(callback) and not isinstance(callback, type):
-            if callback.ref_model is not None and self.engine is not None:
-                check_same_layout(self.engine, engine_of(callback.ref_model))
-            callback = SyncReferenceShards(callback.ref_model)
+        """TRL's ``SyncRefModelCallback`` (and SDPO's teacher sync, a subclass) would mix the
+        placeholders of sharded parameters: it mixes the shards instead ([Note: syncing the
+        reference model])."""
+        if not isinstance(callback, type) and trl_sync_base(callback) is not None:
+            sync_shards(callback, self.engine)
         super().add_callback(callback)
-
-    def pop_callback(self, callback):
-        return super().pop_callback(
-            SyncReferenceShards if replaces_trl_sync(callback) else callback
-        )
-
-    def remove_callback(self, callback) -> None:
-        super().remove_callback(SyncReferenceShards if replaces_trl_sync(callback) else callback)
 
     def _use_engine(self, engine: ZeroEngine) -> None:
         self.engine = engine
-        self._compile(engine)
-        # TRL's flag (default True): the whole model gathered once per generate call.
-        gathering = engine.config.stage == 3 and getattr(
-            self.args, "ds3_gather_for_generation", True
-        )
-        gather_for_generation(engine.module, gathering)
+        self._prepare_forwards(engine)
         # Counted from the engine: at stage 3 the model's own count sees empty parameters.
         self.num_parameters = sum(s.numel for u in engine.units for s in u.slots)
         # As transformers counts for total_flos: without the embeddings' parameters.
@@ -326,6 +318,15 @@ class ZeroTrainer(Trainer):
         self.num_parameters_without_embeddings = sum(
             s.numel for u in engine.units for s in u.slots if id(s.param) not in embeddings
         )
+
+    def _prepare_forwards(self, engine: ZeroEngine) -> None:
+        """``--torch_compile``, and TRL's ``ds3_gather_for_generation`` (default True): the
+        whole model gathered once per generate call."""
+        self._compile(engine)
+        gathering = engine.config.stage == 3 and getattr(
+            self.args, "ds3_gather_for_generation", True
+        )
+        gather_for_generation(engine.module, gathering)
 
     def _compile(self, engine: ZeroEngine) -> None:
         """``--torch_compile``: the units' forwards compiled, the hooks left eager ([Note:

@@ -1,0 +1,140 @@
+"""TRL's experimental trainers that keep a second model through zerotune.hf.zero: GKD (a
+teacher, generation with the student or the teacher) and SDPO (a self-distillation teacher
+that is the student, a frozen copy of it, or an EMA of it synced every step). Each is run
+plainly and through ``zero`` at stage 3 with the same seed; their logs must agree."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import tiny_gpt2
+from datasets import Dataset
+from test_trl import (
+    ARGS,
+    GRPO_ARGS,
+    RTOL,
+    byte_gpt2,
+    chat_tokenizer,
+    chats,
+    counted_length,
+    teacher_gpt2,
+    unwrapped,
+    zero_options,
+)
+from trainer_cases import logged
+
+from zerotune.hf import zero
+from zerotune.hf.data import byte_tokenizer
+
+LOGGED = ("loss", "grad_norm")
+
+
+def gkd_run(wrap, args, generated: list[int]):
+    """GKD with half its steps on-policy (completions sampled from the student) and the rest
+    sequence-level (sampled from the teacher); ``generated`` gets the layer count of the
+    model that sampled each step's completions."""
+    from trl.experimental.gkd import GKDTrainer
+
+    class Counted(GKDTrainer):
+        @staticmethod
+        def generate_on_policy_outputs(model, inputs, generation_config):
+            generated.append(model.config.n_layer)
+            return GKDTrainer.generate_on_policy_outputs(model, inputs, generation_config)
+
+    random.seed(0)  # GKD draws on-policy steps from Python's random: 0.84, 0.76, 0.42
+    trainer = wrap(Counted)(
+        model=byte_gpt2(), teacher_model=teacher_gpt2(), args=args, train_dataset=chats(),
+        processing_class=chat_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    return trainer, {key: logged(trainer, key) for key in LOGGED}
+
+
+@pytest.mark.parametrize("zero_name", ["stage3", "stage3-nvme"])
+def test_gkd_shards_its_teacher_and_logs_the_plain_losses(tmp_path, zero_name):
+    """The teacher is sharded and frozen; it samples the sequence-level steps' completions
+    (gathered once per generate call) and scores every step."""
+    from trl.experimental.gkd import GKDConfig
+
+    gkd = dict(ARGS, lmbda=0.5, seq_kd=True, max_new_tokens=8)
+    plain_sampled, zero_sampled = [], []
+    args = GKDConfig(output_dir=str(tmp_path / "plain"), **gkd)
+    _, plain = gkd_run(unwrapped, args, plain_sampled)
+    options = zero_options(tmp_path, zero_name)
+    args = zero(GKDConfig)(output_dir=str(tmp_path / "zero"), **gkd, **options)
+    trainer, logs = gkd_run(zero, args, zero_sampled)
+    assert plain_sampled == zero_sampled == [3, 3, 2]  # teacher, teacher, student
+    teacher = trainer.teacher_engine
+    assert teacher is not None and trainer.teacher_model is teacher.module
+    assert teacher.optimizer is None and teacher.memory_report()["master"] == 0
+    assert type(teacher.module.__dict__["generate"]).__name__ == "GatheredGenerate"
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+
+
+@pytest.fixture(scope="module")
+def student_folder(tmp_path_factory):
+    """SDPO builds its frozen and EMA teachers from the student's folder; its re-prompts
+    need more positions than byte_gpt2 has."""
+    folder = tmp_path_factory.mktemp("sdpo") / "student"
+    tiny_gpt2(
+        seed=0, vocab_size=259, n_positions=512, bos_token_id=256, eos_token_id=256,
+        pad_token_id=257,
+    ).save_pretrained(folder)  # fmt: skip
+    return str(folder)
+
+
+def sdpo_run(wrap, args, folder):
+    from trl.experimental.sdpo import SDPOTrainer
+
+    prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+    trainer = wrap(SDPOTrainer)(
+        model=folder, reward_funcs=counted_length, args=args, train_dataset=prompts,
+        processing_class=byte_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    return trainer, {key: logged(trainer, key) for key in LOGGED}
+
+
+def teacher_weights(trainer) -> dict[str, torch.Tensor]:
+    engine = getattr(trainer, "teacher_engine", None)  # None: the plain trainer's teacher
+    if engine is None:
+        return {n: p.detach().clone() for n, p in trainer.teacher_model.named_parameters()}
+    with engine.gathered():
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "kind, zero_name",
+    [("live", "stage3"), ("base", "stage3"), ("ema", "stage3"), ("ema", "stage3-nvme")],
+)
+def test_sdpo_teachers_log_the_plain_losses(tmp_path, student_folder, kind, zero_name):
+    """``live``: the teacher is the trained model itself, not a second engine; ``base``: a
+    frozen sharded copy; ``ema``: a sharded copy that TRL's SyncTeacherModelCallback (a
+    subclass of the reference sync) mixes towards the student every step, on the shards."""
+    from trl.experimental.sdpo import SDPOConfig
+
+    sdpo = dict(GRPO_ARGS, teacher_model_kind=kind)
+    args = SDPOConfig(output_dir=str(tmp_path / "plain"), **sdpo)
+    plain_trainer, plain = sdpo_run(unwrapped, args, student_folder)
+    options = zero_options(tmp_path, zero_name)
+    args = zero(SDPOConfig)(output_dir=str(tmp_path / "zero"), **sdpo, **options)
+    trainer, logs = sdpo_run(zero, args, student_folder)
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    if kind == "live":
+        assert trainer.teacher_model is trainer.model and trainer.teacher_engine is None
+    else:
+        assert trainer.teacher_engine.optimizer is None
+        assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
+        expected = teacher_weights(plain_trainer)
+        got = teacher_weights(trainer)
+        start = dict(tiny_gpt2(seed=0, vocab_size=259, n_positions=512).named_parameters())
+        moved = max((expected[n] - start[n]).abs().max().item() for n in expected)
+        assert moved > 1e-4 if kind == "ema" else moved == 0.0
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-6)
+    trainer.close()
