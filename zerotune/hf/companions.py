@@ -8,12 +8,13 @@ with reward models. Left alone they would sit whole on every rank. ZeroTrainer s
 (``self.ref_model`` as it is assigned; a teacher, module or folder, and the modules among
 ``reward_funcs`` given to the constructor, before the subclass places them on the device)
 with the trained model's arguments: frozen, without optimizer, without an fp32 master. A
-model sharded already is used as it is. Replacing one closes the engine built for the one
-before. A teacher's head is special: TRL computes its logits chunk by chunk from
-``get_output_embeddings().weight`` outside the teacher's forward, where a sharded unit
-holds nothing, so the unit holding that weight stays gathered for as long as the teacher is
-in use. The memory estimate covers the trained model only, so its check after the first
-step is skipped while such a model is held.
+model sharded already is used as it is; the trained model itself (SDPO's live teacher) is
+no companion. Replacing one closes the engine built for the one before. A teacher's head
+is special: TRL computes its logits chunk by chunk from ``get_output_embeddings().weight``
+outside the teacher's forward, where a sharded unit holds nothing, so the unit holding that
+weight stays gathered for as long as the teacher is in use (a mix written into it while
+held is fetched again). The memory estimate covers the trained model only, so its check
+after the first step is skipped while such a model is held.
 
 [Note: syncing the reference model]
 With ``sync_ref_model=True`` TRL's DPO, KTO, GRPO and RLOO trainers move the reference
