@@ -320,33 +320,81 @@ def reward_gpt2():
     return GPT2ForSequenceClassification(config)
 
 
-@pytest.mark.parametrize("zero_name", ["stage3", "stage3-nvme"])
-def test_grpo_shards_its_reward_model_and_logs_the_plain_rewards(tmp_path, zero_name):
+@pytest.mark.parametrize(
+    "zero_name, given",
+    [
+        ("stage3", "module"),
+        ("stage3-nvme", "module"),
+        ("stage3-nvme", "folder"),
+        ("stage3", "by TRL"),
+    ],
+)
+def test_grpo_shards_its_reward_model_and_logs_the_plain_rewards(tmp_path, zero_name, given):
     """A reward model among GRPO's reward functions is sharded and frozen like a reference
-    model (TRL would place it whole on the device) and scores as the plain one does."""
+    model (TRL would place it whole on the device) and scores as the plain one does; named
+    by its folder, it is streamed into the shards (TRL would load it whole); with TRL's own
+    loading options, TRL loads it and it is sharded afterwards."""
     from trl import GRPOConfig, GRPOTrainer
+
+    folder = tmp_path / "reward"
+    reward_gpt2().save_pretrained(folder)
+    grpo = (
+        {**GRPO_ARGS, "model_init_kwargs": {"dtype": "float32"}} if given == "by TRL" else GRPO_ARGS
+    )
 
     def run(wrap, args):
         prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+        scorer = reward_gpt2() if given == "module" else str(folder)  # or TRL loads it
         trainer = wrap(GRPOTrainer)(
-            model=byte_gpt2(), reward_funcs=[reward_gpt2(), counted_length], args=args,
+            model=byte_gpt2(), reward_funcs=[scorer, counted_length], args=args,
             train_dataset=prompts, processing_class=byte_tokenizer(),
             reward_processing_classes=[byte_tokenizer(), None],
         )  # fmt: skip
         trainer.train()
         return trainer, {key: logged(trainer, key) for key in GRPO_LOGGED}
 
-    _, plain = run(unwrapped, GRPOConfig(output_dir=str(tmp_path / "plain"), **GRPO_ARGS))
+    _, plain = run(unwrapped, GRPOConfig(output_dir=str(tmp_path / "plain"), **grpo))
     options = zero_options(tmp_path, zero_name)
-    trainer, logs = run(zero, zero(GRPOConfig)(str(tmp_path / "zero"), **GRPO_ARGS, **options))
+    trainer, logs = run(zero, zero(GRPOConfig)(str(tmp_path / "zero"), **grpo, **options))
     scorer = trainer.reward_funcs[0]
     engine = trainer.companions.engines["reward_funcs[0]"]
     assert scorer is engine.module and engine.optimizer is None
     assert engine.memory_report()["master"] == 0
     assert all(u.state.name == "SHARDED" for u in engine.units if not u.persistent)
+    assert trainer.reward_func_names[0] == ("" if given == "module" else "reward")
     assert max(plain["reward_std"]) > 0
     for key in plain:
         torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+
+
+def test_a_reward_model_named_by_a_causal_lm_folder_gets_a_new_score_head(tmp_path):
+    """A causal LM's folder as a reward model: no score head in its checkpoint, so (as TRL
+    does) transformers builds one; the model is sharded and frozen, its other weights the
+    checkpoint's."""
+    from transformers import AutoModelForSequenceClassification
+    from trl import GRPOConfig, GRPOTrainer
+
+    folder = tmp_path / "lm"
+    byte_gpt2().save_pretrained(folder)
+    args = zero(GRPOConfig)(str(tmp_path / "zero"), **{**GRPO_ARGS, "max_steps": 1}, zero_stage=3)
+    prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(4)]})
+    trainer = zero(GRPOTrainer)(
+        model=byte_gpt2(), reward_funcs=str(folder), args=args, train_dataset=prompts,
+        processing_class=byte_tokenizer(), reward_processing_classes=byte_tokenizer(),
+    )  # fmt: skip
+    engine = trainer.companions.engines["reward_funcs[0]"]
+    expected = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
+    with engine.gathered():
+        got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    assert got.keys() == dict(expected.named_parameters()).keys()
+    for name, p in expected.named_parameters():
+        if name != "score.weight":  # drawn at random, as TRL's is
+            assert torch.equal(got[name], p.detach()), name
+    head = got["score.weight"]
+    assert head.shape == (1, 32) and 0.01 < head.std().item() < 0.03  # initializer_range 0.02
+    trainer.train()
+    assert len(logged(trainer, "reward")) == 1
     trainer.close()
 
 

@@ -50,24 +50,26 @@ class Companions:
     """The frozen models beside the trained one, by the attribute that holds them
     (``ref_model``, ``teacher_model``, ``reward_funcs[i]``); see [Note: models beside the
     trained one].
-    ``build(model)``: a frozen engine for a module or a folder, with the trainer's arguments."""
+    ``build(model, **options)``: a frozen engine for a module or a folder, with the trainer's
+    arguments."""
 
-    def __init__(self, build: Callable[[object], ZeroEngine]) -> None:
+    def __init__(self, build: Callable[..., ZeroEngine]) -> None:
         self.build = build
         self.engines: dict[str, ZeroEngine] = {}  # the engine of each model held
         self.built: dict[str, ZeroEngine] = {}  # those built here: closed when let go
         self.holds: dict[str, contextlib.ExitStack] = {}  # units kept gathered
 
-    def assign(self, role: str, model):
+    def assign(self, role: str, model, **build):
         """What ``self.<role> = model`` keeps: the sharded module, or ``model`` itself when
-        it is not a model (None, a client of a teacher server)."""
+        it is not a model (None, a client of a teacher server); ``build``: options for
+        ``self.build``."""
         current = self.engines.get(role)
         if current is not None and model is current.module:
             return model
         self.let_go(role)
         engine = getattr(model, "_zerotune_engine", None) if isinstance(model, nn.Module) else None
         if engine is None and isinstance(model, (nn.Module, str, os.PathLike)):
-            engine = self.built[role] = self.build(model)
+            engine = self.built[role] = self.build(model, **build)
         elif engine is None:
             return model
         self.engines[role] = engine

@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, Trainer
+from transformers import AutoModelForSequenceClassification, PretrainedConfig, Trainer
 from transformers.debug_utils import DebugOption, DebugUnderflowOverflow
 
 from .. import dist as zdist
@@ -68,6 +68,7 @@ from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save
 from ..checkpoint.export import export_dtype
 from ..estimate import check_estimate
 from ..init import from_pretrained, load_weights, zero_init
+from ..init.pretrained import MissingParametersError, resolve_model_folder
 from ..memory.probes import accelerator_allocated, current_rss, peak_rss, reset_peak_rss
 from ..sharding import ZeroEngine
 from .args import ZeroTrainingArguments
@@ -224,6 +225,8 @@ class ZeroTrainer(Trainer):
                 scheduler,
             )
         super().__init__(model=model, args=args, **kwargs)
+        if isinstance(getattr(self, "reward_funcs", None), list):  # those TRL loaded too
+            self.reward_funcs = self._shard_reward_models(self.reward_funcs)
         if args.world_size != self.engine.world:
             raise ValueError(
                 f"the Trainer sees {args.world_size} data-parallel rank(s) but the engine is "
@@ -260,8 +263,29 @@ class ZeroTrainer(Trainer):
     def teacher_engine(self) -> ZeroEngine | None:
         return self.companions.engines.get(TEACHER)
 
-    def _build_frozen(self, model) -> ZeroEngine:
-        engine = build_engine(model, self.args, frozen=True)
+    def _build_frozen(self, model, reward: bool = False) -> ZeroEngine:
+        """A frozen engine for a companion. ``reward``: a folder or hub id read as TRL reads a
+        reward model (a sequence classifier with one label): streamed into shards, or, when
+        the checkpoint has no score head, loaded by transformers (the head initialized as
+        TRL's is) and sharded."""
+        if reward:
+            try:
+                return self._prepared_frozen(
+                    from_pretrained(
+                        model,
+                        self.args.zero,
+                        device=self.args.device,
+                        frozen=True,
+                        auto_class=AutoModelForSequenceClassification,
+                        num_labels=1,
+                    )
+                )
+            except MissingParametersError:
+                folder = resolve_model_folder(model)
+                model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
+        return self._prepared_frozen(build_engine(model, self.args, frozen=True))
+
+    def _prepared_frozen(self, engine: ZeroEngine) -> ZeroEngine:
         self._prepare_forwards(engine)  # a teacher generates too (GKD's seq_kd)
         engine.module._is_accelerate_prepared = True  # placed by the engine: accelerate keeps off
         return engine
@@ -275,11 +299,17 @@ class ZeroTrainer(Trainer):
         return self.companions.assign(role, model)
 
     def _shard_reward_models(self, funcs):
-        """The modules among ``reward_funcs`` (one or a list), sharded and frozen like a
-        reference model before the subclass places them on the device; the rest as given."""
+        """The modules among ``reward_funcs`` (one or a list), and the models named there
+        (unless TRL's ``model_init_kwargs`` are set: TRL loads those), sharded and frozen like
+        a reference model before the subclass loads or places them; the rest as given."""
         listed = funcs if isinstance(funcs, list) else [funcs]
         listed = [
-            self.companions.assign(f"reward_funcs[{i}]", f) if isinstance(f, nn.Module) else f
+            self.companions.assign(f"reward_funcs[{i}]", f)
+            if isinstance(f, nn.Module)
+            else self.companions.assign(f"reward_funcs[{i}]", f, reward=True)
+            if isinstance(f, (str, os.PathLike))
+            and not getattr(self.args, "model_init_kwargs", None)
+            else f
             for i, f in enumerate(listed)
         ]
         return listed if isinstance(funcs, list) else listed[0]

@@ -34,6 +34,7 @@ from .construct import default_device, hidden, materialize_buffers, realize_plac
 
 __all__ = [
     "SAFETENSORS_DTYPES",
+    "MissingParametersError",
     "ModelLoadError",
     "SafetensorsCheckpoint",
     "from_pretrained",
@@ -60,6 +61,11 @@ SAFETENSORS_DTYPES = {
 
 class ModelLoadError(ValueError):
     """A model folder, id or file cannot be used; the message says what to do instead."""
+
+
+class MissingParametersError(ModelLoadError):
+    """The checkpoint lacks parameters of the model built from its config (a causal LM's
+    checkpoint for a sequence classifier: no score head)."""
 
 
 @dataclass(frozen=True)
@@ -303,7 +309,7 @@ def _checkpoint_keys(
             )
         keys[pid] = found
     if missing:
-        raise ModelLoadError(
+        raise MissingParametersError(
             f"the checkpoint lacks {len(missing)} parameter(s) of this model, e.g. {missing[:3]}"
         )
     return keys, blocks
@@ -372,20 +378,24 @@ def from_pretrained(
     device: torch.device | str | None = None,
     group=None,
     frozen: bool = False,
+    auto_class=None,
+    **config_fields,
 ) -> ZeroEngine:
     """Load an HF causal LM straight into shards (see [Note: streaming load]); ``frozen``:
-    for reading only (no gradients, no fp32 master)."""
+    for reading only (no gradients, no fp32 master). ``auto_class``: another transformers
+    auto class to build (``AutoModelForSequenceClassification`` for a reward model);
+    ``config_fields`` override the checkpoint config's (``num_labels=1``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = resolve_model_folder(name_or_path)
     zero_config = load_config(config)
     try:
-        hf_config = AutoConfig.from_pretrained(folder)
+        hf_config = AutoConfig.from_pretrained(folder, **config_fields)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"{folder}/config.json cannot be read: {exc}") from None
     ckpt = SafetensorsCheckpoint(folder)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = (auto_class or AutoModelForCausalLM).from_config(hf_config)
     model.requires_grad_(not frozen)
     device = torch.device(device) if device is not None else default_device()
     realize_placeholders(model, device)
