@@ -212,6 +212,25 @@ def test_zero_makes_each_class_once_and_refuses_others():
         zero(dict)
 
 
+def test_zero_configs_keep_the_trl_defaults():
+    """``zero(Config)`` has the values of ``Config`` for every field it shares with it (TRL's
+    learning rates, ``bf16`` on, ``remove_unused_columns`` off, KTO's sequential sampling),
+    not those of ``TrainingArguments``; its zerotune fields come on top."""
+    import trl
+    from trl.experimental.online_dpo import OnlineDPOConfig
+
+    configs = [getattr(trl, n) for n in ("SFTConfig", "DPOConfig", "GRPOConfig", "KTOConfig")]
+    configs += [trl.RLOOConfig, trl.DistillationConfig, trl.RewardConfig, OnlineDPOConfig]
+    for cls in configs:
+        plain = cls(output_dir="out", use_cpu=True).to_dict()
+        made = zero(cls)(output_dir="out", use_cpu=True, zero_stage=3)
+        got = made.to_dict()
+        assert {k: got[k] for k in plain} == plain, cls.__name__
+        assert made.zero.stage == 3 and str(made.zero.dtype) == "bf16"  # TRL's bf16 default
+    assert zero(trl.KTOConfig)(output_dir="out").train_sampling_strategy == "sequential"
+    assert zero(trl.GRPOConfig)(output_dir="out").remove_unused_columns is False
+
+
 class _Doubled(ZeroTrainer):
     """The user's own subclass: a loss of its own, and a callback."""
 

@@ -11,8 +11,11 @@ class ``(ZeroTrainer, cls)``: its method order is ZeroTrainer, then ``cls``, the
 ``Trainer``, so the model is sharded before ``cls.__init__`` sees it (it gets the sharded
 HF model, as with the plain Trainer), and every override of ``cls`` still runs, between
 ZeroTrainer's and the Trainer's. Its arguments must be both: ``zero(SFTConfig)`` is the
-dataclass ``(ZeroTrainingArguments, SFTConfig)``, with the fields of both, so that ``cls``
-finds its own fields and ZeroTrainer its own. The models a subclass keeps beside the
+dataclass ``(SFTConfig, ZeroTrainingArguments)``, with the fields of both, so that ``cls``
+finds its own fields and ZeroTrainer its own. In that order a field's default is the
+config's own (TRL's ``bf16``, ``learning_rate``, ``remove_unused_columns``), not the one
+``TrainingArguments`` sets, and ZeroTrainingArguments' checks run inside the config's own
+``__post_init__``, after it has filled in what it derives. The models a subclass keeps beside the
 trained one (TRL's reference model and distilling teacher) are sharded as they are
 assigned: see [Note: models beside the trained one] in hf/companions.py.
 """
@@ -43,7 +46,7 @@ def zero(cls: type) -> type:
     if issubclass(cls, Trainer):
         bases = (ZeroTrainer, cls)
     elif issubclass(cls, TrainingArguments):
-        bases = (ZeroTrainingArguments, cls)
+        bases = (cls, ZeroTrainingArguments)  # cls's defaults over TrainingArguments' own
     else:
         raise TypeError(
             f"zero() takes a transformers Trainer or TrainingArguments subclass, not {cls!r}"
