@@ -1,7 +1,8 @@
-"""TRL's experimental trainers that keep a second model through zerotune.hf.zero: GKD (a
-teacher, generation with the student or the teacher) and SDPO (a self-distillation teacher
-that is the student, a frozen copy of it, or an EMA of it synced every step). Each is run
-plainly and through ``zero`` at stage 3 with the same seed; their logs must agree."""
+"""TRL's experimental trainers through zerotune.hf.zero: GKD (a teacher, generation with the
+student or the teacher), SDPO (a self-distillation teacher that is the student, a frozen
+copy of it, or an EMA of it synced every step), Online DPO (a reference deep-copied from
+the trained model) and CPO (data mapped with a method of the trainer). Each is run plainly
+and through ``zero`` at stage 3 with the same seed; their logs must agree."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from test_trl import (
     chat_tokenizer,
     chats,
     counted_length,
+    preferences,
     teacher_gpt2,
     unwrapped,
     zero_options,
@@ -137,4 +139,106 @@ def test_sdpo_teachers_log_the_plain_losses(tmp_path, student_folder, kind, zero
         assert moved > 1e-4 if kind == "ema" else moved == 0.0
         for name in expected:
             torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-6)
+    trainer.close()
+
+
+def online_dpo_run(wrap, args):
+    """Online DPO without a reference model: TRL makes one with ``copy.deepcopy``."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+    trainer = wrap(OnlineDPOTrainer)(
+        model=byte_gpt2(), ref_model=None, reward_funcs=counted_length, args=args,
+        train_dataset=prompts, processing_class=byte_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    keys = (*LOGGED, "objective/scores", "objective/kl")
+    return trainer, {key: logged(trainer, key) for key in keys}
+
+
+@pytest.mark.parametrize("zero_name", ["stage3", "stage3-nvme"])
+def test_online_dpo_copies_its_reference_from_the_sharded_model(tmp_path, zero_name):
+    """TRL deep-copies the trained model for its reference; the copy becomes a frozen
+    sharded model with the trained model's first weights (copy_sharded), and the logs
+    (KL against the reference included) are plain Online DPO's. Its config keeps TRL's
+    remove_unused_columns=False, or the prompts would be dropped."""
+    from trl.experimental.online_dpo import OnlineDPOConfig
+
+    options = dict(ARGS, max_new_tokens=8)
+    args = OnlineDPOConfig(output_dir=str(tmp_path / "plain"), **options)
+    _, plain = online_dpo_run(unwrapped, args)
+    zero_args = zero(OnlineDPOConfig)(
+        output_dir=str(tmp_path / "zero"), **options, **zero_options(tmp_path, zero_name)
+    )
+    trainer, logs = online_dpo_run(zero, zero_args)
+    ref = trainer.ref_engine
+    assert ref is not None and trainer.ref_model is ref.module and ref is not trainer.engine
+    assert ref.optimizer is None and ref.memory_report()["master"] == 0
+    assert max(abs(v) for v in plain["objective/kl"]) > 1e-3  # the reference matters
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+
+
+def test_cpo_maps_its_data_with_a_bound_method_of_the_trainer(tmp_path):
+    """CPO tokenizes with ``dataset.map(self.tokenize_row)``: datasets pickles the trainer,
+    and with it the engine, to fingerprint the call. Units refuse pickling, so datasets
+    uses a random fingerprint (it read freed storage before: a crash with parameters on
+    NVMe); the losses are plain CPO's."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    def run(wrap, args):
+        trainer = wrap(CPOTrainer)(
+            model=byte_gpt2(), args=args, train_dataset=preferences(),
+            processing_class=byte_tokenizer(),
+        )  # fmt: skip
+        trainer.train()
+        return {key: logged(trainer, key) for key in (*LOGGED, "rewards/margins")}
+
+    plain = run(unwrapped, CPOConfig(output_dir=str(tmp_path / "plain"), **ARGS))
+    options = zero_options(tmp_path, "stage3-nvme")
+    logs = run(zero, zero(CPOConfig)(output_dir=str(tmp_path / "zero"), **ARGS, **options))
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+
+
+def bema_run(wrap, args):
+    """DPO whose reference model TRL's BEMA callback moves every step."""
+    from trl.experimental.bema_for_ref_model import BEMACallback, DPOTrainer
+
+    bema = BEMACallback(
+        update_freq=1, update_after=0, update_ref_model=True, ref_model_update_freq=1,
+        ref_model_update_after=0,
+    )  # fmt: skip
+    trainer = wrap(DPOTrainer)(
+        model=byte_gpt2(), ref_model=byte_gpt2(), args=args, train_dataset=preferences(),
+        processing_class=byte_tokenizer(), callbacks=[bema],
+    )  # fmt: skip
+    trainer.train()
+    return {key: logged(trainer, key) for key in (*LOGGED, "rewards/margins", "logps/chosen")}
+
+
+def test_bema_works_at_stage_2_and_is_refused_at_stage_3(tmp_path):
+    """BEMA keeps whole copies of the parameters: at stage 2 they are whole on every rank
+    and the logs are plain DPO's; at stage 3 it is refused with one line, given to the
+    constructor or added later."""
+    from trl import DPOConfig
+    from trl.experimental.bema_for_ref_model import BEMACallback
+
+    plain = bema_run(unwrapped, DPOConfig(output_dir=str(tmp_path / "plain"), **ARGS))
+    logs = bema_run(zero, zero(DPOConfig)(output_dir=str(tmp_path / "z2"), **ARGS, zero_stage=2))
+    assert max(abs(m) for m in plain["rewards/margins"]) > 1e-4  # not a trivial run
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    stage3 = zero(DPOConfig)(output_dir=str(tmp_path / "z3"), **ARGS, zero_stage=3)
+    with pytest.raises(ValueError, match="BEMACallback keeps whole copies"):
+        bema_run(zero, stage3)
+    from trl import DPOTrainer
+
+    trainer = zero(DPOTrainer)(
+        model=byte_gpt2(), ref_model=byte_gpt2(), args=stage3, train_dataset=preferences(),
+        processing_class=byte_tokenizer(),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="use it with zero_stage 1 or 2"):
+        trainer.add_callback(BEMACallback())
     trainer.close()

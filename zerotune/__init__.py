@@ -22,7 +22,7 @@ from .checkpoint import (
 from .config import ConfigError, ZeroConfig, load_config
 from .estimate import MemoryPlan, check_estimate
 from .estimate import estimate as estimate_memory
-from .init import from_pretrained, load_weights, zero_init
+from .init import copy_sharded, from_pretrained, load_weights, zero_init
 from .optim import CPUAdam, StepInfo, ZeroAdamW, ZeroOptimizer
 from .sharding import ShardedParameterError, ZeroEngine, shard
 
@@ -55,6 +55,7 @@ __all__ = [
     "ZeroTrainer",
     "ZeroTrainingArguments",
     "check_estimate",
+    "copy_sharded",
     "estimate_memory",
     "export_hf",
     "from_pretrained",

@@ -68,6 +68,8 @@ class Companions:
             return model
         self.let_go(role)
         engine = getattr(model, "_zerotune_engine", None) if isinstance(model, nn.Module) else None
+        if not isinstance(engine, ZeroEngine):
+            engine = None  # a deep copy of a sharded model is built afresh (copy_sharded)
         if engine is None and isinstance(model, (nn.Module, str, os.PathLike)):
             engine = self.built[role] = self.build(model, **build)
         elif engine is None:
@@ -162,3 +164,17 @@ def sync_shards(callback, engine: ZeroEngine | None) -> None:
     if callback.ref_model is not None and engine is not None:
         check_same_layout(engine, engine_of(callback.ref_model))
     callback.sync_target_model = mix_shards
+
+
+def check_callback(callback, engine: ZeroEngine | None) -> None:
+    """Refuse TRL's ``BEMACallback`` (and subclasses) at stage 3: it copies and averages whole
+    parameters outside forward, where sharded ones are empty placeholders."""
+    cls = callback if isinstance(callback, type) else type(callback)
+    trl_bema = any(
+        c.__name__ == "BEMACallback" and c.__module__.startswith("trl.") for c in cls.__mro__
+    )
+    if trl_bema and engine is not None and engine.config.stage == 3:
+        raise ValueError(
+            "TRL's BEMACallback keeps whole copies of the trained parameters, which ZeRO stage "
+            "3 shards; use it with zero_stage 1 or 2"
+        )

@@ -67,10 +67,11 @@ from .. import dist as zdist
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_hf
 from ..checkpoint.export import export_dtype
 from ..estimate import check_estimate
-from ..init import from_pretrained, load_weights, zero_init
+from ..init import copy_sharded, from_pretrained, load_weights, zero_init
 from ..init.pretrained import MissingParametersError, resolve_model_folder
 from ..memory.probes import accelerator_allocated, current_rss, peak_rss, reset_peak_rss
 from ..sharding import ZeroEngine
+from ..sharding.copies import CopyOf
 from .args import ZeroTrainingArguments
 from .checkpoints import (
     TRAINER_MARKER,
@@ -85,6 +86,7 @@ from .checkpoints import (
 from .companions import (
     TEACHER,
     Companions,
+    check_callback,
     sync_shards,
     trl_sync_base,
 )
@@ -141,6 +143,8 @@ def build_engine(model, args: ZeroTrainingArguments, frozen: bool = False) -> Ze
             )
         return model
     engine = getattr(model, "_zerotune_engine", None) if isinstance(model, nn.Module) else None
+    if isinstance(engine, CopyOf):  # copy.deepcopy of a sharded model (TRL's reference)
+        return copy_sharded(engine.source, config, device=device, frozen=frozen)
     if engine is not None:
         # Sharded already (the model of another ZeroTrainer): trained on from its weights,
         # as the plain Trainer does with a model object given twice.
@@ -227,6 +231,8 @@ class ZeroTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         if isinstance(getattr(self, "reward_funcs", None), list):  # those TRL loaded too
             self.reward_funcs = self._shard_reward_models(self.reward_funcs)
+        for callback in self.callback_handler.callbacks:  # those given to the constructor
+            check_callback(callback, self.engine)
         if args.world_size != self.engine.world:
             raise ValueError(
                 f"the Trainer sees {args.world_size} data-parallel rank(s) but the engine is "
@@ -329,6 +335,7 @@ class ZeroTrainer(Trainer):
         """TRL's ``SyncRefModelCallback`` (and SDPO's teacher sync, a subclass) would mix the
         placeholders of sharded parameters: it mixes the shards instead ([Note: syncing the
         reference model])."""
+        check_callback(callback, self.engine)
         if not isinstance(callback, type) and trl_sync_base(callback) is not None:
             sync_shards(callback, self.engine)
         super().add_callback(callback)

@@ -1,6 +1,6 @@
 """Building sharded models: zero-init from a config, streaming loads of pretrained weights."""
 
-from .construct import zero_init
+from .construct import copy_sharded, zero_init
 from .pretrained import from_pretrained, load_weights
 
-__all__ = ["from_pretrained", "load_weights", "zero_init"]
+__all__ = ["copy_sharded", "from_pretrained", "load_weights", "zero_init"]

@@ -32,6 +32,7 @@ from ..sharding.tiling import LinearTile, TiledLinear, init_tile
 
 __all__ = [
     "build_on_meta",
+    "copy_sharded",
     "default_device",
     "hidden",
     "materialize_buffers",
@@ -193,3 +194,66 @@ def zero_init(
     if leftover:
         raise ValueError(f"buffers left on the meta device after zero-init: {leftover[:5]}")
     return engine
+
+
+def copy_sharded(
+    source: ZeroEngine,
+    config: ZeroConfig | dict | str | None = None,
+    *,
+    device: torch.device | str | None = None,
+    frozen: bool = False,
+) -> ZeroEngine:
+    """A second sharded model with ``source``'s current weights, never whole in memory (see
+    [Note: copies of a sharded model] in sharding/copies.py): a transformers model of the
+    same class and config, sharded by ``config`` (default: the source's) into the same
+    units, each rank's slices copied from the source's. ``frozen``: for reading only (no
+    gradients, no fp32 master). Every rank of the source's group must call it."""
+    from transformers import PreTrainedModel
+
+    module = source.module
+    if not isinstance(module, PreTrainedModel):
+        raise TypeError(
+            "copy_sharded rebuilds transformers models from their class and config; for "
+            f"{type(module).__name__}, shard a new instance and copy with load_unit_state"
+        )
+    model = build_on_meta(lambda: type(module)._from_config(module.config))
+    trainable = {n: p.requires_grad and not frozen for n, p in module.named_parameters()}
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable.get(name, not frozen))
+    device = torch.device(device) if device is not None else source.device
+    realize_placeholders(model, device)
+    config = source.config if config is None else load_config(config)
+    return ZeroEngine(
+        model, config, source.group, device=device, prepare_unit=_CopyFrom(source, model, device)
+    )
+
+
+class _CopyFrom:
+    """``prepare_unit`` for ``copy_sharded``: buffers from the source's modules of the same
+    name, each rank's slices from the source's unit of the same name and layout."""
+
+    def __init__(self, source: ZeroEngine, model: nn.Module, device: torch.device) -> None:
+        self.source, self.device = source, device
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.source_modules = dict(source.module.named_modules())
+        self.units = {u.name: u for u in source.units}
+
+    def __call__(self, unit_name: str, modules: list[nn.Module], params):
+        for m in materialize_buffers(modules, self.device):
+            original = self.source_modules[self.names[id(m)]]
+            for name, buf in m._buffers.items():
+                if buf is not None:
+                    buf.copy_(original._buffers[name])
+        return self.fill
+
+    def fill(self, unit, master: torch.Tensor) -> None:
+        def layout(u) -> tuple:
+            return u.shard_numel, [(s.name, s.offset, s.numel) for s in u.slots]
+
+        original = self.units.get(unit.name)
+        if original is None or layout(original) != layout(unit):
+            raise ValueError(
+                f"copy_sharded: unit {unit.name} is not sharded like the source's (another "
+                "zero configuration?); copy with the source's own"
+            )
+        master.copy_(self.source.unit_state(original)["master"])

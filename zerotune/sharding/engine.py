@@ -47,6 +47,7 @@ from .buffers import (
     prefetch_budget,
 )
 from .compiled import CompiledUnits
+from .copies import CopiedAsSource
 from .external import ExternalParams, ShardedParameterError
 from .grads import GradReducer
 from .hooks import Prefetcher, in_backward, install_hooks
@@ -112,7 +113,7 @@ def _refuse_embeddings_it_would_break(model: nn.Module, config: ZeroConfig, worl
             )
 
 
-class ZeroEngine(nn.Module):
+class ZeroEngine(CopiedAsSource, nn.Module):
     """Wraps a model whose parameters are sharded; calling it calls the model."""
 
     def __init__(

@@ -92,6 +92,9 @@ class ExternalParams:
                 module.__class__ = _watching_class(type(module))
                 module.__dict__["_zerotune_watcher"] = self
 
+    def __deepcopy__(self, memo) -> None:
+        return None  # a copied module watches nothing ([Note: copies of a sharded model])
+
     def remove(self) -> None:
         for module, cls in self._swapped:
             module.__class__ = cls

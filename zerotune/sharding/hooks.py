@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd import Variable
 
+from .copies import COPIED
 from .grads import is_reentrant_checkpoint
 from .unit import Unit, UnitState
 
@@ -102,6 +103,8 @@ def install_hooks(engine: ZeroEngine) -> list:
 
 def _pre_forward_hook(engine: ZeroEngine, unit: Unit):
     def hook(module, args):
+        if module is not unit.module:  # a deep copy shares this function (copies.py)
+            raise RuntimeError(COPIED)
         engine.external.active.append(unit)
         engine.pre_forward(unit, args)
 

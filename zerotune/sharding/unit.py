@@ -54,6 +54,7 @@ from ..memory.aio import aligned_empty
 from ..memory.pinned import pinned_copy
 from ..memory.pool import BufferPool
 from ..memory.tiers import DeviceParams, MemoryGrads, NvmeGrads, NvmeParams, Placement
+from .copies import NotPickled
 from .grads import GradAccumulator
 
 __all__ = ["PassState", "Slot", "TrainingState", "Unit", "UnitState"]
@@ -115,7 +116,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return pinned_copy(t) if torch.cuda.is_available() else t.to("cpu")
 
 
-class Unit:
+class Unit(NotPickled):
     def __init__(
         self,
         index: int,

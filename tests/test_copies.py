@@ -1,0 +1,90 @@
+"""Pickling and deep-copying a sharded model ([Note: copies of a sharded model]): refused
+with one line, or (copy_sharded) a second sharded model with the same weights."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+
+import pytest
+import torch
+from conftest import run_world, tiny_gpt2
+
+import zerotune
+from zerotune.sharding.copies import COPIED, CopyOf
+
+IDS = torch.tensor([[5, 17, 33, 2]])
+
+
+def nvme_config(root, rank: int, **extra) -> dict:
+    path = os.path.join(root, f"rank{rank}")
+    os.makedirs(path, exist_ok=True)
+    return {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": path,
+            **extra}  # fmt: skip
+
+
+def test_a_sharded_model_is_not_pickled_and_its_deep_copy_refuses_to_run(tmp_path):
+    engine = zerotune.shard(tiny_gpt2(seed=1), nvme_config(str(tmp_path), 0))
+    from datasets.fingerprint import Hasher  # dill, as datasets pickles a transform
+
+    with pytest.raises(TypeError, match="Unit of a model sharded by zerotune cannot be pickled"):
+        Hasher.hash(engine.module)
+    with pytest.raises(TypeError, match="ZeroEngine of a model sharded by zerotune"):
+        pickle.dumps(engine)
+    copied = copy.deepcopy(engine.module)
+    assert isinstance(copied._zerotune_engine, CopyOf)
+    assert copied._zerotune_engine.source is engine
+    with pytest.raises(AttributeError, match="is a copy"):
+        copied._zerotune_engine.units  # noqa: B018
+    with pytest.raises(RuntimeError, match="is a copy"):
+        copied(IDS)
+    assert engine.module(IDS).logits.shape == (1, 4, 96)  # the original is untouched
+    assert COPIED.startswith("this module is a copy")
+    engine.close()
+
+
+def copy_per_rank(rank, world, root, frozen):
+    """copy_sharded of an engine whose weights moved (one AdamW step): the copy's weights
+    equal the source's, at its own tier, with or without a master."""
+    torch.manual_seed(0)
+    source = zerotune.shard(tiny_gpt2(seed=2), nvme_config(root, rank, dtype="fp32"))
+    optimizer = zerotune.ZeroAdamW(source, lr=1e-2)
+    source(IDS, labels=IDS).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    copied = zerotune.copy_sharded(source, frozen=frozen)
+    with torch.no_grad():
+        expected, got = source.module(IDS).logits, copied.module(IDS).logits
+    errors = {}
+    for unit, twin in zip(source.units, copied.units):
+        a, b = source.unit_state(unit)["master"], copied.unit_state(twin)["master"]
+        errors[unit.name] = float((a - b).abs().max()) if a.numel() else 0.0
+    trainable = sum(p.requires_grad for p in copied.module.parameters())
+    master = copied.memory_report()["master"]
+    copied.close()
+    source.close()
+    return errors, float((expected - got).abs().max()), trainable, master
+
+
+@pytest.mark.parametrize("world,frozen", [(1, True), (2, True), (2, False)])
+def test_copy_sharded_gives_the_same_weights_in_shards_of_its_own(tmp_path, world, frozen):
+    for errors, logits, trainable, master in run_world(world, copy_per_rank, str(tmp_path), frozen):
+        assert max(errors.values()) == 0.0, errors
+        assert logits == 0.0
+        if frozen:
+            assert trainable == 0 and master == 0
+        else:
+            assert trainable == len(list(tiny_gpt2().parameters()))
+
+
+def test_copy_sharded_refuses_what_it_cannot_rebuild(tmp_path):
+    source = zerotune.shard(tiny_gpt2(seed=2), {"stage": 3})
+    with pytest.raises(ValueError, match="is not sharded like the source's"):
+        zerotune.copy_sharded(source, {"stage": 3, "tile_linear_bytes": 1024})
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    plain = zerotune.shard(mlp, {"stage": 3})
+    with pytest.raises(TypeError, match="rebuilds transformers models"):
+        zerotune.copy_sharded(plain)
+    source.close()
+    plain.close()
