@@ -18,6 +18,7 @@ rotary embeddings recompute ``inv_freq`` in ``_init_weights``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import zlib
 from collections.abc import Callable
@@ -216,7 +217,7 @@ def copy_sharded(
             "copy_sharded rebuilds transformers models from their class and config; for "
             f"{type(module).__name__}, shard a new instance and copy with load_unit_state"
         )
-    model = build_on_meta(lambda: type(module)._from_config(module.config))
+    model = build_on_meta(lambda: type(module)(copy.deepcopy(module.config)))
     trainable = {n: p.requires_grad and not frozen for n, p in module.named_parameters()}
     for name, p in model.named_parameters():
         p.requires_grad_(trainable.get(name, not frozen))
