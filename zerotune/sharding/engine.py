@@ -40,12 +40,7 @@ from ..memory.tiers import (
     placement,
 )
 from ..optim.scaling import DynamicLossScaler
-from .buffers import (
-    gather_cache_bytes,
-    gathers_into_cache,
-    pool_keep_sizes,
-    prefetch_budget,
-)
+from .buffers import gather_cache_bytes, gathers_into_cache, pool_keep_sizes, prefetch_budget
 from .compiled import CompiledUnits
 from .copies import CopiedAsSource
 from .external import ExternalParams, ShardedParameterError
