@@ -137,9 +137,21 @@ def main(out: str) -> None:
         "zero": zero_distil,
     }
     trainer.close()
+    # TRL's Online DPO: its reference deep-copied from the sharded model (copy_sharded).
+    from test_trl import ARGS
+    from test_trl_experimental import online_dpo_run
+    from trl.experimental.online_dpo import OnlineDPOConfig
+
+    options = dict(ARGS, max_new_tokens=8)
+    _, plain_online = online_dpo_run(unwrapped, OnlineDPOConfig(str(work / "o-plain"), **options))
+    zero_args = zero(OnlineDPOConfig)(str(work / "o-zero"), **options, zero_stage=3)
+    trainer, zero_online = online_dpo_run(zero, zero_args)
+    online = {"engine_world": trainer.ref_engine.world, "plain": plain_online, "zero": zero_online}
+    trainer.close()
     if rank == 0:
         results["plain"]["grad_norm"] = logged(plain, "grad_norm")
-        Path(out).write_text(json.dumps({**results, "grpo": grpo, "distil": distil}))
+        cases = {"grpo": grpo, "distil": distil, "online_dpo": online}
+        Path(out).write_text(json.dumps({**results, **cases}))
 
 
 if __name__ == "__main__":
