@@ -1522,3 +1522,49 @@ def test_a_frozen_model_keeps_no_master_in_memory(tmp_path, world, dtype):
         assert params < 2000  # the persistent root's few bytes; the rest is on NVMe
         assert max(errors.values()) == 0, errors
         assert written
+
+
+@pytest.mark.parametrize(
+    "dtype,bits,optimizer", [("fp32", 32, "adam"), ("bf16", 32, "adam"), ("bf16", 32, "sgd")]
+)
+def test_reading_the_master_alone_reads_no_moments(tmp_path, monkeypatch, dtype, bits, optimizer):
+    """``unit_state(unit, master_only=True)`` (what a reference sync and copy_sharded read)
+    gives the same master as the whole state, from its share of the bytes: the moments on
+    NVMe stay unread (fp32 compute: the master is the parameter file's)."""
+    import torch
+    from conftest import tiny_gpt2
+
+    import zerotune
+    from zerotune.memory.aio import SwapFile
+
+    config = {
+        "stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "dtype": dtype,
+        "optim_state_bits": bits, "nvme_path": str(tmp_path),
+    }  # fmt: skip
+    engine = zerotune.shard(tiny_gpt2(seed=4), config)
+    if optimizer == "adam":
+        opt = zerotune.ZeroAdamW(engine, lr=1e-2)
+    else:
+        opt = zerotune.ZeroOptimizer(engine, torch.optim.SGD, lr=1e-2, momentum=0.9)
+    ids = torch.tensor([[3, 9, 27, 81]])
+    engine(ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    read_bytes = []
+    original = SwapFile.read
+
+    def counted(self, tensor, offset, urgent=False):
+        read_bytes.append(tensor.numel() * tensor.element_size())
+        return original(self, tensor, offset, urgent)
+
+    monkeypatch.setattr(SwapFile, "read", counted)
+    unit = max(engine.units, key=lambda u: u.shard_numel)
+    whole = engine.unit_state(unit)
+    whole_bytes = sum(read_bytes)
+    read_bytes.clear()
+    alone = engine.unit_state(unit, master_only=True)
+    assert list(alone) == ["master"] and len(whole) >= 2
+    assert torch.equal(alone["master"], whole["master"])
+    regions = len(whole)  # the master and each per-element state: as many fp32 regions
+    assert 0 < sum(read_bytes) * regions <= whole_bytes + 4096 * regions, (read_bytes, whole_bytes)
+    engine.close()

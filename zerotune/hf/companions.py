@@ -132,7 +132,7 @@ def mix_into_reference(engine: ZeroEngine, ref: ZeroEngine, alpha: float) -> Non
     [Note: syncing the reference model]). Every rank must call it."""
     check_same_layout(engine, ref)
     for unit, ref_unit in zip(engine.units, ref.units):
-        trained = engine.unit_state(unit)["master"]
+        trained = engine.unit_state(unit, master_only=True)["master"]
         mixed = ref.unit_state(ref_unit)["master"].float().mul(1.0 - alpha)
         mixed.add_(trained.to(mixed.device, torch.float32), alpha=alpha)
         ref.load_unit_state(ref_unit, {"master": mixed})

@@ -257,4 +257,4 @@ class _CopyFrom:
                 f"copy_sharded: unit {unit.name} is not sharded like the source's (another "
                 "zero configuration?); copy with the source's own"
             )
-        master.copy_(self.source.unit_state(original)["master"])
+        master.copy_(self.source.unit_state(original, master_only=True)["master"])

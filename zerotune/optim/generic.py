@@ -564,7 +564,10 @@ class ZeroOptimizer(ShardedOptimizer):
                     out.setdefault(k, v.dtype)
         return out
 
-    def read_unit(self, unit) -> dict[str, torch.Tensor]:
+    def read_unit(self, unit, master_only: bool = False) -> dict[str, torch.Tensor]:
+        if master_only:
+            nvme = self._nvme
+            return {"master": nvme.read_master(unit) if nvme is not None else unit.master}
         if self._nvme is not None:
             out = {"master": self._nvme.read_master(unit)}
             for k in self._elementwise_keys(unit):

@@ -331,8 +331,10 @@ class ResidentStore:
     def state_numels(self, unit) -> dict[str, int]:
         return state_numels(unit, unit.index in self.q8)
 
-    def read_unit(self, unit) -> dict[str, torch.Tensor]:
+    def read_unit(self, unit, master_only: bool = False) -> dict[str, torch.Tensor]:
         q8 = self.q8.get(unit.index)
+        if master_only:
+            return {"master": unit.master}
         if q8 is not None:
             return {"master": unit.master, **q8.as_state()}
         m, v = self.moments[unit.index]
@@ -676,7 +678,9 @@ class NvmeStore:
     def state_numels(self, unit) -> dict[str, int]:
         return state_numels(unit, self.is_quantized(unit))
 
-    def read_unit(self, unit) -> dict[str, torch.Tensor]:
+    def read_unit(self, unit, master_only: bool = False) -> dict[str, torch.Tensor]:
+        """The unit's state; ``master_only``: the fp32 master alone, without reading the
+        moments where they lie apart from it (fp32 moments)."""
         n = unit.shard_numel
         if self.is_quantized(unit):
             master = torch.empty(n, dtype=torch.float32)
@@ -690,8 +694,9 @@ class NvmeStore:
                 master[c0:c1].copy_(m)
                 q8.slice(c0, c1).copy_(q)
                 self.staging.release(held)
-            return {"master": master, **q8.as_state()}
-        out = {k: torch.empty(n, dtype=torch.float32) for k in ("master", *MOMENTS)}
+            return {"master": master} if master_only else {"master": master, **q8.as_state()}
+        keys = ("master",) if master_only else ("master", *MOMENTS)
+        out = {k: torch.empty(n, dtype=torch.float32) for k in keys}
         for c0, c1 in self.chunks(unit):
             nbytes = round_up((c1 - c0) * _F32)
             held = self.staging.acquire(nbytes)

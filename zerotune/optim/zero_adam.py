@@ -546,8 +546,8 @@ class ZeroAdamW(ShardedOptimizer):
     def state_numels(self, unit) -> dict[str, int]:
         return self.store.state_numels(unit)
 
-    def read_unit(self, unit) -> dict[str, torch.Tensor]:
-        return self.store.read_unit(unit)
+    def read_unit(self, unit, master_only: bool = False) -> dict[str, torch.Tensor]:
+        return self.store.read_unit(unit, master_only)
 
     def write_unit(self, unit, state: dict[str, torch.Tensor]) -> None:
         self.store.write_unit(unit, state)

@@ -713,16 +713,16 @@ class ZeroEngine(CopiedAsSource, nn.Module):
             unit.accumulator.zero()
 
     # ---------------------------------------------------------------------- shard state
-    def unit_state(self, unit: Unit) -> dict[str, torch.Tensor]:
+    def unit_state(self, unit: Unit, master_only: bool = False) -> dict[str, torch.Tensor]:
         """This rank's flat slices of ``unit`` (``shard_numel`` elements each, padding at the
-        tail zero): ``master`` (fp32 weights), and once an optimizer exists ``exp_avg``,
-        ``exp_avg_sq`` (with 8-bit moments: ``exp_avg.q8``, ``exp_avg.absmax``,
+        tail zero): ``master`` (fp32 weights), and once an optimizer exists (unless
+        ``master_only``) ``exp_avg``, ``exp_avg_sq`` (8-bit: ``exp_avg.q8``, ``exp_avg.absmax``,
         ``exp_avg_sq.q8``, ``exp_avg_sq.absmax``; see optim/quant8.py). The tensors are the
         live ones: checkpoints read them, and ``load_unit_state`` writes them."""
         optimizer = getattr(self, "optimizer", None)
         self.settle_optimizer()
         if optimizer is not None and optimizer.owns(unit):
-            return optimizer.read_unit(unit)
+            return optimizer.read_unit(unit, master_only)
         return {"master": unit.params.read(unit).float() if unit.master is None else unit.master}
 
     @torch.no_grad()
