@@ -16,6 +16,7 @@ from test_trl import (
     ARGS,
     GRPO_ARGS,
     RTOL,
+    ZERO,
     byte_gpt2,
     chat_tokenizer,
     chats,
@@ -207,7 +208,7 @@ def bema_run(wrap, args):
     from trl.experimental.bema_for_ref_model import BEMACallback, DPOTrainer
 
     bema = BEMACallback(
-        update_freq=1, update_after=0, update_ref_model=True, ref_model_update_freq=1,
+        update_freq=1, update_after=1, update_ref_model=True, ref_model_update_freq=1,
         ref_model_update_after=0,
     )  # fmt: skip
     trainer = wrap(DPOTrainer)(
@@ -215,30 +216,35 @@ def bema_run(wrap, args):
         processing_class=byte_tokenizer(), callbacks=[bema],
     )  # fmt: skip
     trainer.train()
-    return {key: logged(trainer, key) for key in (*LOGGED, "rewards/margins", "logps/chosen")}
+    logs = {key: logged(trainer, key) for key in (*LOGGED, "rewards/margins", "logps/chosen")}
+    return trainer, logs
 
 
-def test_bema_works_at_stage_2_and_is_refused_at_stage_3(tmp_path):
-    """BEMA keeps whole copies of the parameters: at stage 2 they are whole on every rank
-    and the logs are plain DPO's; at stage 3 it is refused with one line, given to the
-    constructor or added later."""
+BEMA = {"stage2": dict(zero_stage=2), **{k: ZERO[k] for k in ("stage3", "stage3-nvme")}}
+
+
+@pytest.mark.parametrize("zero_name", list(BEMA))
+def test_bema_over_shards_logs_and_saves_what_trl_does(tmp_path, zero_name):
+    """TRL's BEMA callback (theta_0 and an EMA of the weights, a running model saved at the
+    end, the reference overwritten from it every step): at stage 2 TRL's own, at stage 3 on
+    the shards ([Note: BEMA over shards]); the same logs and the same saved BEMA weights."""
+    from safetensors.torch import load_file
     from trl import DPOConfig
-    from trl.experimental.bema_for_ref_model import BEMACallback
 
-    plain = bema_run(unwrapped, DPOConfig(output_dir=str(tmp_path / "plain"), **ARGS))
-    logs = bema_run(zero, zero(DPOConfig)(output_dir=str(tmp_path / "z2"), **ARGS, zero_stage=2))
+    plain_trainer, plain = bema_run(unwrapped, DPOConfig(str(tmp_path / "plain"), **ARGS))
+    options = {**BEMA[zero_name]}
+    if "nvme" in options.values():
+        (tmp_path / "swap").mkdir()
+        options["nvme_path"] = str(tmp_path / "swap")
+    trainer, logs = bema_run(zero, zero(DPOConfig)(str(tmp_path / "zero"), **ARGS, **options))
     assert max(abs(m) for m in plain["rewards/margins"]) > 1e-4  # not a trivial run
     for key in plain:
         torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
-    stage3 = zero(DPOConfig)(output_dir=str(tmp_path / "z3"), **ARGS, zero_stage=3)
-    with pytest.raises(ValueError, match="BEMACallback keeps whole copies"):
-        bema_run(zero, stage3)
-    from trl import DPOTrainer
-
-    trainer = zero(DPOTrainer)(
-        model=byte_gpt2(), ref_model=byte_gpt2(), args=stage3, train_dataset=preferences(),
-        processing_class=byte_tokenizer(),
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="use it with zero_stage 1 or 2"):
-        trainer.add_callback(BEMACallback())
+    expected = load_file(tmp_path / "plain" / "bema" / "model.safetensors")
+    got = load_file(tmp_path / "zero" / "bema" / "model.safetensors")
+    assert got.keys() == expected.keys()
+    start = {n: p.detach() for n, p in byte_gpt2().named_parameters()}
+    assert max(float((v - start[k]).abs().max()) for k, v in expected.items()) > 1e-4
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=1e-6, msg=name)
     trainer.close()

@@ -148,9 +148,17 @@ def main(out: str) -> None:
     trainer, zero_online = online_dpo_run(zero, zero_args)
     online = {"engine_world": trainer.ref_engine.world, "plain": plain_online, "zero": zero_online}
     trainer.close()
+    # TRL's BEMA over the shards of both ranks, moving DPO's reference every step.
+    from test_trl_experimental import bema_run
+    from trl import DPOConfig
+
+    _, plain_bema = bema_run(unwrapped, DPOConfig(str(work / "b-plain"), **ARGS))
+    trainer, zero_bema = bema_run(zero, zero(DPOConfig)(str(work / "b-zero"), **ARGS, zero_stage=3))
+    bema = {"engine_world": trainer.engine.world, "plain": plain_bema, "zero": zero_bema}
+    trainer.close()
     if rank == 0:
         results["plain"]["grad_norm"] = logged(plain, "grad_norm")
-        cases = {"grpo": grpo, "distil": distil, "online_dpo": online}
+        cases = {"grpo": grpo, "distil": distil, "online_dpo": online, "bema": bema}
         Path(out).write_text(json.dumps({**results, **cases}))
 
 

@@ -166,15 +166,14 @@ def sync_shards(callback, engine: ZeroEngine | None) -> None:
     callback.sync_target_model = mix_shards
 
 
-def check_callback(callback, engine: ZeroEngine | None) -> None:
-    """Refuse TRL's ``BEMACallback`` (and subclasses) at stage 3: it copies and averages whole
-    parameters outside forward, where sharded ones are empty placeholders."""
-    cls = callback if isinstance(callback, type) else type(callback)
-    trl_bema = any(
-        c.__name__ == "BEMACallback" and c.__module__.startswith("trl.") for c in cls.__mro__
-    )
-    if trl_bema and engine is not None and engine.config.stage == 3:
-        raise ValueError(
-            "TRL's BEMACallback keeps whole copies of the trained parameters, which ZeRO stage "
-            "3 shards; use it with zero_stage 1 or 2"
-        )
+def adapt_callback(callback, engine: ZeroEngine | None) -> None:
+    """Point TRL's callbacks that read or write whole parameters at the shards: the reference
+    syncs ([Note: syncing the reference model]) and, at stage 3, BEMA ([Note: BEMA over
+    shards] in hf/bema.py). ``callback`` is an instance."""
+    from .bema import ShardedBEMA, is_trl_bema
+
+    if trl_sync_base(callback) is not None:
+        sync_shards(callback, engine)
+    elif is_trl_bema(callback) and engine is not None and engine.config.stage == 3:
+        if not isinstance(getattr(callback.on_step_end, "__self__", None), ShardedBEMA):
+            ShardedBEMA(callback, engine).attach()

@@ -73,6 +73,7 @@ from ..memory.probes import accelerator_allocated, current_rss, peak_rss, reset_
 from ..sharding import ZeroEngine
 from ..sharding.copies import CopyOf
 from .args import ZeroTrainingArguments
+from .bema import is_trl_bema
 from .checkpoints import (
     TRAINER_MARKER,
     ZERO_DIR,
@@ -83,13 +84,7 @@ from .checkpoints import (
     move_model_files,
     restore_rng,
 )
-from .companions import (
-    TEACHER,
-    Companions,
-    check_callback,
-    sync_shards,
-    trl_sync_base,
-)
+from .companions import TEACHER, Companions, adapt_callback
 from .configs import describe_config
 from .generation import gather_for_generation
 from .optimizers import (
@@ -232,7 +227,7 @@ class ZeroTrainer(Trainer):
         if isinstance(getattr(self, "reward_funcs", None), list):  # those TRL loaded too
             self.reward_funcs = self._shard_reward_models(self.reward_funcs)
         for callback in self.callback_handler.callbacks:  # those given to the constructor
-            check_callback(callback, self.engine)
+            adapt_callback(callback, self.engine)
         if args.world_size != self.engine.world:
             raise ValueError(
                 f"the Trainer sees {args.world_size} data-parallel rank(s) but the engine is "
@@ -332,12 +327,12 @@ class ZeroTrainer(Trainer):
         )
 
     def add_callback(self, callback) -> None:
-        """TRL's ``SyncRefModelCallback`` (and SDPO's teacher sync, a subclass) would mix the
-        placeholders of sharded parameters: it mixes the shards instead ([Note: syncing the
-        reference model])."""
-        check_callback(callback, self.engine)
-        if not isinstance(callback, type) and trl_sync_base(callback) is not None:
-            sync_shards(callback, self.engine)
+        """TRL's reference syncs and BEMA would read the placeholders of sharded parameters:
+        they work on the shards instead (``adapt_callback``)."""
+        if isinstance(callback, type) and is_trl_bema(callback):
+            callback = callback()  # made here, to be adapted
+        if not isinstance(callback, type):
+            adapt_callback(callback, self.engine)
         super().add_callback(callback)
 
     def _use_engine(self, engine: ZeroEngine) -> None:
