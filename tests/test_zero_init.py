@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import run_together, run_world, tiny_gpt2, tiny_llama_config
 
+import zerotune
+
 
 def build_zero(rank, world, seed):
     import zerotune
@@ -136,3 +138,67 @@ def test_zero_init_peak_memory_stays_within_shards_plus_one_unit(tmp_path):
     plain_grew = plain["peak"] - plain["base"]
     # At world size 2: about half the parameters plus one unit.
     assert grew < 0.75 * plain_grew, (grew / mb, plain_grew / mb)
+
+
+def tiny_llava():
+    """A CLIP vision tower (its own _init_weights fills its position_ids buffer) under a
+    Llama; 16 image tokens of a 16x16 picture."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=16, patch_size=4, projection_dim=32,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=10, vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )  # fmt: skip
+    return lambda: LlavaForConditionalGeneration(config)
+
+
+def test_a_composite_model_inits_each_tower_with_its_own_init():
+    """transformers dispatches a nested model's own _init_weights (CLIP's fills its
+    position_ids buffer); zero-init does the same, and the model runs on an image."""
+    engine = zerotune.zero_init(tiny_llava(), {"stage": 3})
+    buffers = dict(engine.module.named_buffers())
+    ids = next(b for n, b in buffers.items() if "vision" in n and n.endswith("position_ids"))
+    assert ids.tolist() == [list(range(17))]  # 16 patches and the class token
+    tokens = torch.randint(11, 128, (1, 24))
+    tokens[0, 1:17] = 10
+    out = engine.module(input_ids=tokens, pixel_values=torch.randn(1, 3, 16, 16), labels=tokens)
+    assert math.isfinite(float(out.loss)) and out.logits.shape == (1, 24, 128)
+    engine.close()
+
+
+def whisper_positions(rank, world):
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    from transformers.models.whisper.modeling_whisper import sinusoids
+
+    config = WhisperConfig(
+        vocab_size=128, num_mel_bins=16, encoder_layers=2, decoder_layers=2, d_model=32,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_source_positions=16, max_target_positions=32, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )  # fmt: skip
+    engine = zerotune.zero_init(lambda: WhisperForConditionalGeneration(config), {"stage": 3})
+    with engine.gathered():
+        table = engine.module.model.encoder.embed_positions.weight.detach().clone()
+    engine.close()
+    return float((table - sinusoids(*table.shape)).abs().max()), list(table.shape)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_parent_init_fills_a_frozen_table_another_unit_owns(world):
+    """Whisper's encoder init writes sinusoids into its position table, an embedding of its
+    own unit (built first, frozen): the enclosing init wins, as in transformers."""
+    for error, shape in run_world(world, whisper_positions):
+        assert shape == [16, 32] and error == 0.0

@@ -12,7 +12,13 @@ linear) are hidden from U's initialization, so each tensor is initialized once, 
 owner. A tile is initialized as the model initializes the layer it came from (see
 ``init_tile`` in sharding/tiling.py).
 Buffers created on the meta device are given storage and initialized with their unit (HF
-rotary embeddings recompute ``inv_freq`` in ``_init_weights``).
+rotary embeddings recompute ``inv_freq`` in ``_init_weights``). Each module is initialized
+by the ``_init_weights`` of its nearest enclosing transformers model, as transformers
+dispatches a composite model's towers. A module's init may fill a child's weight that
+another unit owns (Whisper's encoder writes sinusoids into its position table): frozen
+floating-point weights of other units (up to 64 MiB a unit) are lent NaN-filled copies
+during the init, and what it writes there is put into the owners' shards at the end, so
+the enclosing module's init wins, as in transformers. Trainable ones stay hidden.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ __all__ = [
     "copy_sharded",
     "default_device",
     "hidden",
+    "init_functions",
     "materialize_buffers",
     "realize_placeholders",
     "zero_init",
@@ -70,17 +77,26 @@ def build_on_meta(model_or_config) -> nn.Module:
         return AutoModelForCausalLM.from_config(model_or_config)
 
 
-def _init_function(model: nn.Module) -> Callable[[nn.Module], None]:
-    hf_init = getattr(model, "_init_weights", None)
-    if hf_init is not None and hasattr(model, "config"):
-        return hf_init
+def _reset(module: nn.Module) -> None:
+    fn = getattr(module, "reset_parameters", None)
+    if callable(fn):
+        fn()
 
-    def reset(module: nn.Module) -> None:
-        fn = getattr(module, "reset_parameters", None)
-        if callable(fn):
-            fn()
 
-    return reset
+def init_functions(model: nn.Module) -> dict[int, Callable[[nn.Module], None]]:
+    """Each module's init, by ``id``: the ``_init_weights`` of the nearest enclosing
+    transformers model (a composite model's vision tower has its own, as transformers
+    dispatches it), else ``reset_parameters``."""
+    from transformers import PreTrainedModel
+
+    by_name: dict[str, Callable[[nn.Module], None]] = {}
+    out: dict[int, Callable[[nn.Module], None]] = {}
+    for name, m in model.named_modules():
+        fn = by_name.get(name.rpartition(".")[0], _reset) if name else _reset
+        if isinstance(m, PreTrainedModel) or (m is model and hasattr(m, "config")):
+            fn = getattr(m, "_init_weights", fn)
+        by_name[name] = out.setdefault(id(m), fn)
+    return out
 
 
 @contextlib.contextmanager
@@ -105,6 +121,7 @@ def hidden(params: list[nn.Parameter], device: torch.device):
 
 
 _UNSET = object()
+LENT_BYTES = 64 << 20  # at most this much of other units' frozen weights lent to one init
 
 
 class _Materializer:
@@ -112,8 +129,11 @@ class _Materializer:
 
     def __init__(self, model: nn.Module, seed: int, device: torch.device):
         self.model, self.seed, self.device = model, seed, device
-        self.init_fn = _init_function(model)
+        self.init_for = init_functions(model)
         self.is_hf = hasattr(model, "_init_weights") and hasattr(model, "config")
+        # Frozen weights of other units that a unit's init wrote (a parent's init filling a
+        # child's table): (parameter, values, written mask), put into the owners at the end.
+        self.written: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, unit_name: str, modules: list[nn.Module], params) -> None:
         release_free_memory()  # what the previous unit left behind goes back to the system
@@ -130,17 +150,59 @@ class _Materializer:
                         "zerotune.shard()"
                     )
         # Hidden too: parameters of units nested in this one (tiles), reachable through
-        # init code that walks a module's parameters.
+        # init code that walks a module's parameters. Frozen floating-point ones are lent a
+        # NaN-filled copy instead: what this unit's init writes there is kept (see
+        # [Note: zero-init]).
         foreign = {id(p): p for m in modules for p in m.parameters() if id(p) not in own}
-        foreign = list(foreign.values())
-        with torch.random.fork_rng(devices=[]), hidden(foreign, self.device), torch.no_grad():
-            torch.manual_seed(_unit_seed(self.seed, unit_name))
-            for m in modules:
-                if isinstance(m, (LinearTile, TiledLinear)):
-                    init_tile(self.model, m, self.init_fn, self.is_hf)
-                else:
-                    self.init_fn(m)
+        lent, hide, room = [], [], LENT_BYTES
+        for p in foreign.values():
+            nbytes = p.numel() * p.element_size()
+            if not p.requires_grad and p.is_floating_point() and nbytes <= room:
+                lent.append(p)
+                room -= nbytes
+            else:
+                hide.append(p)
+        saved = [(p, p.data) for p in lent]
+        for p in lent:
+            p.data = torch.full(p.shape, float("nan"), dtype=p.dtype, device=self.device)
+        try:
+            with torch.random.fork_rng(devices=[]), hidden(hide, self.device), torch.no_grad():
+                torch.manual_seed(_unit_seed(self.seed, unit_name))
+                for m in modules:
+                    if id(m) not in self.init_for:  # a module the engine made (tiles)
+                        self.init_for = init_functions(self.model)
+                    fn = self.init_for[id(m)]
+                    if isinstance(m, (LinearTile, TiledLinear)):
+                        init_tile(self.model, m, fn, self.is_hf)
+                    else:
+                        fn(m)
+        finally:
+            for p, data in saved:
+                written = ~torch.isnan(p.data)
+                if written.any():
+                    self.written.append((p, p.data, written))
+                p.data = data
         return None
+
+    def apply_written(self, engine: ZeroEngine) -> None:
+        """Put what units' inits wrote into frozen weights of other units into their owners'
+        shards (the init of the enclosing module runs after its children's, as in
+        transformers)."""
+        for param, values, written in self.written:
+            for unit in engine.units:
+                slot = next((s for s in unit.slots if s.param is param), None)
+                if slot is None:
+                    continue
+                master = engine.unit_state(unit, master_only=True)["master"].clone()
+                lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
+                a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+                if a < b:
+                    flat, mask = values.reshape(-1).float(), written.reshape(-1)
+                    part = master[a - lo : b - lo]
+                    keep = mask[a - slot.offset : b - slot.offset]
+                    part[keep] = flat[a - slot.offset : b - slot.offset][keep]
+                engine.load_unit_state(unit, {"master": master})
+        self.written.clear()
 
 
 def realize_placeholders(model: nn.Module, device: torch.device) -> None:
@@ -191,6 +253,7 @@ def zero_init(
     realize_placeholders(model, device)
     materializer = _Materializer(model, seed, device)
     engine = ZeroEngine(model, load_config(config), group, device=device, prepare_unit=materializer)
+    materializer.apply_written(engine)
     leftover = [n for n, b in model.named_buffers() if b.is_meta]
     if leftover:
         raise ValueError(f"buffers left on the meta device after zero-init: {leftover[:5]}")

@@ -30,7 +30,13 @@ from torch import nn
 from ..config import ZeroConfig, load_config
 from ..sharding.engine import ZeroEngine
 from ..sharding.tiling import TileBlock, TiledWeight, apply_tiling, read_block, tiled_weights
-from .construct import default_device, hidden, materialize_buffers, realize_placeholders
+from .construct import (
+    default_device,
+    hidden,
+    init_functions,
+    materialize_buffers,
+    realize_placeholders,
+)
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -321,6 +327,7 @@ class _StreamingLoader:
     def __init__(self, model: nn.Module, ckpt: SafetensorsCheckpoint, device: torch.device):
         self.model, self.ckpt, self.device = model, ckpt, device
         self.keys, self.blocks = _checkpoint_keys(model, ckpt)
+        self.init_for = init_functions(model)
         self.init_fn = getattr(model, "_init_weights", None)
 
     def __call__(self, unit_name: str, modules: list[nn.Module], params):
@@ -330,7 +337,9 @@ class _StreamingLoader:
             held = [p for m in with_buffers for p in m._parameters.values() if p is not None]
             with hidden(held, self.device), torch.no_grad():
                 for m in with_buffers:
-                    self.init_fn(m)
+                    if id(m) not in self.init_for:  # a module the engine made (tiles)
+                        self.init_for = init_functions(self.model)
+                    self.init_for[id(m)](m)
         return self.fill
 
     def fill(self, unit, master: torch.Tensor) -> None:
