@@ -27,13 +27,6 @@ from ..init import copy_sharded
 from ..sharding import ZeroEngine
 
 
-def is_trl_bema(callback) -> bool:
-    cls = callback if isinstance(callback, type) else type(callback)
-    return any(
-        c.__name__ == "BEMACallback" and c.__module__.startswith("trl.") for c in cls.__mro__
-    )
-
-
 class ShardedBEMA:
     """The events of TRL's ``BEMACallback`` ``callback`` over ``engine``'s shards (see
     [Note: BEMA over shards]); ``attach`` puts them in the callback's place."""

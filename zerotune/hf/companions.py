@@ -138,12 +138,10 @@ def mix_into_reference(engine: ZeroEngine, ref: ZeroEngine, alpha: float) -> Non
         ref.load_unit_state(ref_unit, {"master": mixed})
 
 
-def trl_sync_base(callback) -> type | None:
-    """TRL's ``SyncRefModelCallback`` when ``callback`` is one (or a subclass's instance)."""
-    for cls in type(callback).__mro__:
-        if cls.__name__ == "SyncRefModelCallback" and cls.__module__.startswith("trl."):
-            return cls
-    return None
+def trl_class(obj, name: str) -> type | None:
+    """TRL's class ``name`` when ``obj`` (an instance or a class) is one or a subclass's."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    return next((c for c in cls.__mro__ if c.__name__ == name and c.__module__[:4] == "trl."), None)
 
 
 def mix_shards(model, target_model, alpha: float) -> None:
@@ -154,7 +152,7 @@ def mix_shards(model, target_model, alpha: float) -> None:
 def sync_shards(callback, engine: ZeroEngine | None) -> None:
     """Point TRL's sync callback (or a subclass's) at the shards: its schedule stays, its
     ``sync_target_model`` becomes ``mix_shards`` ([Note: syncing the reference model])."""
-    base = trl_sync_base(callback)
+    base = trl_class(callback, "SyncRefModelCallback")
     if type(callback).sync_target_model is not base.sync_target_model:
         raise ValueError(
             f"{type(callback).__name__} mixes the reference model in its own "
@@ -170,10 +168,10 @@ def adapt_callback(callback, engine: ZeroEngine | None) -> None:
     """Point TRL's callbacks that read or write whole parameters at the shards: the reference
     syncs ([Note: syncing the reference model]) and, at stage 3, BEMA ([Note: BEMA over
     shards] in hf/bema.py). ``callback`` is an instance."""
-    from .bema import ShardedBEMA, is_trl_bema
+    from .bema import ShardedBEMA
 
-    if trl_sync_base(callback) is not None:
+    if trl_class(callback, "SyncRefModelCallback") is not None:
         sync_shards(callback, engine)
-    elif is_trl_bema(callback) and engine is not None and engine.config.stage == 3:
+    elif trl_class(callback, "BEMACallback") and engine is not None and engine.config.stage == 3:
         if not isinstance(getattr(callback.on_step_end, "__self__", None), ShardedBEMA):
             ShardedBEMA(callback, engine).attach()

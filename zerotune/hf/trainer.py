@@ -73,7 +73,6 @@ from ..memory.probes import accelerator_allocated, current_rss, peak_rss, reset_
 from ..sharding import ZeroEngine
 from ..sharding.copies import CopyOf
 from .args import ZeroTrainingArguments
-from .bema import is_trl_bema
 from .checkpoints import (
     TRAINER_MARKER,
     ZERO_DIR,
@@ -84,7 +83,7 @@ from .checkpoints import (
     move_model_files,
     restore_rng,
 )
-from .companions import TEACHER, Companions, adapt_callback
+from .companions import TEACHER, Companions, adapt_callback, trl_class
 from .configs import describe_config
 from .generation import gather_for_generation
 from .optimizers import (
@@ -329,7 +328,7 @@ class ZeroTrainer(Trainer):
     def add_callback(self, callback) -> None:
         """TRL's reference syncs and BEMA would read the placeholders of sharded parameters:
         they work on the shards instead (``adapt_callback``)."""
-        if isinstance(callback, type) and is_trl_bema(callback):
+        if isinstance(callback, type) and trl_class(callback, "BEMACallback"):
             callback = callback()  # made here, to be adapted
         if not isinstance(callback, type):
             adapt_callback(callback, self.engine)
