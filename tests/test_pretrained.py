@@ -167,3 +167,44 @@ def test_wrong_shapes_and_missing_tensors_are_explained(folders, tmp_path):
     )
     with pytest.raises(ModelLoadError, match="lacks"):
         zerotune.from_pretrained(tmp_path, {"stage": 3})
+
+
+def test_a_checkpoint_transformers_converts_on_load_is_explained(tmp_path):
+    """transformers 5 saves a Mixtral with one tensor per expert and merges them while
+    loading; the streaming load reads the model's own layout only, and says so."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import zerotune
+    from zerotune.init.pretrained import ModelLoadError
+
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+    )  # fmt: skip
+    MixtralForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="layout transformers converts while loading"):
+        zerotune.from_pretrained(tmp_path, {"stage": 3})
+
+
+def test_a_folder_is_built_as_the_class_its_config_names(tmp_path):
+    """An encoder-decoder (T5) has no causal-LM class: the streaming load builds the class
+    named in its config's ``architectures``, with the saved weights' logits."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    import zerotune
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    model = T5ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    engine = zerotune.from_pretrained(tmp_path, {"stage": 3})
+    assert type(engine.module) is T5ForConditionalGeneration
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ids).logits
+        got = engine.module.eval()(input_ids=ids, labels=ids).logits
+    assert torch.equal(got, expected)
+    engine.close()

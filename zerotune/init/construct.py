@@ -38,6 +38,7 @@ from ..sharding.engine import ZeroEngine
 from ..sharding.tiling import LinearTile, TiledLinear, init_tile
 
 __all__ = [
+    "build_from_config",
     "build_on_meta",
     "copy_sharded",
     "default_device",
@@ -72,9 +73,22 @@ def build_on_meta(model_or_config) -> nn.Module:
     with torch.device("meta"):
         if callable(model_or_config) and not hasattr(model_or_config, "to_dict"):
             return model_or_config()
-        from transformers import AutoModelForCausalLM
+        return build_from_config(model_or_config)
 
-        return AutoModelForCausalLM.from_config(model_or_config)
+
+def build_from_config(config, auto_class=None) -> nn.Module:
+    """The model of a transformers config: ``auto_class``'s, else the class the config names
+    in ``architectures`` (a checkpoint's own: T5, Whisper, a vision-language model), else
+    ``AutoModelForCausalLM``'s."""
+    import transformers
+
+    if auto_class is None:
+        for name in getattr(config, "architectures", None) or ():
+            cls = getattr(transformers, name, None)
+            if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+                return cls(config)
+        auto_class = transformers.AutoModelForCausalLM
+    return auto_class.from_config(config)
 
 
 def _reset(module: nn.Module) -> None:
@@ -244,7 +258,7 @@ def zero_init(
 ) -> ZeroEngine:
     """Build and shard a model without ever holding it whole.
 
-    ``model_or_config``: a transformers config (built with ``AutoModelForCausalLM``) or a
+    ``model_or_config``: a transformers config (see ``build_from_config``) or a
     zero-argument factory returning an ``nn.Module``. The same seed gives the same model at
     any world size. See [Note: zero-init].
     """

@@ -31,6 +31,7 @@ from ..config import ZeroConfig, load_config
 from ..sharding.engine import ZeroEngine
 from ..sharding.tiling import TileBlock, TiledWeight, apply_tiling, read_block, tiled_weights
 from .construct import (
+    build_from_config,
     default_device,
     hidden,
     init_functions,
@@ -315,10 +316,28 @@ def _checkpoint_keys(
             )
         keys[pid] = found
     if missing:
+        converted = (
+            " It is in a layout transformers converts while loading (renamed tensors, or one "
+            "tensor per expert merged into one), which zerotune's streaming load does not read: "
+            "load it with transformers' from_pretrained and pass the model to zerotune.shard or "
+            "ZeroTrainer."
+            if _converted_on_load(model)
+            else ""
+        )
         raise MissingParametersError(
-            f"the checkpoint lacks {len(missing)} parameter(s) of this model, e.g. {missing[:3]}"
+            f"the checkpoint lacks {len(missing)} parameter(s) of this model, e.g. "
+            f"{missing[:3]}.{converted}"
         )
     return keys, blocks
+
+
+def _converted_on_load(model: nn.Module) -> bool:
+    """Whether transformers renames or merges this model's checkpoint tensors on load."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return False
+    return bool(get_model_conversion_mapping(model, add_legacy=False))
 
 
 class _StreamingLoader:
@@ -390,11 +409,12 @@ def from_pretrained(
     auto_class=None,
     **config_fields,
 ) -> ZeroEngine:
-    """Load an HF causal LM straight into shards (see [Note: streaming load]); ``frozen``:
-    for reading only (no gradients, no fp32 master). ``auto_class``: another transformers
-    auto class to build (``AutoModelForSequenceClassification`` for a reward model);
-    ``config_fields`` override the checkpoint config's (``num_labels=1``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Load an HF model straight into shards (see [Note: streaming load]): the class its
+    config names (``architectures``), else a causal LM. ``frozen``: for reading only (no
+    gradients, no fp32 master). ``auto_class``: a transformers auto class to build instead
+    (``AutoModelForSequenceClassification`` for a reward model); ``config_fields`` override
+    the checkpoint config's (``num_labels=1``)."""
+    from transformers import AutoConfig
 
     folder = resolve_model_folder(name_or_path)
     zero_config = load_config(config)
@@ -404,7 +424,7 @@ def from_pretrained(
         raise ModelLoadError(f"{folder}/config.json cannot be read: {exc}") from None
     ckpt = SafetensorsCheckpoint(folder)
     with torch.device("meta"):
-        model = (auto_class or AutoModelForCausalLM).from_config(hf_config)
+        model = build_from_config(hf_config, auto_class)
     model.requires_grad_(not frozen)
     device = torch.device(device) if device is not None else default_device()
     realize_placeholders(model, device)
