@@ -428,16 +428,17 @@ def test_default_callbacks_and_parameter_counts_are_the_plain_trainers(tmp_path,
 def test_world2_torchrun_matches_ddp(world2_run):
     """The plain Trainer under DDP and ZeroTrainer (stages 1 and 3; stage 2 with NVMe
     optimizer state), each on 2 ranks under torchrun: the same logged losses and gradient
-    norms; and TRL's GRPO, distillation, Online DPO and DPO with BEMA, plain and at stage 3,
-    the same losses, rewards and norms."""
+    norms; and TRL's GRPO, distillation, Online DPO, DPO with BEMA and SDPO, plain and at
+    stage 3, the same losses, rewards and norms."""
     job, out = world2_run
     proc = job.result(timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
     # TRL's GRPO, generating on both ranks: zero(GRPOTrainer) at stage 3 logs the plain one's.
     # And TRL's distillation with the teacher sharded over both ranks.
-    # And TRL's Online DPO, its reference a sharded copy of the trained model; BEMA on shards.
-    for trl_case in ("grpo", "distil", "online_dpo", "bema"):
+    # And TRL's Online DPO, its reference a sharded copy of the trained model; BEMA on shards;
+    # SDPO with its EMA teacher.
+    for trl_case in ("grpo", "distil", "online_dpo", "bema", "sdpo"):
         got = results.pop(trl_case)
         assert got["engine_world"] == 2 and len(got["plain"]["loss"]) == 3
         for key, values in got["plain"].items():

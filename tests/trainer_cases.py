@@ -156,9 +156,27 @@ def main(out: str) -> None:
     trainer, zero_bema = bema_run(zero, zero(DPOConfig)(str(work / "b-zero"), **ARGS, zero_stage=3))
     bema = {"engine_world": trainer.engine.world, "plain": plain_bema, "zero": zero_bema}
     trainer.close()
+    # TRL's SDPO: its EMA teacher mixed towards the student on both ranks' shards every step.
+    from test_trl_experimental import sdpo_run
+    from trl.experimental.sdpo import SDPOConfig
+
+    folder = str(work / "sdpo-student")
+    if rank == 0:  # transformers saves from the main process only
+        tiny_gpt2(
+            seed=0, vocab_size=259, n_positions=512, bos_token_id=256, eos_token_id=256,
+            pad_token_id=257,
+        ).save_pretrained(folder)  # fmt: skip
+    torch.distributed.barrier()
+    options = dict(GRPO_ARGS, teacher_model_kind="ema")
+    _, plain_sdpo = sdpo_run(unwrapped, SDPOConfig(str(work / "s-plain"), **options), folder)
+    zero_args = zero(SDPOConfig)(str(work / "s-zero"), **options, zero_stage=3)
+    trainer, zero_sdpo = sdpo_run(zero, zero_args, folder)
+    sdpo = {"engine_world": trainer.teacher_engine.world, "plain": plain_sdpo, "zero": zero_sdpo}
+    trainer.close()
     if rank == 0:
         results["plain"]["grad_norm"] = logged(plain, "grad_norm")
         cases = {"grpo": grpo, "distil": distil, "online_dpo": online, "bema": bema}
+        cases["sdpo"] = sdpo
         Path(out).write_text(json.dumps({**results, **cases}))
 
 
