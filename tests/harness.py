@@ -69,7 +69,9 @@ def assert_weights_match(
     """Every element of every reference parameter within ``atol + rtol * |ref|`` (``atol``: a
     number, or one per parameter name). ``flips=(fraction, bound)``: an optimizer whose update
     jumps on a threshold may put up to that fraction of a parameter's elements (one at least,
-    in a small parameter) off by up to ``bound`` instead."""
+    in a small parameter) off by up to ``bound`` instead; after such a flip in an early step
+    every later forward differs a little, so the other elements may drift by up to
+    ``bound / 20``."""
     import numpy as np
 
     fraction, bound = flips
@@ -79,7 +81,10 @@ def assert_weights_match(
         tol = atol[name] if isinstance(atol, dict) else atol
         bad = diff > tol + rtol * np.abs(w)
         allowed = max(fraction * bad.size, 1.0) if fraction else 0.0
+        far = diff > tol + rtol * np.abs(w) + bound / 20
         if bad.sum() <= allowed and (diff[bad] <= bound).all():
+            continue
+        if fraction and far.sum() <= allowed and (diff <= bound).all():
             continue
         raise AssertionError(
             f"{label}: {name}: {bad.sum()} of {bad.size} differ, worst {diff.max():.3g}"
