@@ -46,22 +46,24 @@ class ShardedBEMA:
         master = self.engine.unit_state(unit, master_only=True)["master"]
         return master.to(self.device, torch.float32, copy=True)
 
-    @torch.no_grad()
-    def on_train_begin(self, args, state, control, **kwargs) -> None:
-        if self.running is not None:
-            self.running.close()
-        self.running = copy_sharded(self.engine, frozen=True)
+    def _snapshot(self) -> None:
+        """theta_0 and the EMA start from the weights now."""
         for unit in self.engine.units:
             self.theta0[unit.index] = self._theta(unit)
             self.ema[unit.index] = self.theta0[unit.index].clone()
 
     @torch.no_grad()
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        if self.running is not None:
+            self.running.close()
+        self.running = copy_sharded(self.engine, frozen=True)
+        self._snapshot()
+
+    @torch.no_grad()
     def on_step_end(self, args, state, control, **kwargs) -> None:
         bema, step = self.trl, state.global_step
         if step == bema.update_after:
-            for unit in self.engine.units:
-                self.theta0[unit.index] = self._theta(unit)
-                self.ema[unit.index] = self.theta0[unit.index].clone()
+            self._snapshot()
         elif step > bema.update_after and (step - bema.update_after) % bema.update_freq == 0:
             age = bema.lag + bema.multiplier * step
             beta = max(age ** (-bema.ema_power), bema.min_ema_multiplier)

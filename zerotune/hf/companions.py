@@ -117,7 +117,7 @@ def check_same_layout(engine: ZeroEngine, ref: ZeroEngine) -> None:
     """Refuse a reference model whose units do not match the trained model's slot by slot."""
 
     def layout(e: ZeroEngine) -> list:
-        return [(u.shard_numel, [(s.name, s.offset, s.numel) for s in u.slots]) for u in e.units]
+        return [u.layout() for u in e.units]
 
     if (engine.world, engine.rank) != (ref.world, ref.rank) or layout(engine) != layout(ref):
         raise ValueError(

@@ -302,16 +302,13 @@ class ZeroTrainer(Trainer):
         """The modules among ``reward_funcs`` (one or a list), and the models named there
         (unless TRL's ``model_init_kwargs`` are set: TRL loads those), sharded and frozen like
         a reference model before the subclass loads or places them; the rest as given."""
+        trl_loads = bool(getattr(self.args, "model_init_kwargs", None))
         listed = funcs if isinstance(funcs, list) else [funcs]
-        listed = [
-            self.companions.assign(f"reward_funcs[{i}]", f)
-            if isinstance(f, nn.Module)
-            else self.companions.assign(f"reward_funcs[{i}]", f, reward=True)
-            if isinstance(f, (str, os.PathLike))
-            and not getattr(self.args, "model_init_kwargs", None)
-            else f
-            for i, f in enumerate(listed)
-        ]
+        for i, f in enumerate(listed):
+            if isinstance(f, nn.Module):
+                listed[i] = self.companions.assign(f"reward_funcs[{i}]", f)
+            elif isinstance(f, (str, os.PathLike)) and not trl_loads:
+                listed[i] = self.companions.assign(f"reward_funcs[{i}]", f, reward=True)
         return listed if isinstance(funcs, list) else listed[0]
 
     @staticmethod

@@ -38,12 +38,12 @@ from ..sharding.engine import ZeroEngine
 from ..sharding.tiling import LinearTile, TiledLinear, init_tile
 
 __all__ = [
+    "InitFunctions",
     "build_from_config",
     "build_on_meta",
     "copy_sharded",
     "default_device",
     "hidden",
-    "init_functions",
     "materialize_buffers",
     "realize_placeholders",
     "zero_init",
@@ -97,20 +97,32 @@ def _reset(module: nn.Module) -> None:
         fn()
 
 
-def init_functions(model: nn.Module) -> dict[int, Callable[[nn.Module], None]]:
-    """Each module's init, by ``id``: the ``_init_weights`` of the nearest enclosing
-    transformers model (a composite model's vision tower has its own, as transformers
-    dispatches it), else ``reset_parameters``."""
-    from transformers import PreTrainedModel
+class InitFunctions:
+    """Each module's init: the ``_init_weights`` of the nearest enclosing transformers model
+    (a composite model's vision tower has its own, as transformers dispatches it), else
+    ``reset_parameters``. ``init_for(module)`` looks the model up again for a module made
+    after it was built (the engine's tiles)."""
 
-    by_name: dict[str, Callable[[nn.Module], None]] = {}
-    out: dict[int, Callable[[nn.Module], None]] = {}
-    for name, m in model.named_modules():
-        fn = by_name.get(name.rpartition(".")[0], _reset) if name else _reset
-        if isinstance(m, PreTrainedModel) or (m is model and hasattr(m, "config")):
-            fn = getattr(m, "_init_weights", fn)
-        by_name[name] = out.setdefault(id(m), fn)
-    return out
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.by_id = self._walk()
+
+    def _walk(self) -> dict[int, Callable[[nn.Module], None]]:
+        from transformers import PreTrainedModel
+
+        by_name: dict[str, Callable[[nn.Module], None]] = {}
+        out: dict[int, Callable[[nn.Module], None]] = {}
+        for name, m in self.model.named_modules():
+            fn = by_name.get(name.rpartition(".")[0], _reset) if name else _reset
+            if isinstance(m, PreTrainedModel) or (m is self.model and hasattr(m, "config")):
+                fn = getattr(m, "_init_weights", fn)
+            by_name[name] = out.setdefault(id(m), fn)
+        return out
+
+    def __call__(self, module: nn.Module) -> Callable[[nn.Module], None]:
+        if id(module) not in self.by_id:
+            self.by_id = self._walk()
+        return self.by_id[id(module)]
 
 
 @contextlib.contextmanager
@@ -143,7 +155,7 @@ class _Materializer:
 
     def __init__(self, model: nn.Module, seed: int, device: torch.device):
         self.model, self.seed, self.device = model, seed, device
-        self.init_for = init_functions(model)
+        self.init_for = InitFunctions(model)
         self.is_hf = hasattr(model, "_init_weights") and hasattr(model, "config")
         # Frozen weights of other units that a unit's init wrote (a parent's init filling a
         # child's table): (parameter, values, written mask), put into the owners at the end.
@@ -183,9 +195,7 @@ class _Materializer:
             with torch.random.fork_rng(devices=[]), hidden(hide, self.device), torch.no_grad():
                 torch.manual_seed(_unit_seed(self.seed, unit_name))
                 for m in modules:
-                    if id(m) not in self.init_for:  # a module the engine made (tiles)
-                        self.init_for = init_functions(self.model)
-                    fn = self.init_for[id(m)]
+                    fn = self.init_for(m)
                     if isinstance(m, (LinearTile, TiledLinear)):
                         init_tile(self.model, m, fn, self.is_hf)
                     else:
@@ -325,11 +335,8 @@ class _CopyFrom:
         return self.fill
 
     def fill(self, unit, master: torch.Tensor) -> None:
-        def layout(u) -> tuple:
-            return u.shard_numel, [(s.name, s.offset, s.numel) for s in u.slots]
-
         original = self.units.get(unit.name)
-        if original is None or layout(original) != layout(unit):
+        if original is None or original.layout() != unit.layout():
             raise ValueError(
                 f"copy_sharded: unit {unit.name} is not sharded like the source's (another "
                 "zero configuration?); copy with the source's own"

@@ -31,10 +31,10 @@ from ..config import ZeroConfig, load_config
 from ..sharding.engine import ZeroEngine
 from ..sharding.tiling import TileBlock, TiledWeight, apply_tiling, read_block, tiled_weights
 from .construct import (
+    InitFunctions,
     build_from_config,
     default_device,
     hidden,
-    init_functions,
     materialize_buffers,
     realize_placeholders,
 )
@@ -346,19 +346,17 @@ class _StreamingLoader:
     def __init__(self, model: nn.Module, ckpt: SafetensorsCheckpoint, device: torch.device):
         self.model, self.ckpt, self.device = model, ckpt, device
         self.keys, self.blocks = _checkpoint_keys(model, ckpt)
-        self.init_for = init_functions(model)
-        self.init_fn = getattr(model, "_init_weights", None)
+        self.init_for = InitFunctions(model)
+        self.is_hf = hasattr(model, "_init_weights")
 
     def __call__(self, unit_name: str, modules: list[nn.Module], params):
         with_buffers = materialize_buffers(modules, self.device)
-        if with_buffers and self.init_fn is not None:
+        if with_buffers and self.is_hf:
             # Buffers (rotary inv_freq) come from the model's init, never from the weights.
             held = [p for m in with_buffers for p in m._parameters.values() if p is not None]
             with hidden(held, self.device), torch.no_grad():
                 for m in with_buffers:
-                    if id(m) not in self.init_for:  # a module the engine made (tiles)
-                        self.init_for = init_functions(self.model)
-                    self.init_for[id(m)](m)
+                    self.init_for(m)(m)
         return self.fill
 
     def fill(self, unit, master: torch.Tensor) -> None:

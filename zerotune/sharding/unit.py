@@ -496,6 +496,11 @@ class Unit(NotPickled):
             self._free_storage()
         self.state = UnitState.SHARDED
 
+    def layout(self) -> tuple:
+        """What the same unit of another engine over the same model and configuration has
+        too: the shard's size and each slot's name, offset and size."""
+        return self.shard_numel, [(s.name, s.offset, s.numel) for s in self.slots]
+
     def refresh(self) -> None:
         """After an optimizer step: bring a persistent unit's full buffer up to date."""
         if not self.persistent or self.world == 1 or self.numel == 0:
@@ -514,10 +519,7 @@ class Unit(NotPickled):
             return
         if self.state is UnitState.SHARDED or not self.params.lends_storage(self):
             return
-        self.wait()
-        self._empty_params()
-        self._free_storage()
-        self.state = UnitState.SHARDED
+        self.release()
         self.gather()
 
     def alloc_storage(self, mapped: torch.Tensor | None = None) -> None:
