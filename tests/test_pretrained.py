@@ -169,21 +169,163 @@ def test_wrong_shapes_and_missing_tensors_are_explained(folders, tmp_path):
         zerotune.from_pretrained(tmp_path, {"stage": 3})
 
 
-def test_a_checkpoint_transformers_converts_on_load_is_explained(tmp_path):
-    """transformers 5 saves a Mixtral with one tensor per expert and merges them while
-    loading; the streaming load reads the model's own layout only, and says so."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+def _converted_models():
+    """Models whose transformers 5 checkpoints are in another layout than the model's own:
+    Mixtral (a renamed block, experts one tensor each, merged on load), Qwen3-MoE saved in
+    bf16 (two tensors per expert concatenated) and LLaVA (renamed towers)."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    torch.manual_seed(5)
+    mixtral = MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
+        )
+    )  # fmt: skip
+    qwen = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+            num_experts_per_tok=2, head_dim=8,
+        )
+    ).to(torch.bfloat16)  # fmt: skip
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        image_size=16, patch_size=4,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    llava = LlavaForConditionalGeneration(
+        LlavaConfig(vision_config=vision, text_config=text, image_token_index=95)
+    )
+    return {"mixtral": mixtral, "qwen3_moe": qwen, "llava": llava}
+
+
+@pytest.fixture(scope="module")
+def converted_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("converted")
+    folders = {}
+    for name, model in _converted_models().items():
+        model.save_pretrained(root / name)
+        folders[name] = str(root / name)
+    return folders
+
+
+def load_converted(rank, world, folders, nvme_dir):
+    import zerotune
+    from zerotune.init.converted import ConvertedCheckpoint
+
+    built = []
+    real_convert = ConvertedCheckpoint._convert
+
+    def counting_convert(self, group, meta):
+        if not meta:
+            built.append(group)
+        return real_convert(self, group, meta)
+
+    ConvertedCheckpoint._convert = counting_convert
+    ids = torch.randint(0, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = {}
+    try:
+        for name, folder in folders.items():
+            built.clear()
+            config = {"stage": 3, "offload_param": "nvme", "nvme_path": f"{nvme_dir}/{rank}"}
+            engine = zerotune.from_pretrained(folder, config)
+            loss = float(engine(input_ids=ids, labels=ids).loss)
+            at_load = list(built)
+            built.clear()
+            # load_weights reads the same sources into an engine that already exists.
+            zerotune.load_weights(engine, folder)
+            after = float(engine(input_ids=ids, labels=ids).loss)
+            out[name] = {
+                "weights": engine.full_state_dict(),
+                "loss": loss,
+                "after": after,
+                "built": [at_load, list(built)],
+            }
+            engine.close()
+    finally:
+        ConvertedCheckpoint._convert = real_convert
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_checkpoints_transformers_converts_on_load_stream_into_shards(
+    converted_folders, world, tmp_path
+):
+    """The per-expert and renamed tensors are read through transformers' own conversion
+    table: the shards hold exactly the weights transformers' from_pretrained makes, and the
+    losses are equal. A converted parameter is built once per rank that holds part of it."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    results = run_world(world, load_converted, converted_folders, str(tmp_path))
+    ids = torch.randint(0, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    for name, folder in converted_folders.items():
+        auto = AutoModelForImageTextToText if name == "llava" else AutoModelForCausalLM
+        plain = auto.from_pretrained(folder, dtype=torch.float32)
+        expected = {n: p.detach().numpy() for n, p in plain.named_parameters()}
+        got = results[0][name]
+        assert sorted(got["weights"]) == sorted(expected), name
+        for n, w in expected.items():
+            np.testing.assert_array_equal(got["weights"][n], w, err_msg=f"{name}: {n}")
+        loss = float(plain(input_ids=ids, labels=ids).loss)
+        assert got["loss"] == loss and got["after"] == loss, name
+        merged = [n for n in expected if n.endswith(("gate_up_proj", "down_proj")) and
+                  "experts" in n]  # fmt: skip
+        assert len(merged) == (0 if name == "llava" else 4), name
+        for load in range(2):  # from_pretrained, then load_weights
+            for r in results:
+                groups = r[name]["built"][load]
+                assert len(groups) == len(set(groups)) and set(groups) <= set(merged), name
+            # Every merged parameter was built on some rank.
+            assert {g for r in results for g in r[name]["built"][load]} == set(merged), name
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "value", "message"),
+    [
+        # A renamed tensor (block_sparse_moe.gate -> mlp.gate) of another shape.
+        ("mixtral", "num_local_experts", 4, r"block_sparse_moe.gate.weight.*\(3, 32\).*\(4, 32\)"),
+        # Per-expert tensors merged, checked on meta tensors before anything is read.
+        ("qwen3_moe", "moe_intermediate_size", 16, r"experts.down_proj.*\(4, 32, 24\).*16\)"),
+    ],
+)  # fmt: skip
+def test_a_converted_checkpoint_of_another_shape_is_explained(
+    converted_folders, tmp_path, name, field, value, message
+):
+    import shutil
 
     import zerotune
+    from zerotune.init.converted import ConvertedCheckpoint
     from zerotune.init.pretrained import ModelLoadError
 
-    config = MixtralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
-    )  # fmt: skip
-    MixtralForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="layout transformers converts while loading"):
-        zerotune.from_pretrained(tmp_path, {"stage": 3})
+    folder = tmp_path / name
+    shutil.copytree(converted_folders[name], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    real_whole = ConvertedCheckpoint._whole
+    reads = []
+    ConvertedCheckpoint._whole = lambda self, key, meta: (
+        reads.append(meta) or real_whole(self, key, meta)
+    )
+    try:
+        with pytest.raises(ModelLoadError, match=message):
+            zerotune.from_pretrained(folder, {"stage": 3})
+    finally:
+        ConvertedCheckpoint._whole = real_whole
+    assert not any(meta is False for meta in reads)
 
 
 def test_a_folder_is_built_as_the_class_its_config_names(tmp_path):

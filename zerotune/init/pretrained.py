@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from .construct import (
     materialize_buffers,
     realize_placeholders,
 )
+from .converted import ConvertedCheckpoint
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -278,12 +280,26 @@ def _candidates(name: str, prefix: str) -> list[str]:
     return names + legacy
 
 
-def _checkpoint_keys(
+@dataclass
+class _Sources:
+    """Where each parameter of a model is read from: ``readers`` maps id(parameter) to
+    ``read(start, stop, out)`` over its flattened elements, ``blocks`` id(tile) to (its
+    block, columns of the untiled weight) (sharding/tiling.py), ``used`` the checkpoint keys
+    read, and ``converted`` the parameters transformers' conversions build (or None)."""
+
+    readers: dict[int, Callable[[int, int, torch.Tensor], None]]
+    blocks: dict[int, tuple[TileBlock, int]]
+    used: set[str]
+    converted: ConvertedCheckpoint | None
+
+
+def _checkpoint_sources(
     model: nn.Module, ckpt: SafetensorsCheckpoint, shapes: dict[int, tuple] | None = None
-) -> tuple[dict[int, str], dict[int, tuple[TileBlock, int]]]:
-    """id(parameter) -> the checkpoint key holding it, and for tiles (sharding/tiling.py)
-    id(tile) -> (its block, columns of the untiled weight); raises listing every missing one.
-    ``shapes``: id(parameter) -> its shape, for parameters a sharded model holds empty."""
+) -> _Sources:
+    """Each parameter's source in ``ckpt``: its own name (with or without the base model
+    prefix, legacy norm names), else transformers' conversions for the model
+    ([Note: converted checkpoints]); raises listing every missing one. ``shapes``:
+    id(parameter) -> its shape, for parameters a sharded model holds empty."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -296,48 +312,41 @@ def _checkpoint_keys(
     for tw in tiled_weights(model):
         for t in tw.tiles:
             tiles[id(by_name[t.name])] = (t, tw)
-    keys, blocks, missing = {}, {}, []
+    sources = _Sources({}, {}, set(), None)
+    missing: dict[int, tuple[str, tuple]] = {}
     for pid, pnames in names.items():
         if pid in tiles:
             pnames = [tiles[pid][1].name]
-        found = next((c for n in pnames for c in _candidates(n, prefix) if c in ckpt.entries), None)
-        if found is None:
-            missing.append(pnames[0])
-            continue
         shape = tuple(shapes[pid]) if shapes and pid in shapes else tuple(params[pid].shape)
         if pid in tiles:
             block, tw = tiles[pid]
             shape = tuple(tw.shape)
-            blocks[pid] = (block, shape[1])
+            sources.blocks[pid] = (block, shape[1])
+        found = next((c for n in pnames for c in _candidates(n, prefix) if c in ckpt.entries), None)
+        if found is None:
+            missing[pid] = (pnames[0], shape)
+            continue
         if ckpt.entries[found].shape != shape:
             raise ModelLoadError(
                 f"{ckpt.entries[found].path}: {found!r} has shape {ckpt.entries[found].shape}, "
                 f"the model expects {shape} (a different model or config?)"
             )
-        keys[pid] = found
+        sources.readers[pid] = functools.partial(ckpt.read, found)
+        sources.used.add(found)
     if missing:
-        converted = (
-            " It is in a layout transformers converts while loading (renamed tensors, or one "
-            "tensor per expert merged into one), which zerotune's streaming load does not read: "
-            "load it with transformers' from_pretrained and pass the model to zerotune.shard or "
-            "ZeroTrainer."
-            if _converted_on_load(model)
-            else ""
-        )
+        converted = ConvertedCheckpoint(model, ckpt, dict(missing.values()), ModelLoadError)
+        for pid, (name, _) in list(missing.items()):
+            if name in converted.readers:
+                sources.readers[pid] = converted.readers[name]
+                del missing[pid]
+        sources.used |= converted.sources
+        sources.converted = converted
+    if missing:
         raise MissingParametersError(
             f"the checkpoint lacks {len(missing)} parameter(s) of this model, e.g. "
-            f"{missing[:3]}.{converted}"
+            f"{[name for name, _ in list(missing.values())[:3]]}."
         )
-    return keys, blocks
-
-
-def _converted_on_load(model: nn.Module) -> bool:
-    """Whether transformers renames or merges this model's checkpoint tensors on load."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:
-        return False
-    return bool(get_model_conversion_mapping(model, add_legacy=False))
+    return sources
 
 
 class _StreamingLoader:
@@ -345,7 +354,7 @@ class _StreamingLoader:
 
     def __init__(self, model: nn.Module, ckpt: SafetensorsCheckpoint, device: torch.device):
         self.model, self.ckpt, self.device = model, ckpt, device
-        self.keys, self.blocks = _checkpoint_keys(model, ckpt)
+        self.sources = _checkpoint_sources(model, ckpt)
         self.init_for = InitFunctions(model)
         self.is_hf = hasattr(model, "_init_weights")
 
@@ -353,31 +362,32 @@ class _StreamingLoader:
         with_buffers = materialize_buffers(modules, self.device)
         if with_buffers and self.is_hf:
             # Buffers (rotary inv_freq) come from the model's init, never from the weights.
-            held = [p for m in with_buffers for p in m._parameters.values() if p is not None]
+            held = [p for m in with_buffers for p in m.parameters()]
             with hidden(held, self.device), torch.no_grad():
                 for m in with_buffers:
                     self.init_for(m)(m)
         return self.fill
 
     def fill(self, unit, master: torch.Tensor) -> None:
-        _fill_shard(self.ckpt, self.keys, self.blocks, unit, master)
+        _fill_shard(self.sources, unit, master)
 
 
-def _fill_shard(ckpt, keys, blocks, unit, master: torch.Tensor) -> None:
-    """This rank's slice of ``unit``'s parameters, read from ``ckpt`` into ``master``."""
+def _fill_shard(sources: _Sources, unit, master: torch.Tensor) -> None:
+    """This rank's slice of ``unit``'s parameters, read from their sources into ``master``."""
     lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
     for slot in unit.slots:
         a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
         if a < b:
-            key = keys[id(slot.param)]
+            read = sources.readers[id(slot.param)]
             out = master[a - lo : b - lo]
-            tile = blocks.get(id(slot.param))
+            tile = sources.blocks.get(id(slot.param))
             if tile is None:
-                ckpt.read(key, a - slot.offset, b - slot.offset, out)
+                read(a - slot.offset, b - slot.offset, out)
             else:
                 block, cols = tile
-                read = functools.partial(ckpt.read, key)
                 read_block(read, cols, block, a - slot.offset, b - slot.offset, out)
+    if sources.converted is not None:
+        sources.converted.release()
 
 
 def load_weights(engine: ZeroEngine, folder: str | os.PathLike) -> None:
@@ -388,10 +398,10 @@ def load_weights(engine: ZeroEngine, folder: str | os.PathLike) -> None:
     ckpt = SafetensorsCheckpoint(folder)
     try:
         shapes = {id(s.param): s.shape for u in engine.units for s in u.slots}
-        keys, blocks = _checkpoint_keys(engine.module, ckpt, shapes)
+        sources = _checkpoint_sources(engine.module, ckpt, shapes)
         for unit in engine.units:
             master = torch.zeros(unit.shard_numel, dtype=torch.float32)
-            _fill_shard(ckpt, keys, blocks, unit, master)
+            _fill_shard(sources, unit, master)
             engine.load_unit_state(unit, {"master": master})
     finally:
         ckpt.close()
@@ -434,7 +444,7 @@ def from_pretrained(
         engine = ZeroEngine(model, zero_config, group, device=device, prepare_unit=loader)
     finally:
         ckpt.close()
-    unused = len(ckpt.entries) - len(set(loader.keys.values()))
+    unused = len(ckpt.entries) - len(loader.sources.used)
     if unused:
         log.info(
             "zerotune: %d tensors in %s are not parameters of the model (ignored)", unused, folder

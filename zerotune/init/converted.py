@@ -1,0 +1,152 @@
+"""Checkpoint tensors that transformers renames or converts while loading, for the streaming load.
+
+[Note: converted checkpoints]
+transformers 5 keeps a table of weight conversions per model type (`conversion_mapping.py`).
+Renamings move a tensor to another name: LLaVA's `language_model.` becomes
+`model.language_model.`, and Mixtral's `block_sparse_moe.` becomes `mlp.`. Converters build
+one parameter from several checkpoint tensors: a Mixtral or Qwen-MoE hub checkpoint's
+per-expert `experts.3.w1.weight` are stacked into `experts.gate_up_proj`.
+
+A parameter the checkpoint does not hold under its own name is looked up through that
+table with transformers' own key renaming (`rename_source_key`), so zerotune and
+transformers always agree on which tensors make a parameter and in which order.
+
+A renamed tensor is still read by element range. A converted parameter is built whole by
+the converter's own operations on its source tensors, which are read in their stored dtype.
+Each unit that needs it builds it once, copies its slice out, and drops everything before
+the next unit. So beyond the shards, the peak is one converted parameter and its sources
+(one layer's experts). That holds on every rank: each rank reads the sources whole, not
+only its own slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from copy import deepcopy
+
+import torch
+from torch import nn
+
+__all__ = ["ConvertedCheckpoint"]
+
+Reader = Callable[[int, int, torch.Tensor], None]
+
+
+class ConvertedCheckpoint:
+    """Readers for the parameters ``targets`` names that the checkpoint holds renamed or
+    split across tensors transformers merges on load. ``readers`` maps a target name to
+    ``read(start, stop, out)`` over its flattened elements; ``sources`` lists the
+    checkpoint keys used."""
+
+    def __init__(
+        self, model: nn.Module, ckpt, shapes: dict[str, tuple[int, ...]], error: type[Exception]
+    ):
+        self.model, self.ckpt, self.error = model, ckpt, error
+        self.readers: dict[str, Reader] = {}
+        self.sources: set[str] = set()
+        # A converter's first target name -> (the converter, its (pattern, key) sources, the
+        # names it yields); each conversion runs on a fresh copy of the converter.
+        self._groups: dict[str, tuple[object, list[tuple[str, str]], list[str]]] = {}
+        self._built: dict[str, torch.Tensor] = {}
+        self._built_group: str | None = None
+        if not shapes:
+            return
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import (
+                WeightConverter,
+                dot_natural_key,
+                rename_source_key,
+            )
+        except ImportError:  # a transformers without the conversion table
+            return
+        try:
+            mapping = get_model_conversion_mapping(model)
+        except (AttributeError, TypeError):  # not a transformers model
+            return
+        converters = [t for t in mapping if isinstance(t, WeightConverter)]
+        renamings = [t for t in mapping if not isinstance(t, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        names = dict.fromkeys(shapes, True)
+        prefix = getattr(model, "base_model_prefix", None) or None
+        for key in sorted(ckpt.entries, key=dot_natural_key):
+            target, pattern = rename_source_key(key, renamings, converters, prefix, names)
+            if target not in shapes:
+                continue
+            self.sources.add(key)
+            if pattern is None:
+                if target not in self.readers:
+                    self._check(target, ckpt.entries[key].shape, shapes[target], key)
+                    self.readers[target] = self._renamed(key)
+                continue
+            converter = by_pattern[pattern]
+            if target not in self._groups:
+                first = converter.target_patterns[0]
+                yields = [target.replace(first, t, 1) for t in converter.target_patterns]
+                self._groups[target] = (converter, [], yields)
+                for name in yields:
+                    if name in shapes:
+                        self.readers[name] = self._converted(target, name)
+            self._groups[target][1].append((pattern, key))
+        # Each conversion run on meta tensors first: shapes are checked before any is read.
+        for group, (_, sources, yields) in self._groups.items():
+            built = self._convert(group, meta=True)
+            for name in yields:
+                if name in shapes:
+                    self._check(name, built[name].shape, shapes[name], sources[0][1])
+
+    def _check(self, name: str, got, want, key: str) -> None:
+        if tuple(got) != tuple(want):
+            raise self.error(
+                f"{key!r} (read as {name!r}, as transformers converts it on load) gives shape "
+                f"{tuple(got)}, the model expects {tuple(want)} (a different model or config?)"
+            )
+
+    def _renamed(self, key: str) -> Reader:
+        def read(start: int, stop: int, out: torch.Tensor) -> None:
+            self.ckpt.read(key, start, stop, out)
+
+        return read
+
+    def _converted(self, group: str, name: str) -> Reader:
+        def read(start: int, stop: int, out: torch.Tensor) -> None:
+            out.copy_(self._build(group)[name].reshape(-1)[start:stop])
+
+        return read
+
+    def _whole(self, key: str, meta: bool) -> torch.Tensor:
+        entry = self.ckpt.entries[key]
+        tensor = torch.empty(entry.shape, dtype=entry.dtype, device="meta" if meta else "cpu")
+        if not meta:
+            self.ckpt.read(key, 0, tensor.numel(), tensor.view(-1))
+        return tensor
+
+    def _build(self, group: str) -> dict[str, torch.Tensor]:
+        if self._built_group != group:
+            self.release()
+            self._built, self._built_group = self._convert(group, meta=False), group
+        return self._built
+
+    def _convert(self, group: str, meta: bool) -> dict[str, torch.Tensor]:
+        template, sources, yields = self._groups[group]
+        converter = deepcopy(template)
+        for pattern, key in sources:
+            converter.add_tensor(group, key, pattern, lambda key=key: self._whole(key, meta))
+        try:
+            built = converter.convert(group, model=self.model, config=self.model.config)
+        except Exception as exc:  # noqa: BLE001 - one line naming the tensors and the reason
+            raise self.error(
+                f"cannot convert {len(sources)} checkpoint tensor(s) such as {sources[0][1]!r} "
+                f"into {group!r} as transformers does on load: {type(exc).__name__}: {exc}"
+            ) from None
+        built = {k: v[0] if isinstance(v, list) else v for k, v in built.items()}
+        if sorted(built) != sorted(yields):
+            raise self.error(
+                f"converting checkpoint tensors into {group!r} gave {sorted(built)}, "
+                f"expected {yields}"
+            )
+        return built
+
+    def release(self) -> None:
+        """Drop the converted parameter built last."""
+        self._built, self._built_group = {}, None
