@@ -292,6 +292,60 @@ def test_checkpoints_transformers_converts_on_load_stream_into_shards(
             assert {g for r in results for g in r[name]["built"][load]} == set(merged), name
 
 
+def _dinov2_swiglu():
+    """Dinov2 with a SwiGLU MLP: its checkpoint holds `weights_in`, which transformers splits
+    into two Linear weights (Chunk) on load and concatenates back on save."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(6)
+    config = Dinov2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, mlp_ratio=2,
+        image_size=8, patch_size=4, use_swiglu_ffn=True,
+    )  # fmt: skip
+    return Dinov2Model(config)
+
+
+def export_converted(rank, world, folders, out_dir):
+    import zerotune
+    from zerotune.checkpoint import export_hf
+    from zerotune.checkpoint.export import save_hf
+    from zerotune.sharding.tiling import tiled_weights
+
+    tiled = {}
+    for name, folder in folders.items():
+        # Tiles small enough to tile Dinov2's split Linear weights (sharding/tiling.py).
+        config = {"stage": 3, "tile_linear_bytes": 2048}
+        engine = zerotune.from_pretrained(folder, config)
+        tiled[name] = sorted(tw.name for tw in tiled_weights(engine.module))
+        dtype = "bf16" if name == "qwen3_moe" else "fp32"
+        save_hf(engine, f"{out_dir}/{name}-live", dtype=dtype)
+        zerotune.save_checkpoint(engine, f"{out_dir}/{name}-ckpt", step=0)
+        if rank == 0:
+            export_hf(f"{out_dir}/{name}-ckpt", f"{out_dir}/{name}-export", dtype=dtype)
+        engine.close()
+    return tiled
+
+
+def test_exports_write_the_layout_save_pretrained_writes(converted_folders, tmp_path):
+    """A model loaded from a converted checkpoint and written again (from the live engine,
+    and from a sharded checkpoint) gives back transformers' files tensor for tensor: the
+    per-expert tensors, the renamed towers and Dinov2's concatenated tiled weights."""
+    from safetensors.torch import load_file
+
+    folders = dict(converted_folders)
+    _dinov2_swiglu().save_pretrained(tmp_path / "dinov2")
+    folders["dinov2"] = str(tmp_path / "dinov2")
+    tiled = run_world(2, export_converted, folders, str(tmp_path))[0]
+    assert "encoder.layer.0.mlp.gate_proj.weight" in tiled["dinov2"]
+    for name, folder in folders.items():
+        expected = load_file(f"{folder}/model.safetensors")
+        for kind in ("live", "export"):
+            got = load_file(tmp_path / f"{name}-{kind}" / "model.safetensors")
+            assert sorted(got) == sorted(expected), (name, kind)
+            for key, tensor in expected.items():
+                assert torch.equal(got[key], tensor), (name, kind, key)
+
+
 @pytest.mark.parametrize(
     ("name", "field", "value", "message"),
     [

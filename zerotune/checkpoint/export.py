@@ -6,7 +6,8 @@ writes: config.json with ``dtype`` set, generation config and tokenizer files wh
 checkpoint has them, ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` with
 ``model.safetensors.index.json`` when the total exceeds ``max_shard_size``. The output layout
 (which tensor goes to which file, at which byte offset) follows from the manifest alone, so
-every header is written before any data (see [Note: streaming safetensors] in files.py).
+every header is written before any data (see [Note: streaming safetensors] in files.py);
+names and tensors follow [Note: the hub layout on export] in hub_layout.py.
 Each parameter is then read from the rank files' ranges (see [Note: checkpoint layout]) in
 pieces of at most ``CHUNK_ELEMENTS``, converted, and appended to its file: memory stays at
 one piece in fp32 plus its converted copy, whatever the model size. A tied weight is one
@@ -49,6 +50,7 @@ from .files import (
     cannot_create,
     fsync_dir,
 )
+from .hub_layout import HubLayout, meta_model
 from .load import RankFiles, open_checkpoint
 from .manifest import BUFFERS
 from .save import agree_on_failure
@@ -229,6 +231,35 @@ def _untiled_entries(params: list[dict], tiled: list[dict]) -> list[tuple]:
     return out
 
 
+def _specs(layout: HubLayout, entries: list[tuple], dtype: torch.dtype) -> list[TensorSpec]:
+    """The weight files' tensors in writing order: a converted group's checkpoint tensors
+    where its last member is ([Note: the hub layout on export])."""
+    specs = []
+    for name, shape, _ in entries:
+        if not layout.in_group(name):
+            specs.append(TensorSpec(layout.name(name), dtype, shape))
+        elif (group := layout.group_at(name)) is not None:
+            specs += [TensorSpec(n, dtype, s) for n, s in group.outputs]
+    return specs
+
+
+def _whole_tiled(tw: TiledWeight, read) -> torch.Tensor:
+    return torch.cat([band.clone() for band in iter_row_bands(tw, read, CHUNK_ELEMENTS)])
+
+
+def _hold(layout, name: str, whole: torch.Tensor, held: dict, writer, progress) -> None:
+    """Keep a converted group's member; once the last one is in, append the group's tensors."""
+    held[name] = whole
+    group = layout.group_at(name)
+    if group is None:
+        return
+    members = {n: held.pop(n) for _, n in group.members}
+    for tensor in layout.convert(group, members).values():
+        writer.append(tensor.contiguous())
+        if progress is not None:
+            progress(tensor.numel() * tensor.element_size(), writer.total_bytes)
+
+
 def export_hf(
     checkpoint: str | Path,
     output_dir: str | Path,
@@ -273,8 +304,15 @@ def export_hf(
     by_name = {p["name"]: p for p in params}
     # Tiled weights (sharding/tiling.py) are written whole, under their own names.
     entries = _untiled_entries(params, manifest.get("tiled") or [])
-    specs = [TensorSpec(name, torch_dtype, shape) for name, shape, _ in entries]
-    specs += [TensorSpec(n, _buffer_dtype(e.dtype, torch_dtype), e.shape) for n, e in buffers]
+    # Only a model saved with another checkpoint layout builds its (meta) model here.
+    model = None
+    if manifest.get("hub_layout") and "config.json" in manifest["files"]:
+        model = meta_model((folder / "config.json").read_bytes())
+    layout = HubLayout(model, [e[:2] for e in entries])
+    specs = _specs(layout, entries, torch_dtype)
+    specs += [
+        TensorSpec(layout.name(n), _buffer_dtype(e.dtype, torch_dtype), e.shape) for n, e in buffers
+    ]
 
     piece = min(max((p["numel"] for p in params), default=0), CHUNK_ELEMENTS)
     files = RankFiles(folder, manifest["world_size"])
@@ -291,7 +329,16 @@ def export_hf(
     try:
         staging = torch.empty(piece, dtype=torch.float32)
         converted = None if torch_dtype == torch.float32 else torch.empty(piece, dtype=torch_dtype)
-        for name, _, tiled in entries:
+        held: dict[str, torch.Tensor] = {}
+        for name, shape, tiled in entries:
+            if layout.in_group(name):
+                if tiled is not None:
+                    whole = _whole_tiled(tiled, read)
+                else:
+                    whole = torch.empty(by_name[name]["numel"], dtype=torch.float32)
+                    read(name, 0, whole.numel(), whole)
+                _hold(layout, name, whole.to(torch_dtype).view(shape), held, writer, progress)
+                continue
             if tiled is not None:
                 for band in iter_row_bands(tiled, read, CHUNK_ELEMENTS):
                     writer.append(band.to(torch_dtype))
@@ -380,10 +427,12 @@ def save_hf(
     tile_of = {t.name: tw for tw in tiled for t in tw.tiles}
     saved = [{"name": s.name, "shape": s.shape} for u in engine.units for s in u.slots]
     entries = _untiled_entries(saved, [tw.to_json() for tw in tiled])
-    specs = [TensorSpec(name, torch_dtype, shape) for name, shape, _ in entries]
+    layout = HubLayout(engine.module, [e[:2] for e in entries])
+    specs = _specs(layout, entries, torch_dtype)
     pending: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
     for n, b in buffers:
-        specs.append(TensorSpec(n, _buffer_dtype(b.dtype, torch_dtype), tuple(b.shape)))
+        specs.append(TensorSpec(layout.name(n), _buffer_dtype(b.dtype, torch_dtype), b.shape))
     writer, error = None, None
     if engine.rank == 0:
         try:
@@ -402,13 +451,22 @@ def save_hf(
                 tw = tile_of.get(s.name)
                 if tw is not None:
                     pending[s.name] = flat[s.offset : s.offset + s.numel].to("cpu", copy=True)
-                    if all(t.name in pending for t in tw.tiles):
+                    if not all(t.name in pending for t in tw.tiles):
+                        continue
+                    if layout.in_group(tw.name):
+                        whole = _whole_tiled(tw, _read_pending(pending)).to(torch_dtype)
+                        _hold(layout, tw.name, whole.view(tw.shape), held, writer, progress)
+                    else:
                         for band in iter_row_bands(tw, _read_pending(pending), CHUNK_ELEMENTS):
                             writer.append(band.to(torch_dtype))
                             if progress is not None:
                                 progress(band.numel() * _itemsize(torch_dtype), writer.total_bytes)
-                        for t in tw.tiles:
-                            del pending[t.name]
+                    for t in tw.tiles:
+                        del pending[t.name]
+                    continue
+                if layout.in_group(s.name):
+                    whole = flat[s.offset : s.offset + s.numel].to("cpu", torch_dtype, copy=True)
+                    _hold(layout, s.name, whole.view(s.shape), held, writer, progress)
                     continue
                 for c0 in range(0, s.numel, CHUNK_ELEMENTS):
                     c1 = min(s.numel, c0 + CHUNK_ELEMENTS)

@@ -124,6 +124,7 @@ MANIFEST_SCHEMA = {
         },
         "buffers": {"type": ["array", "null"], "items": {"type": "string"}},
         "tiled": {"type": ["array", "null"]},
+        "hub_layout": {"type": "boolean"},
         "optimizer": _OBJECT_OR_NULL,
         "scheduler": _OBJECT_OR_NULL,
         "scaler": _OBJECT_OR_NULL,

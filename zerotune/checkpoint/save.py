@@ -47,6 +47,7 @@ from .files import (
     sha256_file,
     st_dtype,
 )
+from .hub_layout import has_hub_layout
 from .manifest import (
     BUFFERS,
     FORMAT,
@@ -463,6 +464,7 @@ def _build_manifest(engine, step, steps, files, optimizer, scheduler_state, extr
         "params": params,
         "buffers": [n for n, _ in persistent_buffers(engine.module)],
         "tiled": [tw.to_json() for tw in tiled_weights(engine.module)],
+        "hub_layout": has_hub_layout(engine.module),
         "optimizer": opt,
         "scheduler": scheduler_state,
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,

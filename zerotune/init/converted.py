@@ -27,7 +27,7 @@ from copy import deepcopy
 import torch
 from torch import nn
 
-__all__ = ["ConvertedCheckpoint"]
+__all__ = ["ConvertedCheckpoint", "run_converter"]
 
 Reader = Callable[[int, int, torch.Tensor], None]
 
@@ -129,17 +129,14 @@ class ConvertedCheckpoint:
 
     def _convert(self, group: str, meta: bool) -> dict[str, torch.Tensor]:
         template, sources, yields = self._groups[group]
-        converter = deepcopy(template)
-        for pattern, key in sources:
-            converter.add_tensor(group, key, pattern, lambda key=key: self._whole(key, meta))
+        tensors = [(p, key, lambda key=key: self._whole(key, meta)) for p, key in sources]
         try:
-            built = converter.convert(group, model=self.model, config=self.model.config)
+            built = run_converter(template, group, tensors, self.model)
         except Exception as exc:  # noqa: BLE001 - one line naming the tensors and the reason
             raise self.error(
                 f"cannot convert {len(sources)} checkpoint tensor(s) such as {sources[0][1]!r} "
                 f"into {group!r} as transformers does on load: {type(exc).__name__}: {exc}"
             ) from None
-        built = {k: v[0] if isinstance(v, list) else v for k, v in built.items()}
         if sorted(built) != sorted(yields):
             raise self.error(
                 f"converting checkpoint tensors into {group!r} gave {sorted(built)}, "
@@ -150,3 +147,14 @@ class ConvertedCheckpoint:
     def release(self) -> None:
         """Drop the converted parameter built last."""
         self._built, self._built_group = {}, None
+
+
+def run_converter(template, key: str, tensors: list[tuple], model: nn.Module) -> dict:
+    """A transformers ``WeightConverter``'s operations, on a fresh copy of ``template``, over
+    ``tensors`` ((its source pattern, the tensor's name, the tensor or a function making it))
+    collected under ``key``: name -> tensor."""
+    converter = deepcopy(template)
+    for pattern, name, tensor in tensors:
+        converter.add_tensor(key, name, pattern, tensor)
+    built = converter.convert(key, model=model, config=model.config)
+    return {k: v[0] if isinstance(v, list) else v for k, v in built.items()}
