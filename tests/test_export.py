@@ -203,3 +203,33 @@ def test_default_export_dtype_is_the_training_dtype(tmp_path, dtype, stored):
     assert export_hf(tmp_path / "ckpt", tmp_path / "hf32", dtype="fp32").is_dir()
     with safe_open(str(tmp_path / "hf32" / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+
+
+def test_a_parameter_two_modules_share_keeps_its_first_name(tmp_path):
+    """BERT's head bias is `cls.predictions.bias` and also `cls.predictions.decoder.bias`:
+    the engine, its checkpoints and exports name it as named_parameters() and transformers
+    do, so full_state_dict() has the plain model's keys and the export transformers' files."""
+    from safetensors.torch import load_file
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64,
+    )  # fmt: skip
+    model = BertForMaskedLM(config)
+    model.save_pretrained(tmp_path / "plain")
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert "cls.predictions.bias" in expected and "cls.predictions.decoder.bias" not in expected
+    engine = zerotune.shard(model, {"stage": 3})
+    got = engine.full_state_dict()
+    assert sorted(got) == sorted(expected)
+    for n, w in expected.items():
+        assert torch.equal(torch.as_tensor(got[n]), w), n
+    zerotune.save_checkpoint(engine, tmp_path / "ckpt", step=0)
+    export_hf(tmp_path / "ckpt", tmp_path / "hf", dtype="fp32")
+    plain = load_file(tmp_path / "plain" / "model.safetensors")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(exported) == sorted(plain)
+    for n, w in plain.items():
+        assert torch.equal(exported[n], w), n

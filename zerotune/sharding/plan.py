@@ -223,14 +223,19 @@ def assign_params(
     owned: dict[int, int] = {}
     per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in specs]
     unit_ids = {id(m) for _, m in specs[1:]}
+    # A parameter is named as model.named_parameters() names it (its first name), whichever
+    # unit owns it: BERT's head bias is `cls.predictions.bias`, also `...decoder.bias`.
+    first: dict[int, str] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), pname)
     # Non-root units first, in module order, so a tied weight belongs to the first module
     # that holds it (the input embedding, not the head). A unit nested in another (a tile)
     # owns its own parameters.
-    for i, (name, module) in list(enumerate(specs))[1:]:
-        for pname, p in _named_params_outside(module, unit_ids):
+    for i, (_, module) in list(enumerate(specs))[1:]:
+        for _, p in _named_params_outside(module, unit_ids):
             if id(p) not in owned:
                 owned[id(p)] = i
-                per_unit[i].append((f"{name}.{pname}", p))
+                per_unit[i].append((first[id(p)], p))
     for pname, p in model.named_parameters():
         if id(p) not in owned:
             owned[id(p)] = 0
