@@ -305,6 +305,31 @@ def _dinov2_swiglu():
     return Dinov2Model(config)
 
 
+def _qwen3_vl_moe():
+    """Qwen3-VL-MoE: transformers saves its experts under their own names, and on load
+    transposes a hub checkpoint's (experts, in, out) tensors, asking the model for the
+    parameter's shape (Transpose with check_dims)."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    torch.manual_seed(7)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+    text = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_parameters=rope,
+        moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+    )  # fmt: skip
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4,
+        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+        num_position_embeddings=16, deepstack_visual_indexes=[0],
+    )  # fmt: skip
+    config = Qwen3VLMoeConfig(
+        text_config=text, vision_config=vision, image_token_id=95, video_token_id=94,
+        vision_start_token_id=93,
+    )  # fmt: skip
+    return Qwen3VLMoeForConditionalGeneration(config)
+
+
 def export_converted(rank, world, folders, out_dir):
     import zerotune
     from zerotune.checkpoint import export_hf
@@ -329,12 +354,16 @@ def export_converted(rank, world, folders, out_dir):
 def test_exports_write_the_layout_save_pretrained_writes(converted_folders, tmp_path):
     """A model loaded from a converted checkpoint and written again (from the live engine,
     and from a sharded checkpoint) gives back transformers' files tensor for tensor: the
-    per-expert tensors, the renamed towers and Dinov2's concatenated tiled weights."""
+    per-expert tensors, the renamed towers, Dinov2's concatenated tiled weights and
+    Qwen3-VL-MoE's experts."""
     from safetensors.torch import load_file
 
     folders = dict(converted_folders)
     _dinov2_swiglu().save_pretrained(tmp_path / "dinov2")
     folders["dinov2"] = str(tmp_path / "dinov2")
+    # Its converter asks the (sharded) model for a parameter's shape while writing.
+    _qwen3_vl_moe().save_pretrained(tmp_path / "qwen3_vl_moe")
+    folders["qwen3_vl_moe"] = str(tmp_path / "qwen3_vl_moe")
     tiled = run_world(2, export_converted, folders, str(tmp_path))[0]
     assert "encoder.layer.0.mlp.gate_proj.weight" in tiled["dinov2"]
     for name, folder in folders.items():
@@ -344,6 +373,87 @@ def test_exports_write_the_layout_save_pretrained_writes(converted_folders, tmp_
             assert sorted(got) == sorted(expected), (name, kind)
             for key, tensor in expected.items():
                 assert torch.equal(got[key], tensor), (name, kind, key)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_tensor_stored_in_another_shape_under_its_own_name_is_converted(tmp_path, world):
+    """Qwen3-VL-MoE hub checkpoints hold each layer's experts as (experts, in, out) under
+    the parameters' own names; transformers transposes them on load, and so does the
+    streaming load (from_pretrained and load_weights), on every rank."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    _qwen3_vl_moe().save_pretrained(tmp_path / "saved")
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "config.json").write_bytes((tmp_path / "saved" / "config.json").read_bytes())
+    tensors = load_file(tmp_path / "saved" / "model.safetensors")
+    experts = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(experts) == 4
+    for k in experts:
+        tensors[k] = tensors[k].transpose(1, 2).contiguous()
+    save_file(tensors, hub / "model.safetensors", metadata={"format": "pt"})
+    results = run_world(world, load_converted, {"hub": str(hub)}, str(tmp_path))
+    plain = Qwen3VLMoeForConditionalGeneration.from_pretrained(hub, dtype=torch.float32)
+    ids = torch.randint(0, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss = float(plain(input_ids=ids, labels=ids).loss)
+    got = results[0]["hub"]
+    expected = {n: p.detach().numpy() for n, p in plain.named_parameters()}
+    assert sorted(got["weights"]) == sorted(expected)
+    for n, w in expected.items():
+        np.testing.assert_array_equal(got["weights"][n], w, err_msg=n)
+    assert got["loss"] == loss and got["after"] == loss
+    for load in range(2):  # from_pretrained, then load_weights: built once per rank at most
+        for r in results:
+            assert len(set(r["hub"]["built"][load])) == len(r["hub"]["built"][load])
+        assert {g for r in results for g in r["hub"]["built"][load]} == set(experts)
+
+
+def test_a_split_converter_fills_tiles_and_a_live_engine(tmp_path):
+    """A checkpoint with q, k and v fused into one tensor (a Split converter, as Molmo2's):
+    loaded into tiled q/k/v, read again by load_weights into the live engine, and written
+    back fused by save_hf and export_hf. The converter asks for parameter shapes, which the
+    loader answers from the full shapes, never from the tiles or the sharded parameters."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Split, WeightConverter
+
+    import zerotune
+    from zerotune.checkpoint import export_hf
+    from zerotune.checkpoint.export import save_hf
+
+    fused = WeightConverter(
+        "self_attn.qkv_proj",
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        [Split(dim=0)],
+    )
+    register_checkpoint_conversion_mapping("LlamaForCausalLM", [fused], overwrite=True)
+    try:
+        _llama_like("llama").save_pretrained(tmp_path / "hf")
+        saved = load_file(tmp_path / "hf" / "model.safetensors")
+        assert any("qkv_proj" in k for k in saved) and not any("q_proj" in k for k in saved)
+        plain = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+        expected = {n: p.detach() for n, p in plain.named_parameters()}
+        config = {"stage": 3, "tile_linear_bytes": 512}
+        engine = zerotune.from_pretrained(tmp_path / "hf", config)
+        assert engine.config.tile_linear_bytes == 512
+        zerotune.load_weights(engine, tmp_path / "hf")
+        got = engine.full_state_dict()
+        assert sorted(got) == sorted(expected)
+        for n, w in expected.items():
+            assert torch.equal(torch.as_tensor(got[n]), w), n
+        save_hf(engine, tmp_path / "live", dtype="fp32")
+        zerotune.save_checkpoint(engine, tmp_path / "ckpt", step=0)
+        export_hf(tmp_path / "ckpt", tmp_path / "export", dtype="fp32")
+        engine.close()
+        for kind in ("live", "export"):
+            written = load_file(tmp_path / kind / "model.safetensors")
+            assert sorted(written) == sorted(saved), kind
+            for k, w in saved.items():
+                assert torch.equal(written[k], w), (kind, k)
+    finally:  # Llama has no conversions of its own: an empty table is the same
+        register_checkpoint_conversion_mapping("LlamaForCausalLM", [], overwrite=True)
 
 
 @pytest.mark.parametrize(

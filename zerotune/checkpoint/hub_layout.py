@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..init.converted import run_converter
+from ..init.converted import ParamShapes, run_converter
 
 __all__ = ["HubLayout", "has_hub_layout", "meta_model"]
 
@@ -45,7 +45,9 @@ class HubLayout:
     ``p`` has come (its last member), ``in_group(p)`` for a member of a group."""
 
     def __init__(self, model: nn.Module | None, entries: list[tuple[str, tuple[int, ...]]]):
-        self.model = model
+        # Converters that ask for a parameter's shape get it from ``entries`` (a live
+        # engine's parameters are sharded, tiled weights are tiles).
+        self.model = ParamShapes(model, dict(entries)) if model is not None else None
         self._names: dict[str, str] = {}
         self._member_of: dict[str, Group] = {}
         self._last: dict[str, Group] = {}

@@ -7,9 +7,12 @@ Renamings move a tensor to another name: LLaVA's `language_model.` becomes
 one parameter from several checkpoint tensors: a Mixtral or Qwen-MoE hub checkpoint's
 per-expert `experts.3.w1.weight` are stacked into `experts.gate_up_proj`.
 
-A parameter the checkpoint does not hold under its own name is looked up through that
-table with transformers' own key renaming (`rename_source_key`), so zerotune and
-transformers always agree on which tensors make a parameter and in which order.
+A parameter the checkpoint does not hold under its own name, or holds in another shape
+(Qwen3-VL-MoE's experts, transposed on load), is looked up through that table with
+transformers' own key renaming (`rename_source_key`), so zerotune and transformers always
+agree on which tensors make a parameter and in which order. An operation that asks the
+model for a parameter's shape gets it from `ParamShapes`, never from the sharded or tiled
+parameters themselves.
 
 A renamed tensor is still read by element range. A converted parameter is built whole by
 the converter's own operations on its source tensors, which are read in their stored dtype.
@@ -27,7 +30,7 @@ from copy import deepcopy
 import torch
 from torch import nn
 
-__all__ = ["ConvertedCheckpoint", "run_converter"]
+__all__ = ["ConvertedCheckpoint", "ParamShapes", "run_converter"]
 
 Reader = Callable[[int, int, torch.Tensor], None]
 
@@ -39,9 +42,17 @@ class ConvertedCheckpoint:
     checkpoint keys used."""
 
     def __init__(
-        self, model: nn.Module, ckpt, shapes: dict[str, tuple[int, ...]], error: type[Exception]
+        self,
+        model: nn.Module,
+        ckpt,
+        shapes: dict[str, tuple[int, ...]],
+        error: type[Exception],
+        all_shapes: dict[str, tuple[int, ...]] | None = None,
     ):
-        self.model, self.ckpt, self.error = model, ckpt, error
+        # The converters ask the model for parameter shapes (Split, Transpose(check_dims)):
+        # answered from the full shapes, never from the (sharded or tiled) parameters.
+        self.model = ParamShapes(model, {**(all_shapes or {}), **shapes})
+        self.ckpt, self.error = ckpt, error
         self.readers: dict[str, Reader] = {}
         self.sources: set[str] = set()
         # A converter's first target name -> (the converter, its (pattern, key) sources, the
@@ -75,6 +86,8 @@ class ConvertedCheckpoint:
                 continue
             self.sources.add(key)
             if pattern is None:
+                if target == key:  # its own name, another shape: no conversion (the caller says)
+                    continue
                 if target not in self.readers:
                     self._check(target, ckpt.entries[key].shape, shapes[target], key)
                     self.readers[target] = self._renamed(key)
@@ -147,6 +160,31 @@ class ConvertedCheckpoint:
     def release(self) -> None:
         """Drop the converted parameter built last."""
         self._built, self._built_group = {}, None
+
+
+class ParamShapes:
+    """What transformers' conversion ops ask of a model, without touching its parameters:
+    ``get_parameter(name)`` is a meta tensor of the parameter's full shape and dtype (a
+    tiled weight under its untiled name), ``config`` the model's. A sharded model's own
+    parameters are empty, and reading one outside forward gathers it or raises
+    ([Note: external parameters])."""
+
+    def __init__(self, model: nn.Module, shapes: dict[str, tuple[int, ...]]):
+        self.model, self.shapes = model, shapes
+        self.config = getattr(model, "config", None)
+        self.dtypes: dict[str, torch.dtype] = {}
+        for name, p in model.named_parameters():  # iterates _parameters: reads nothing
+            self.dtypes[name] = p.dtype
+        self.default_dtype = next(iter(self.dtypes.values()), torch.float32)
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise AttributeError(f"`{name}` is not an nn.Parameter")
+        dtype = self.dtypes.get(name, self.default_dtype)
+        return nn.Parameter(torch.empty(self.shapes[name], dtype=dtype, device="meta"), False)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
 
 
 def run_converter(template, key: str, tensors: list[tuple], model: nn.Module) -> dict:

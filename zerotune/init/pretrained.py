@@ -314,6 +314,8 @@ def _checkpoint_sources(
             tiles[id(by_name[t.name])] = (t, tw)
     sources = _Sources({}, {}, set(), None)
     missing: dict[int, tuple[str, tuple]] = {}
+    mismatched: dict[int, str] = {}
+    full_shapes: dict[str, tuple] = {}
     for pid, pnames in names.items():
         if pid in tiles:
             pnames = [tiles[pid][1].name]
@@ -322,25 +324,35 @@ def _checkpoint_sources(
             block, tw = tiles[pid]
             shape = tuple(tw.shape)
             sources.blocks[pid] = (block, shape[1])
+        full_shapes[pnames[0]] = shape
         found = next((c for n in pnames for c in _candidates(n, prefix) if c in ckpt.entries), None)
         if found is None:
             missing[pid] = (pnames[0], shape)
             continue
         if ckpt.entries[found].shape != shape:
-            raise ModelLoadError(
-                f"{ckpt.entries[found].path}: {found!r} has shape {ckpt.entries[found].shape}, "
-                f"the model expects {shape} (a different model or config?)"
-            )
+            # Stored in another layout under its own name (Qwen3-VL-MoE's experts, which
+            # transformers transposes on load): the conversion table may read it.
+            mismatched[pid] = found
+            missing[pid] = (pnames[0], shape)
+            continue
         sources.readers[pid] = functools.partial(ckpt.read, found)
         sources.used.add(found)
     if missing:
-        converted = ConvertedCheckpoint(model, ckpt, dict(missing.values()), ModelLoadError)
+        converted = ConvertedCheckpoint(
+            model, ckpt, dict(missing.values()), ModelLoadError, full_shapes
+        )
         for pid, (name, _) in list(missing.items()):
             if name in converted.readers:
                 sources.readers[pid] = converted.readers[name]
                 del missing[pid]
         sources.used |= converted.sources
         sources.converted = converted
+    for pid, found in mismatched.items():
+        if pid in missing:  # no conversion reads it: the checkpoint is of another model
+            raise ModelLoadError(
+                f"{ckpt.entries[found].path}: {found!r} has shape {ckpt.entries[found].shape}, "
+                f"the model expects {missing[pid][1]} (a different model or config?)"
+            )
     if missing:
         raise MissingParametersError(
             f"the checkpoint lacks {len(missing)} parameter(s) of this model, e.g. "
