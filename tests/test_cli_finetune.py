@@ -406,6 +406,22 @@ def test_local_model_folder_and_jsonl(cli, tmp_path):
     )
 
 
+def test_a_deepspeed_config_sets_the_zero_settings(cli, tmp_path):
+    """--deepspeed ds_config.json: its ZeRO section chooses the stage and offload (the
+    default job's NVMe offload does not override it), "auto" values follow the flags."""
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                              "overlap_comm": True, "reduce_bucket_size": "auto"},
+        "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
+    }))  # fmt: skip
+    out = tmp_path / "out"
+    cli.finetune("--output-dir", out, "--deepspeed", ds, "--max_steps", "2")
+    s = summary(out)
+    assert (s["zero"]["stage"], s["zero"]["offload_optimizer"]) == (2, "cpu")
+    assert s["zero"]["offload_param"] == "none" and s["global_step"] == 2
+
+
 def test_chat_data_with_a_template_file(cli, tmp_path):
     """ShareGPT conversations with a template given as a file: one conversation a block,
     the loss goes down, and the template is saved with the tokenizer."""
@@ -631,6 +647,10 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
     evaluated = ["--eval_strategy", "steps", "--eval-split", "0.1"]
     job = tmp_path / "job.yaml"
     job.write_text("training:\n  stage: 3\n")
+    ds_clip = tmp_path / "ds_clip.json"
+    ds_clip.write_text('{"zero_optimization": {"stage": 3}, "gradient_clipping": 0.3}')
+    ds_broken = tmp_path / "ds_broken.json"
+    ds_broken.write_text('{"zero_optimization": {"stage": 3}')
     cases = {
         "unknown model": (["--model", "no-such-org/no-such-model"], "unknown model"),
         "preset without --init": (["--model", "gpt2-xl"], "add --init random"),
@@ -690,6 +710,12 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
         "job file key": (["--job", job], "'training.stage' is not a known key; did you mean"),
         "missing job file": (["--job", tmp_path / "nope.yaml"], "nope.yaml: No such file"),
         "misspelt flag": (["--gradient_acumulation_steps", "2"], "--gradient_accumulation_steps?"),
+        "deepspeed contradiction": (
+            ["--deepspeed", ds_clip],
+            "gradient_clipping=0.3 but --max_grad_norm is 1.0",
+        ),
+        "deepspeed and config": (["--deepspeed", ds_clip, "--config", "zero3"], "keep one"),
+        "deepspeed not json": (["--deepspeed", ds_broken], "cannot read"),
     }
     # Each its own process for a few (what a process prints beside the CLI's own line, e.g.
     # import warnings, shows there); the rest in the module's process.

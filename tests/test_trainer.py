@@ -295,7 +295,49 @@ def test_low_precision_tracks_fp32(reference, tmp_path, dtype, rtol):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(deepspeed={"zero_optimization": {"stage": 3}}), "--deepspeed cannot be combined"),
+        (
+            dict(
+                deepspeed={
+                    "zero_optimization": {"stage": 3},
+                    "scheduler": {"type": "WarmupDecayLR"},
+                }
+            ),
+            r"scheduler section \(WarmupDecayLR\) is not supported.*--lr_scheduler_type linear",
+        ),
+        (
+            dict(
+                deepspeed={
+                    "zero_optimization": {"stage": 3},
+                    "gradient_clipping": 0.5,
+                    "train_micro_batch_size_per_gpu": 4,
+                }
+            ),
+            r"train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size is 8; "
+            r"gradient_clipping=0.5 but --max_grad_norm is 1.0",
+        ),
+        (
+            dict(deepspeed={"zero_optimization": {"stage": 3, "overlap_com": True}}),
+            "'overlap_com' is not a DeepSpeed setting zerotune knows .did you mean 'overlap_comm'",
+        ),
+        (
+            dict(deepspeed={"zero_optimization": {"stage": 3}}, zero_config={"stage": 3}),
+            "--deepspeed and --zero_config both give",
+        ),
+        (
+            dict(deepspeed={"zero_optimization": {"stage": 3}, "optimizer": {"type": "Lamb"}}),
+            "optimizer 'Lamb' is not supported from a DeepSpeed config",
+        ),
+        (
+            dict(deepspeed={"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}),
+            "zero_quantized_weights .ZeRO.. quantized communication. is not supported",
+        ),
+        (dict(deepspeed="/no/such/ds_config.json"), "--deepspeed: no such file"),
+        (
+            dict(
+                deepspeed={"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+            ),
+            "NVMe offload needs --nvme_path",
+        ),
         (dict(fsdp="full_shard"), "--fsdp cannot be combined"),
         (dict(offload_param="nvme"), "NVMe offload needs --nvme_path"),
         (dict(zero_config="zero3-offload-nvme"), "NVMe offload needs --nvme_path"),
@@ -314,6 +356,51 @@ def test_low_precision_tracks_fp32(reference, tmp_path, dtype, rtol):
 def test_arguments_reject_contradictions(kwargs, message):
     with pytest.raises(zerotune.ConfigError, match=message):
         ZeroTrainingArguments(output_dir="unused", **kwargs)
+
+
+# A DeepSpeed ZeRO-3 config as transformers' DeepSpeed docs write one: "auto" wherever the
+# Trainer's arguments decide, both tiers on NVMe, DeepSpeed's own tuning knobs.
+DS_ZERO3_NVME = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16,
+             "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "SWAP", "pin_memory": True},
+        "offload_param": {"device": "nvme", "nvme_path": "SWAP", "pin_memory": True},
+        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e6,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+            "overlap_events": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}  # fmt: skip
+
+
+def test_a_deepspeed_config_trains_like_the_plain_trainer(reference, tmp_path):
+    """--deepspeed ds_config.json: its ZeRO section becomes zerotune's config (parameter
+    counts become bytes), its "auto" values follow the Trainer's arguments, and the run logs
+    the plain Trainer's losses and learning rates."""
+    swap = str(tmp_path / "swap")
+    text = json.dumps(DS_ZERO3_NVME).replace('"SWAP"', json.dumps(swap))
+    (tmp_path / "ds_config.json").write_text(text)
+    trainer = zero_run(str(tmp_path / "out"), deepspeed=str(tmp_path / "ds_config.json"))
+    args, z = trainer.args, trainer.args.zero
+    assert args.deepspeed is None and args.gather_weights_on_save is True
+    assert (z.stage, z.offload_param, z.offload_optimizer, z.nvme_path) == (3, "nvme", "nvme", swap)
+    assert (z.max_live_bytes, z.persistence_threshold) == (4 * 10**6, 0)  # 1e6 fp32 parameters
+    assert (z.aio_queue_depth, z.aio_threads, z.aio_block_bytes) == (8, 1, 2**20)
+    assert z.dtype == "fp32" and z.loss_scale_init == 2.0**16
+    assert trainer.memory_summary()["nvme"] > 0
+    torch.testing.assert_close(logged(trainer), reference["loss"], rtol=RTOL, atol=0)
+    assert logged(trainer, "learning_rate") == pytest.approx(reference["lr"], rel=1e-12)
+    trainer.close()
 
 
 def test_ddp_find_unused_parameters_sets_the_engines_walk():

@@ -129,6 +129,8 @@ class ZeroTrainingArguments(TrainingArguments):
     def __post_init__(self) -> None:
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
+        if self.deepspeed:
+            self._read_deepspeed()
         self._check_contradictions()
         self._check_values()
         # The engine holds the parameters in bf16/fp16 itself: hide the flags from the parent
@@ -148,12 +150,22 @@ class ZeroTrainingArguments(TrainingArguments):
         self._zero = self._build_zero_config()
 
     # ------------------------------------------------------------------ validation
-    def _check_contradictions(self) -> None:
-        if self.deepspeed:
+    def _read_deepspeed(self) -> None:
+        """A DeepSpeed config becomes the base zerotune config ([Note: DeepSpeed configs] in
+        deepspeed.py); the parent never sees it (it would start DeepSpeed)."""
+        from .deepspeed import read_deepspeed_config, zero_config_from_deepspeed
+
+        if self.zero_config is not None:
             raise ConfigError(
-                "--deepspeed cannot be combined with ZeroTrainer: zerotune is the ZeRO engine "
-                "here; drop --deepspeed and set --zero_stage / --offload_* (or --zero_config)."
+                "--deepspeed and --zero_config both give the ZeRO configuration; keep one."
             )
+        data = read_deepspeed_config(self.deepspeed)
+        self.zero_config, trainer = zero_config_from_deepspeed(data, self)
+        if self.gather_weights_on_save is None:
+            self.gather_weights_on_save = trainer.get("gather_weights_on_save")
+        self.deepspeed = None
+
+    def _check_contradictions(self) -> None:
         if self.fsdp:
             raise ConfigError(
                 "--fsdp cannot be combined with ZeroTrainer: zerotune already shards the model; "

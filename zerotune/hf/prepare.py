@@ -285,6 +285,14 @@ def zero_settings(options: dict[str, Any]) -> dict[str, Any]:
     if options["zero_config"]:
         with as_job_error(ConfigError):
             base = read_zero_config_file(options["zero_config"])
+    deepspeed = flag_value(options["hf_args"], "deepspeed")
+    if deepspeed is not None:  # its ZeRO section is the base ([Note: DeepSpeed configs])
+        from .deepspeed import deepspeed_zero_base, read_deepspeed_config
+
+        if options["zero_config"]:
+            raise JobError("--deepspeed and --config both give the ZeRO configuration; keep one")
+        with as_job_error(ConfigError):
+            base = deepspeed_zero_base(read_deepspeed_config(deepspeed))
     default_job = options["model"] is None
     # The TrainingArguments spellings (--zero_stage, --offload_param, --offload_optimizer)
     # win over --stage / --offload, which win over the config file.

@@ -1,0 +1,312 @@
+"""A DeepSpeed config given to ``ZeroTrainingArguments`` (``--deepspeed ds_config.json``).
+
+[Note: DeepSpeed configs]
+Users moving from DeepSpeed bring a ds_config.json. `ZeroTrainingArguments` reads it as the
+base of zerotune's config (the zerotune flags still override it) instead of handing it to
+DeepSpeed:
+- `zero_optimization`: the stage, where parameters and optimizer state live
+  (`offload_param` / `offload_optimizer`, their `nvme_path`), and the sizes zerotune has a
+  counterpart for. DeepSpeed counts `stage3_prefetch_bucket_size`,
+  `stage3_max_live_parameters` and `stage3_param_persistence_threshold` in parameters;
+  they become bytes of the compute dtype. `aio` and the fp16 loss scaler map one to one.
+- What the Trainer's arguments also set (batch sizes, accumulation, clipping, bf16/fp16, an
+  Adam/AdamW optimizer's hyperparameters) is "auto" or must equal them, as transformers'
+  own DeepSpeed integration requires; every mismatch is listed in one message.
+- DeepSpeed's bucket, communication and monitoring knobs have no counterpart (zerotune sizes
+  its own buffers); they are named once in the log.
+- What zerotune cannot do as DeepSpeed would is refused: ZeRO++ and MiCS, optimizers other
+  than Adam/AdamW, a static fp16 loss scale, and a `scheduler` section (its WarmupLR warms
+  up logarithmically by default, which no Trainer schedule does). A key zerotune does not
+  know is refused with the nearest known one, where DeepSpeed would ignore a typo.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+
+__all__ = ["deepspeed_zero_base", "read_deepspeed_config", "zero_config_from_deepspeed"]
+
+log = logging.getLogger(__name__)
+
+# Sections and keys that do not change what is trained, or tune DeepSpeed's own buffers and
+# communication: read and ignored.
+_IGNORED_TOP = {
+    "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "communication_data_type",
+    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
+    "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+    "comet", "comms_logger", "checkpoint", "timers", "seq_parallel_communication_data_type",
+    "elasticity", "autotuning", "data_types", "disable_allgather", "gradient_accumulation_dtype",
+}  # fmt: skip
+_IGNORED_ZERO = {
+    "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
+    "allgather_partitions", "reduce_scatter", "sub_group_size", "round_robin_gradients",
+    "stage3_max_reuse_distance", "elastic_checkpoint", "load_from_fp32_weights",
+    "memory_efficient_linear", "ignore_unused_parameters", "use_multi_rank_bucket_allreduce",
+    "log_trace_cache_warnings", "mics_hierarchical_params_gather",
+    "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
+    "pipeline_loading_checkpoint", "override_module_apply", "module_granularity_threshold",
+    "leaf_module",
+}  # fmt: skip
+# zero_optimization keys read here (the rest of _KNOWN_ZERO is checked, then ignored).
+_USED_ZERO = {
+    "stage", "offload_param", "offload_optimizer", "cpu_offload",
+    "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+    "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+}  # fmt: skip
+_REFUSED_ZERO = {
+    "zero_hpz_partition_size", "mics_shard_size", "zero_quantized_weights",
+    "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+}  # fmt: skip
+_KNOWN_ZERO = _IGNORED_ZERO | _USED_ZERO | _REFUSED_ZERO
+_OFFLOAD_KEYS = {
+    "device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
+    "ratio", "fast_init", "pipeline_read", "pipeline_write", "pipeline",
+}  # fmt: skip
+_KNOWN_TOP = _IGNORED_TOP | {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "gradient_clipping", "fp16", "bf16", "optimizer", "scheduler", "zero_optimization", "aio",
+}  # fmt: skip
+_AIO = {"block_size": "aio_block_bytes", "queue_depth": "aio_queue_depth",
+        "thread_count": "aio_threads", "intra_op_parallelism": "aio_threads"}  # fmt: skip
+_AIO_IGNORED = {"single_submit", "overlap_events", "use_gds"}
+# DeepSpeed scheduler -> the Trainer's schedule with the same shape after a linear warmup.
+_NEAREST_SCHEDULE = {
+    "WarmupLR": "constant_with_warmup",
+    "WarmupDecayLR": "linear",
+    "WarmupCosineLR": "cosine",
+}
+# zero_optimization key counted in parameters -> zerotune key in bytes.
+_ELEMENTS = {
+    "stage3_prefetch_bucket_size": "prefetch_bytes",
+    "stage3_max_live_parameters": "max_live_bytes",
+    "stage3_param_persistence_threshold": "persistence_threshold",
+}
+
+
+def read_deepspeed_config(source: str | dict | os.PathLike) -> dict[str, Any]:
+    """The mapping of a DeepSpeed config: a dict, a JSON file, or inline JSON."""
+    if isinstance(source, dict):
+        return json.loads(json.dumps(source))  # a copy, and only JSON values
+    text = str(source)
+    try:
+        data = json.loads(text if text.lstrip().startswith("{") else Path(text).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed: no such file {text!r}") from None
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"--deepspeed: cannot read {text!r} as JSON: {reason}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deepspeed: {text!r} must hold a JSON object")
+    return data
+
+
+def _unknown(keys, known: set[str], where: str) -> None:
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"--deepspeed: {where}{key!r} is not a DeepSpeed setting zerotune knows{hint}"
+            )
+
+
+def _section(data: dict, key: str, where: str = "") -> dict:
+    value = data.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"--deepspeed: {where}{key} must be an object, got {value!r}")
+    return value
+
+
+class _Matcher:
+    """Values the config and the Trainer's arguments both set: "auto" takes the argument's,
+    anything else must equal it (collected, reported together)."""
+
+    def __init__(self):
+        self.mismatches: list[str] = []
+
+    def __call__(self, value, expected, ds_key: str, flag: str) -> None:
+        if value is None or value == "auto":
+            return
+        if isinstance(expected, float) or isinstance(value, float):
+            same = isinstance(value, (int, float)) and abs(value - expected) <= 1e-12 * max(
+                1.0, abs(expected)
+            )
+        else:
+            same = value == expected
+        if not same:
+            self.mismatches.append(f"{ds_key}={value!r} but {flag} is {expected!r}")
+
+
+def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, Any], dict]:
+    """``(zerotune config mapping, Trainer argument values)`` from a DeepSpeed config, checked
+    against ``args`` (a ``ZeroTrainingArguments`` being initialized); see [Note: DeepSpeed
+    configs]. Raises ConfigError in one line for anything zerotune cannot honour."""
+    _unknown(data, _KNOWN_TOP, "")
+    if data.get("scheduler"):
+        kind = str(_section(data, "scheduler").get("type", "?"))
+        near = _NEAREST_SCHEDULE.get(kind)
+        hint = f" (--lr_scheduler_type {near} with --warmup_steps is the nearest)" if near else ""
+        raise ConfigError(
+            f"--deepspeed: the scheduler section ({kind}) is not supported: zerotune trains "
+            "with the Trainer's scheduler, and DeepSpeed's warms up logarithmically by default, "
+            f"which no Trainer schedule does; remove the section{hint}"
+        )
+    match = _Matcher()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    match(data.get("train_micro_batch_size_per_gpu"), micro, "train_micro_batch_size_per_gpu",
+          "--per_device_train_batch_size")  # fmt: skip
+    match(data.get("gradient_accumulation_steps"), accum, "gradient_accumulation_steps",
+          "--gradient_accumulation_steps")  # fmt: skip
+    match(data.get("train_batch_size"), micro * accum * world, "train_batch_size",
+          "per-device batch x accumulation x world size")  # fmt: skip
+    match(data.get("gradient_clipping"), args.max_grad_norm, "gradient_clipping",
+          "--max_grad_norm")  # fmt: skip
+    out: dict[str, Any] = {}
+    trainer: dict[str, Any] = {}
+    fp16, bf16 = _section(data, "fp16"), _section(data, "bf16")
+    _unknown(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16.")
+    _unknown(fp16, {"enabled", "auto_cast", "loss_scale", "initial_scale_power",
+                    "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                    "min_loss_scale", "fp16_master_weights_and_grads"}, "fp16.")  # fmt: skip
+    match(bf16.get("enabled"), bool(args.bf16), "bf16.enabled", "--bf16")
+    match(fp16.get("enabled"), bool(args.fp16), "fp16.enabled", "--fp16")
+    if fp16.get("loss_scale") not in (None, 0, "auto"):
+        raise ConfigError(
+            f"--deepspeed: fp16.loss_scale={fp16['loss_scale']!r} is a static loss scale; "
+            "zerotune scales fp16 losses dynamically (set it to 0)"
+        )
+    if fp16.get("fp16_master_weights_and_grads"):
+        raise ConfigError("--deepspeed: fp16_master_weights_and_grads is not supported "
+                          "(zerotune keeps fp32 master weights)")  # fmt: skip
+    if fp16.get("initial_scale_power") not in (None, "auto"):
+        out["loss_scale_init"] = 2.0 ** fp16["initial_scale_power"]
+    for ds_key, key in (("loss_scale_window", "loss_scale_window"),
+                        ("min_loss_scale", "loss_scale_min")):  # fmt: skip
+        if fp16.get(ds_key) not in (None, "auto"):
+            out[key] = fp16[ds_key]
+    _optimizer(_section(data, "optimizer"), args, match)
+    zero = _section(data, "zero_optimization")
+    _unknown(zero, _KNOWN_ZERO, "zero_optimization.")
+    _zero(zero, 2 if args.bf16 or args.fp16 else 4, out, trainer)
+    aio = _section(data, "aio")
+    _unknown(aio, set(_AIO) | _AIO_IGNORED, "aio.")
+    for ds_key, key in _AIO.items():
+        if aio.get(ds_key) not in (None, "auto"):
+            out[key] = aio[ds_key]
+    if match.mismatches:
+        raise ConfigError(
+            "--deepspeed: the config contradicts the Trainer's arguments: "
+            + "; ".join(match.mismatches)
+            + ' (use "auto" or the same value)'
+        )
+    ignored = sorted(k for k in data if k in _IGNORED_TOP)
+    ignored += sorted(f"zero_optimization.{k}" for k in zero if k in _IGNORED_ZERO)
+    if ignored:
+        log.info(
+            "zerotune: DeepSpeed settings with no counterpart, ignored: %s", ", ".join(ignored)
+        )
+    return out, trainer
+
+
+def _optimizer(section: dict, args, match: _Matcher) -> None:
+    if not section:
+        return
+    _unknown(section, {"type", "params"}, "optimizer.")
+    kind = str(section.get("type", ""))
+    params = section.get("params") or {}
+    if kind.lower() not in ("adam", "adamw") or params.get("adam_w_mode") is False:
+        what = f"{kind} with adam_w_mode false" if kind.lower() == "adam" else kind
+        raise ConfigError(
+            f"--deepspeed: optimizer {what!r} is not supported from a DeepSpeed config: "
+            "remove the optimizer section and choose --optim (AdamW is zerotune's own)"
+        )
+    if not args.uses_zero_adamw:
+        raise ConfigError(
+            f"--deepspeed: its optimizer section ({kind}) contradicts --optim "
+            f"{getattr(args.optim, 'value', args.optim)}; keep one of them"
+        )
+    _unknown(params, {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode",
+                      "bias_correction", "amsgrad"}, "optimizer.params.")  # fmt: skip
+    if params.get("bias_correction") is False or params.get("amsgrad"):
+        raise ConfigError("--deepspeed: Adam without bias correction, or AMSGrad, is not "
+                          "supported")  # fmt: skip
+    match(params.get("lr"), args.learning_rate, "optimizer.params.lr", "--learning_rate")
+    betas = params.get("betas")
+    if betas not in (None, "auto"):
+        match(list(betas), [args.adam_beta1, args.adam_beta2], "optimizer.params.betas",
+              "--adam_beta1/--adam_beta2")  # fmt: skip
+    match(params.get("eps"), args.adam_epsilon, "optimizer.params.eps", "--adam_epsilon")
+    match(params.get("weight_decay"), args.weight_decay, "optimizer.params.weight_decay",
+          "--weight_decay")  # fmt: skip
+
+
+def deepspeed_zero_base(data: dict[str, Any]) -> dict[str, Any]:
+    """The zerotune keys a DeepSpeed config's ZeRO section gives (sizes as fp32 bytes), for
+    planning a job before its Trainer arguments exist; ``zero_config_from_deepspeed`` makes
+    the config the run uses."""
+    zero = _section(data, "zero_optimization")
+    _unknown(zero, _KNOWN_ZERO, "zero_optimization.")
+    out: dict[str, Any] = {}
+    _zero(zero, 4, out, {})
+    return out
+
+
+def _zero(zero: dict, itemsize: int, out: dict, trainer: dict) -> None:
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2, 3):
+        raise ConfigError(
+            f"--deepspeed: zero_optimization.stage must be 1, 2 or 3 for zerotune, got "
+            f"{stage!r} (stage 0 is plain data parallelism: use the plain Trainer)"
+        )
+    out["stage"] = stage
+    for key in ("zero_hpz_partition_size", "mics_shard_size"):
+        if zero.get(key) not in (None, 0, 1, -1):
+            raise ConfigError(f"--deepspeed: zero_optimization.{key} (ZeRO++ / MiCS "
+                              "hierarchical partitioning) is not supported")  # fmt: skip
+    for key in ("zero_quantized_weights", "zero_quantized_gradients",
+                "zero_quantized_nontrainable_weights"):  # fmt: skip
+        if zero.get(key):
+            raise ConfigError(f"--deepspeed: zero_optimization.{key} (ZeRO++ quantized "
+                              "communication) is not supported")  # fmt: skip
+    paths = set()
+    for kind in ("offload_param", "offload_optimizer"):
+        section = _section(zero, kind, "zero_optimization.")
+        _unknown(section, _OFFLOAD_KEYS, f"zero_optimization.{kind}.")
+        device = section.get("device", "none") or "none"
+        if device not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"--deepspeed: zero_optimization.{kind}.device must be none, cpu "
+                              f"or nvme, got {device!r}")  # fmt: skip
+        if section:
+            out[kind] = device
+        if device == "nvme" and section.get("nvme_path"):
+            paths.add(str(section["nvme_path"]))
+    if zero.get("cpu_offload") and "offload_optimizer" not in out:  # the legacy flag
+        out["offload_optimizer"] = "cpu"
+    if len(paths) > 1:
+        raise ConfigError(
+            f"--deepspeed: offload_param and offload_optimizer name different nvme_path "
+            f"folders ({', '.join(sorted(paths))}); zerotune keeps its swap files in one"
+        )
+    if paths:
+        out["nvme_path"] = paths.pop()
+    for ds_key, key in _ELEMENTS.items():
+        value = zero.get(ds_key)
+        if value not in (None, "auto"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"--deepspeed: zero_optimization.{ds_key} must be a number "
+                                  f"of parameters, got {value!r}")  # fmt: skip
+            out[key] = int(value) * itemsize
+    for key in ("stage3_gather_16bit_weights_on_model_save",
+                "stage3_gather_fp16_weights_on_model_save"):  # fmt: skip
+        if isinstance(zero.get(key), bool):
+            trainer["gather_weights_on_save"] = zero[key]
