@@ -14,12 +14,13 @@ agree on which tensors make a parameter and in which order. An operation that as
 model for a parameter's shape gets it from `ParamShapes`, never from the sharded or tiled
 parameters themselves.
 
-A renamed tensor is still read by element range. A converted parameter is built whole by
-the converter's own operations on its source tensors, which are read in their stored dtype.
-Each unit that needs it builds it once, copies its slice out, and drops everything before
-the next unit. So beyond the shards, the peak is one converted parameter and its sources
-(one layer's experts). That holds on every rank: each rank reads the sources whole, not
-only its own slice.
+A renamed tensor is still read by element range. A converted parameter is built by the
+converter's own operations on its source tensors, read in their stored dtype, and dropped
+once the unit's slice is copied out. Experts stacked along dim 0 (MergeModulelist, then at
+most a Concatenate along another dim: every MoE in the table) are built one expert at a
+time, only those the slice covers: the peak beyond the shards is one expert's tensors, and
+each rank reads about its own share. Any other conversion is built whole (its peak is the
+parameter and its sources), by each rank whose slice needs it.
 """
 
 from __future__ import annotations
@@ -53,13 +54,16 @@ class ConvertedCheckpoint:
         # answered from the full shapes, never from the (sharded or tiled) parameters.
         self.model = ParamShapes(model, {**(all_shapes or {}), **shapes})
         self.ckpt, self.error = ckpt, error
+        self._shapes = {name: torch.Size(shape) for name, shape in shapes.items()}
         self.readers: dict[str, Reader] = {}
         self.sources: set[str] = set()
         # A converter's first target name -> (the converter, its (pattern, key) sources, the
         # names it yields); each conversion runs on a fresh copy of the converter.
         self._groups: dict[str, tuple[object, list[tuple[str, str]], list[str]]] = {}
+        # A group stacked expert by expert (see _expert_count) -> its number of experts.
+        self._experts: dict[str, int] = {}
         self._built: dict[str, torch.Tensor] = {}
-        self._built_group: str | None = None
+        self._built_key: tuple[str, int | None] | None = None
         if not shapes:
             return
         try:
@@ -107,6 +111,31 @@ class ConvertedCheckpoint:
             for name in yields:
                 if name in shapes:
                     self._check(name, built[name].shape, shapes[name], sources[0][1])
+            experts = self._expert_count(group, built)
+            if experts:
+                self._experts[group] = experts
+
+    def _expert_count(self, group: str, whole: dict[str, torch.Tensor]) -> int:
+        """E when ``group`` stacks E experts' tensors along dim 0 and then at most
+        concatenates along another dim (MergeModulelist(0), then Concatenate(d >= 1)): expert
+        e's own conversion is then row e of the whole one, so a slice is built from the
+        experts it covers alone. 0 otherwise (built whole)."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+
+        template, sources, _ = self._groups[group]
+        ops = template.operations
+        if not (type(ops[0]) is MergeModulelist and ops[0].dim == 0) or not all(
+            type(op) is Concatenate and op.dim >= 1 for op in ops[1:]
+        ):
+            return 0
+        counts = {p: sum(1 for q, _ in sources if q == p) for p, _ in sources}
+        experts = next(iter(counts.values()))
+        if len(set(counts.values())) != 1 or experts < 2:
+            return 0
+        one = self._convert(group, meta=True, expert=0)
+        if any(tuple(one[n].shape) != (1, *whole[n].shape[1:]) for n in whole):
+            return 0
+        return experts
 
     def _check(self, name: str, got, want, key: str) -> None:
         if tuple(got) != tuple(want):
@@ -123,7 +152,18 @@ class ConvertedCheckpoint:
 
     def _converted(self, group: str, name: str) -> Reader:
         def read(start: int, stop: int, out: torch.Tensor) -> None:
-            out.copy_(self._build(group)[name].reshape(-1)[start:stop])
+            experts = self._experts.get(group)
+            if not experts:
+                out.copy_(self._build(group)[name].reshape(-1)[start:stop])
+                return
+            per = self._shapes[name].numel() // experts  # elements of one expert's row
+            at = start
+            while at < stop:
+                e = at // per
+                end = min(stop, (e + 1) * per)
+                row = self._build(group, e)[name].reshape(-1)
+                out[at - start : end - start].copy_(row[at - e * per : end - e * per])
+                at = end
 
         return read
 
@@ -134,14 +174,27 @@ class ConvertedCheckpoint:
             self.ckpt.read(key, 0, tensor.numel(), tensor.view(-1))
         return tensor
 
-    def _build(self, group: str) -> dict[str, torch.Tensor]:
-        if self._built_group != group:
+    def _build(self, group: str, expert: int | None = None) -> dict[str, torch.Tensor]:
+        if self._built_key != (group, expert):
             self.release()
-            self._built, self._built_group = self._convert(group, meta=False), group
+            self._built = self._convert(group, meta=False, expert=expert)
+            self._built_key = (group, expert)
         return self._built
 
-    def _convert(self, group: str, meta: bool) -> dict[str, torch.Tensor]:
+    def _convert(
+        self, group: str, meta: bool, expert: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The group's parameters built by its converter, or with ``expert`` only that
+        expert's row of each (its own tensor of each source pattern)."""
         template, sources, yields = self._groups[group]
+        if expert is not None:
+            seen: dict[str, int] = {}
+            mine = []
+            for p, key in sources:  # in expert order: the natural order of the keys
+                if seen.setdefault(p, 0) == expert:
+                    mine.append((p, key))
+                seen[p] += 1
+            sources = mine
         tensors = [(p, key, lambda key=key: self._whole(key, meta)) for p, key in sources]
         try:
             built = run_converter(template, group, tensors, self.model)
@@ -158,8 +211,8 @@ class ConvertedCheckpoint:
         return built
 
     def release(self) -> None:
-        """Drop the converted parameter built last."""
-        self._built, self._built_group = {}, None
+        """Drop the converted parameter (or expert's row) built last."""
+        self._built, self._built_key = {}, None
 
 
 class ParamShapes:
