@@ -339,21 +339,37 @@ def export_converted(rank, world, folders, out_dir):
     import zerotune
     from zerotune.checkpoint import export_hf
     from zerotune.checkpoint.export import save_hf
+    from zerotune.checkpoint.hub_layout import HubLayout
     from zerotune.sharding.tiling import tiled_weights
 
-    tiled = {}
-    for name, folder in folders.items():
-        # Tiles small enough to tile Dinov2's split Linear weights (sharding/tiling.py).
-        config = {"stage": 3, "tile_linear_bytes": 2048}
-        engine = zerotune.from_pretrained(folder, config)
-        tiled[name] = sorted(tw.name for tw in tiled_weights(engine.module))
-        dtype = "bf16" if name == "qwen3_moe" else "fp32"
-        save_hf(engine, f"{out_dir}/{name}-live", dtype=dtype)
-        zerotune.save_checkpoint(engine, f"{out_dir}/{name}-ckpt", step=0)
-        if rank == 0:
-            export_hf(f"{out_dir}/{name}-ckpt", f"{out_dir}/{name}-export", dtype=dtype)
-        engine.close()
-    return tiled
+    rows = []
+    real_row = HubLayout.convert_row
+
+    def counting_row(self, group, e, row):
+        rows.append(e)
+        return real_row(self, group, e, row)
+
+    HubLayout.convert_row = counting_row
+    out = {}
+    try:
+        for name, folder in folders.items():
+            # Tiles small enough to tile Dinov2's split Linear weights (sharding/tiling.py).
+            config = {"stage": 3, "tile_linear_bytes": 2048}
+            engine = zerotune.from_pretrained(folder, config)
+            tiled = sorted(tw.name for tw in tiled_weights(engine.module))
+            dtype = "bf16" if name == "qwen3_moe" else "fp32"
+            rows.clear()
+            save_hf(engine, f"{out_dir}/{name}-live", dtype=dtype)
+            live_rows = len(rows)
+            zerotune.save_checkpoint(engine, f"{out_dir}/{name}-ckpt", step=0)
+            rows.clear()
+            if rank == 0:
+                export_hf(f"{out_dir}/{name}-ckpt", f"{out_dir}/{name}-export", dtype=dtype)
+            out[name] = {"tiled": tiled, "rows": (live_rows, len(rows))}
+            engine.close()
+    finally:
+        HubLayout.convert_row = real_row
+    return out
 
 
 def test_exports_write_the_layout_save_pretrained_writes(converted_folders, tmp_path):
@@ -369,8 +385,14 @@ def test_exports_write_the_layout_save_pretrained_writes(converted_folders, tmp_
     # Its converter asks the (sharded) model for a parameter's shape while writing.
     _qwen3_vl_moe().save_pretrained(tmp_path / "qwen3_vl_moe")
     folders["qwen3_vl_moe"] = str(tmp_path / "qwen3_vl_moe")
-    tiled = run_world(2, export_converted, folders, str(tmp_path))[0]
-    assert "encoder.layer.0.mlp.gate_proj.weight" in tiled["dinov2"]
+    written = run_world(2, export_converted, folders, str(tmp_path))[0]
+    assert "encoder.layer.0.mlp.gate_proj.weight" in written["dinov2"]["tiled"]
+    # Stacked experts are written expert by expert (2 layers x 2 parameters x experts), by
+    # save_hf from the live engine and by export_hf; other conversions whole.
+    expected_rows = {"mixtral": 12, "qwen3_moe": 16}
+    for name, result in written.items():
+        rows = expected_rows.get(name, 0)
+        assert result["rows"] == (rows, rows), name
     for name, folder in folders.items():
         expected = load_file(f"{folder}/model.safetensors")
         for kind in ("live", "export"):

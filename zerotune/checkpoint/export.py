@@ -30,6 +30,7 @@ are consecutive units) is gathered, so its memory is one untiled weight rather t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -247,6 +248,23 @@ def _whole_tiled(tw: TiledWeight, read) -> torch.Tensor:
     return torch.cat([band.clone() for band in iter_row_bands(tw, read, CHUNK_ELEMENTS)])
 
 
+def _slot_row(flat, slot, experts: int, dtype, e: int) -> torch.Tensor:
+    """Row ``e`` of the parameter ``slot`` of a gathered unit ``flat``, on the host."""
+    per = slot.numel // experts
+    row = flat[slot.offset + e * per : slot.offset + (e + 1) * per]
+    return row.to("cpu", dtype, copy=True).view(1, *slot.shape[1:])
+
+
+def _write_rows(layout, group, row_of, writer, progress) -> None:
+    """A group of stacked experts written expert by expert: ``row_of(e)`` is expert e's row
+    of its parameter, shape ``(1, ...)``, in the export dtype."""
+    for e in range(len(group.rows)):
+        for tensor in layout.convert_row(group, e, row_of(e)).values():
+            writer.append(tensor.contiguous())
+            if progress is not None:
+                progress(tensor.numel() * tensor.element_size(), writer.total_bytes)
+
+
 def _hold(layout, name: str, whole: torch.Tensor, held: dict, writer, progress) -> None:
     """Keep a converted group's member; once the last one is in, append the group's tensors."""
     held[name] = whole
@@ -331,6 +349,17 @@ def export_hf(
         converted = None if torch_dtype == torch.float32 else torch.empty(piece, dtype=torch_dtype)
         held: dict[str, torch.Tensor] = {}
         for name, shape, tiled in entries:
+            group = layout.group_at(name)
+            if group is not None and group.rows is not None and tiled is None:
+                per = by_name[name]["numel"] // len(group.rows)
+
+                def row_of(e, name=name, shape=shape, per=per):
+                    row = torch.empty(per, dtype=torch.float32)
+                    read(name, e * per, (e + 1) * per, row)
+                    return row.to(torch_dtype).view(1, *shape[1:])
+
+                _write_rows(layout, group, row_of, writer, progress)
+                continue
             if layout.in_group(name):
                 if tiled is not None:
                     whole = _whole_tiled(tiled, read)
@@ -463,6 +492,11 @@ def save_hf(
                                 progress(band.numel() * _itemsize(torch_dtype), writer.total_bytes)
                     for t in tw.tiles:
                         del pending[t.name]
+                    continue
+                group = layout.group_at(s.name)
+                if group is not None and group.rows is not None:
+                    rows = functools.partial(_slot_row, flat, s, len(group.rows), torch_dtype)
+                    _write_rows(layout, group, rows, writer, progress)
                     continue
                 if layout.in_group(s.name):
                     whole = flat[s.offset : s.offset + s.numel].to("cpu", torch_dtype, copy=True)

@@ -9,11 +9,14 @@ checkpoint keeps the layout the hub and other tools read. An export writes what
 `save_pretrained` writes, so it does the same, with the same reversed table
 (`HubLayout`):
 - a renamed parameter is streamed as any other, under its checkpoint name;
-- a converted group (the parameters one reversed converter reads) is written where its last
-  member comes in the model's order: its members are held whole, in the export dtype, until
-  then, the converter's own operations make the checkpoint tensors, and they are appended.
+- one parameter of stacked experts that the converter splits (`Group.rows`) is written
+  expert by expert: each expert's row is converted alone;
+- any other converted group (the parameters one reversed converter reads) is written where
+  its last member comes in the model's order: its members are held whole, in the export
+  dtype, until then, and the converter's own operations make the checkpoint tensors.
 The file layout is known before any data: the reversal runs on meta tensors first. Memory
-beyond the streaming export is one group's members and outputs (one layer's experts).
+beyond the streaming export is one expert's row and tensors, or one group's members and
+outputs.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class Group:
     converter: object
     members: list[tuple[str, str]] = field(default_factory=list)  # (pattern, parameter)
     outputs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    # One parameter of stacked experts that the converter splits expert by expert: per
+    # expert, the names of its tensors in writing order (None: written whole).
+    rows: list[list[str]] | None = None
 
 
 class HubLayout:
@@ -78,6 +84,35 @@ class HubLayout:
             self._last[group.members[-1][1]] = group
             metas = {n: torch.empty(shapes[n], device="meta") for _, n in group.members}
             group.outputs = [(n, tuple(t.shape)) for n, t in self.convert(group, metas).items()]
+            group.rows = self._rows(group, shapes[group.members[0][1]])
+
+    def _rows(self, group: Group, shape: tuple[int, ...]) -> list[list[str]] | None:
+        """Per expert, its tensors' names, when ``group`` is one parameter of experts stacked
+        along dim 0 that the converter splits (SplitModulelist(0), after at most a Chunk
+        along another dim): expert e's tensors are then those of row e converted alone."""
+        from transformers.core_model_loading import Chunk, SplitModulelist
+
+        ops = group.converter.operations
+        if len(group.members) != 1 or not (type(ops[-1]) is SplitModulelist and ops[-1].dim == 0):
+            return None
+        if not all(type(op) is Chunk and op.dim >= 1 for op in ops[:-1]) or shape[0] < 2:
+            return None
+        one = {group.members[0][1]: torch.empty((1, *shape[1:]), device="meta")}
+        first = list(self.convert(group, one))  # expert 0's names
+        marks = [t.replace("*", "0") for t in group.converter.target_patterns if "*" in t]
+
+        def of(name: str, e: int) -> str:
+            mark = next((m for m in marks if m in name), None)
+            return name if mark is None else name.replace(mark, mark.replace(".0.", f".{e}."), 1)
+
+        rows = [[of(name, e) for name in first] for e in range(shape[0])]
+        return rows if [n for row in rows for n in row] == [n for n, _ in group.outputs] else None
+
+    def convert_row(self, group: Group, e: int, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Expert ``e``'s checkpoint tensors from its row (shape ``(1, ...)``) of the group's
+        parameter (``group.rows`` set), in writing order."""
+        built = self.convert(group, {group.members[0][1]: row})
+        return dict(zip(group.rows[e], built.values()))
 
     def name(self, param: str) -> str:
         return self._names.get(param, param)
