@@ -6,15 +6,18 @@ per expert (the layout of hub checkpoints, which transformers 5 merges into one
 invocation, subprocesses then load it:
 - ``plain``: ``AutoModelForCausalLM.from_pretrained`` (bf16, the whole model in memory);
 - ``zerotune``: ``zerotune.from_pretrained`` at stage 3 with parameters and optimizer state
-  on NVMe (swap files in a temporary folder), which merges one layer's experts at a time;
+  on NVMe (swap files in a temporary folder), which merges the experts one at a time;
 - ``zerotune_merged``: the same load of the same weights saved in the model's own layout
-  (merged experts), the baseline for what the conversion costs.
-Each reports its peak RSS growth over the RSS after imports, the page cache's growth (the
-swap files and the checkpoint read through it) and its wall time, and all compute the same
-loss on one batch. The last line is one JSON object with ``params_m``, ``plain_peak_mb``,
-``zerotune_peak_mb``, ``zerotune_page_cache_mb``, ``peak_ratio``, ``largest_merged_mb`` (one
-merged parameter in bf16), ``plain_s``, ``zerotune_s``, ``time_ratio``, ``merged_layout_peak_mb``,
-``merged_layout_s``, ``conversion_time_ratio`` and ``same_loss``.
+  (merged experts), the baseline for what the conversion costs;
+- an export (``export_hf``, bf16) of a checkpoint of the ``zerotune`` load back into the
+  hub layout, compared with transformers' files.
+Each load reports its peak RSS growth over the RSS after imports, the page cache's growth
+(the swap files and the checkpoint read through it) and its wall time, and all compute the
+same loss on one batch. The last line is one JSON object with ``params_m``,
+``plain_peak_mb``, ``zerotune_peak_mb``, ``zerotune_page_cache_mb``, ``peak_ratio``,
+``largest_merged_mb`` (one merged parameter in bf16), ``plain_s``, ``zerotune_s``,
+``time_ratio``, ``merged_layout_peak_mb``, ``merged_layout_s``, ``conversion_time_ratio``,
+``same_loss``, ``export_peak_mb``, ``export_s`` and ``export_equals_checkpoint``.
 
     python benchmarks/converted_load.py [--layers 8 --hidden 1024 --experts 32 --moe 512]
 """
@@ -56,6 +59,22 @@ with torch.no_grad():
     loss = float(model(input_ids=ids, labels=ids).loss)
 print(json.dumps({"grew": peak - base, "cache": cached() - cache, "seconds": seconds,
                   "loss": loss}), flush=True)
+if mode == "zerotune" and len(sys.argv) > 4:  # a checkpoint for the export below
+    zerotune.save_checkpoint(engine, sys.argv[4], step=0)
+"""
+
+# zerotune export of that checkpoint back into the hub layout, in a fresh process.
+EXPORT = r"""
+import json, resource, sys, time
+import psutil, torch
+torch.set_num_threads(2)
+from zerotune.checkpoint import export_hf
+base = psutil.Process().memory_info().rss
+start = time.perf_counter()
+export_hf(sys.argv[1], sys.argv[2], dtype="bf16")
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"grew": peak - base, "seconds": seconds}), flush=True)
 """
 
 SAVE = r"""
@@ -84,6 +103,21 @@ print(sum(p.numel() for p in model.parameters()), merged)
 """
 
 
+def _same_tensors(a: Path, b: Path) -> bool:
+    """Whether two folders' safetensors hold the same names and values."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict:
+        out = {}
+        for f in folder.glob("*.safetensors"):
+            out.update(load_file(f))
+        return out
+
+    x, y = tensors(a), tensors(b)
+    return sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=8)
@@ -95,6 +129,7 @@ def main() -> None:
         tmp = Path(tmp)
         (tmp / "save.py").write_text(SAVE)
         (tmp / "worker.py").write_text(WORKER)
+        (tmp / "export.py").write_text(EXPORT)
         dims = [str(v) for v in (args.layers, args.hidden, args.experts, args.moe)]
         saved = subprocess.run(
             [sys.executable, str(tmp / "save.py"), str(tmp / "model"), *dims],
@@ -111,14 +146,23 @@ def main() -> None:
         results = {}
         for mode, folder in (("plain", "model"), ("zerotune", "model"),
                              ("zerotune_merged", "model-merged")):  # fmt: skip
+            ckpt = [str(tmp / "ckpt")] if mode == "zerotune" else []
             run = subprocess.run(
                 [sys.executable, str(tmp / "worker.py"), mode.split("_")[0], str(tmp / folder),
-                 str(tmp / "swap")],
+                 str(tmp / "swap"), *ckpt],
                 capture_output=True, text=True,
             )  # fmt: skip
             if run.returncode != 0:
                 sys.exit(f"{mode} failed:\n{run.stderr[-3000:]}")
-            results[mode] = json.loads(run.stdout.strip().splitlines()[-1])
+            results[mode] = json.loads(run.stdout.strip().splitlines()[0])
+        run = subprocess.run(
+            [sys.executable, str(tmp / "export.py"), str(tmp / "ckpt"), str(tmp / "exported")],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if run.returncode != 0:
+            sys.exit(f"export failed:\n{run.stderr[-3000:]}")
+        exported = json.loads(run.stdout.strip().splitlines()[-1])
+        same_files = _same_tensors(tmp / "model", tmp / "exported")
     mb = 2**20
     p, z, m = results["plain"], results["zerotune"], results["zerotune_merged"]
     print(
@@ -147,6 +191,9 @@ def main() -> None:
                 "merged_layout_s": round(m["seconds"], 1),
                 "conversion_time_ratio": round(z["seconds"] / m["seconds"], 2),
                 "same_loss": p["loss"] == z["loss"] == m["loss"],
+                "export_peak_mb": round(exported["grew"] / mb),
+                "export_s": round(exported["seconds"], 1),
+                "export_equals_checkpoint": same_files,
             }
         )
     )

@@ -68,6 +68,9 @@ SAFETENSORS_DTYPES = {
 }
 
 
+READ_BYTES = 16 << 20  # the largest piece of a tensor read at once
+
+
 class ModelLoadError(ValueError):
     """A model folder, id or file cannot be used; the message says what to do instead."""
 
@@ -109,22 +112,27 @@ class SafetensorsCheckpoint:
         self._files: dict[Path, object] = {}
 
     def read(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
-        """Elements ``[start, stop)`` of tensor ``key`` (flattened) into ``out``."""
+        """Elements ``[start, stop)`` of tensor ``key`` (flattened) into ``out``, through a
+        buffer of at most ``READ_BYTES``."""
         e = self.entries[key]
         itemsize = torch.empty((), dtype=e.dtype).element_size()
-        want = (stop - start) * itemsize
         f = self._files.get(e.path)
         if f is None:
             f = self._files[e.path] = open(e.path, "rb")  # noqa: SIM115 - kept for reuse
-        f.seek(e.offset + start * itemsize)
-        buf = bytearray(want)
-        got = f.readinto(buf)
-        if got != want:
-            raise ModelLoadError(
-                f"{e.path}: short read of {key!r} at byte {e.offset + start * itemsize} "
-                f"({got} of {want} bytes): the file is truncated or corrupt"
-            )
-        out.copy_(torch.frombuffer(buf, dtype=e.dtype))
+        per = max(1, READ_BYTES // itemsize)
+        buf = bytearray(min(stop - start, per) * itemsize)
+        for a in range(start, stop, per):
+            b = min(stop, a + per)
+            want = (b - a) * itemsize
+            f.seek(e.offset + a * itemsize)
+            view = memoryview(buf)[:want]
+            got = f.readinto(view)
+            if got != want:
+                raise ModelLoadError(
+                    f"{e.path}: short read of {key!r} at byte {e.offset + a * itemsize} "
+                    f"({got} of {want} bytes): the file is truncated or corrupt"
+                )
+            out[a - start : b - start].copy_(torch.frombuffer(view, dtype=e.dtype))
 
     def close(self) -> None:
         for f in self._files.values():
