@@ -37,10 +37,11 @@ Reader = Callable[[int, int, torch.Tensor], None]
 
 
 class ConvertedCheckpoint:
-    """Readers for the parameters ``targets`` names that the checkpoint holds renamed or
-    split across tensors transformers merges on load. ``readers`` maps a target name to
+    """Readers for the parameters ``shapes`` names (name -> full shape) that the checkpoint
+    holds renamed, or in tensors transformers converts on load. ``readers`` maps a name to
     ``read(start, stop, out)`` over its flattened elements; ``sources`` lists the
-    checkpoint keys used."""
+    checkpoint keys used. ``all_shapes``: every parameter's full shape, for conversions that
+    ask the model for one."""
 
     def __init__(
         self,
