@@ -403,6 +403,21 @@ def test_a_deepspeed_config_trains_like_the_plain_trainer(reference, tmp_path):
     trainer.close()
 
 
+def test_a_deepspeed_train_batch_size_counts_the_ranks():
+    """train_batch_size is per-device batch x accumulation x world size: the process's own
+    WORLD_SIZE in a rank, the planned one where a launcher checks the job first."""
+    from zerotune.hf.deepspeed import planned_world
+
+    ds = {"zero_optimization": {"stage": 3}, "train_batch_size": 32}
+    args = dict(output_dir="unused", per_device_train_batch_size=8, gradient_accumulation_steps=2)
+    with pytest.raises(zerotune.ConfigError, match="train_batch_size=32 but .* is 16"):
+        ZeroTrainingArguments(deepspeed=ds, **args)
+    with planned_world(2):
+        assert ZeroTrainingArguments(deepspeed=ds, **args).zero.stage == 3
+    with planned_world(1), pytest.raises(zerotune.ConfigError, match="is 16"):
+        ZeroTrainingArguments(deepspeed=ds, **args)
+
+
 def test_ddp_find_unused_parameters_sets_the_engines_walk():
     def walk(**kwargs) -> bool:
         return ZeroTrainingArguments(output_dir="unused", **kwargs).zero.find_unused_parameters

@@ -22,6 +22,8 @@ DeepSpeed:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import json
 import logging
@@ -31,7 +33,12 @@ from typing import Any
 
 from ..config import ConfigError
 
-__all__ = ["deepspeed_zero_base", "read_deepspeed_config", "zero_config_from_deepspeed"]
+__all__ = [
+    "deepspeed_zero_base",
+    "planned_world",
+    "read_deepspeed_config",
+    "zero_config_from_deepspeed",
+]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +97,24 @@ _ELEMENTS = {
     "stage3_max_live_parameters": "max_live_bytes",
     "stage3_param_persistence_threshold": "persistence_threshold",
 }
+
+
+# The world size a launcher is about to start, while it checks the job in its own process
+# (where WORLD_SIZE is not set yet): train_batch_size is checked against it.
+_PLANNED_WORLD: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "planned_world", default=None
+)
+
+
+@contextlib.contextmanager
+def planned_world(world: int):
+    """Check DeepSpeed configs read inside as for a run of ``world`` ranks (1: the
+    process's own WORLD_SIZE, as in a rank)."""
+    token = _PLANNED_WORLD.set(world if world > 1 else None)
+    try:
+        yield
+    finally:
+        _PLANNED_WORLD.reset(token)
 
 
 def read_deepspeed_config(source: str | dict | os.PathLike) -> dict[str, Any]:
@@ -161,7 +186,7 @@ def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, An
             f"which no Trainer schedule does; remove the section{hint}"
         )
     match = _Matcher()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _PLANNED_WORLD.get() or int(os.environ.get("WORLD_SIZE", "1"))
     micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
     match(data.get("train_micro_batch_size_per_gpu"), micro, "train_micro_batch_size_per_gpu",
           "--per_device_train_batch_size")  # fmt: skip

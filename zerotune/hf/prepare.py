@@ -97,6 +97,7 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
     Raises JobError."""
     from ..launch import launched_rank, shared_temp_nvme
     from .data import PACKABLE, DataError, choose_columns, load_raw_dataset
+    from .deepspeed import planned_world
     from .models import context_length, resolve_model, resolve_tokenizer
     from .record import check_output_dir, check_recorded_dtype, check_resume
 
@@ -140,7 +141,8 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
         name = options["model"] or DEFAULT_MODEL
         init = options["init"] or ("random" if options["model"] is None else "pretrained")
         name, init, source, config = resolve_model(name, init)
-        args = parse_training_args(options, zero, nvme_path, known_flags)
+        with planned_world(world):
+            args = parse_training_args(options, zero, nvme_path, known_flags)
         if options["resume"] or args.resume_from_checkpoint:
             check_resume(args)
         if options["resume"]:
