@@ -1,8 +1,10 @@
 """TRL's experimental trainers through zerotune.hf.zero: GKD (a teacher, generation with the
 student or the teacher), SDPO (a self-distillation teacher that is the student, a frozen
 copy of it, or an EMA of it synced every step), Online DPO (a reference deep-copied from
-the trained model) and CPO (data mapped with a method of the trainer). Each is run plainly
-and through ``zero`` at stage 3 with the same seed; their logs must agree."""
+the trained model), CPO (data mapped with a method of the trainer), BEMA, ORPO and TPO (no
+second model), GOLD and IW-OPD (a teacher), GMPO (a reference with a KL term), A2PO (a
+reference deep-copied from the trained model) and SDFT (teachers as SDPO's). Each is run
+plainly and through ``zero`` at stage 3 with the same seed; their logs must agree."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from conftest import tiny_gpt2
 from datasets import Dataset
 from test_trl import (
     ARGS,
+    DISTIL_ARGS,
     GRPO_ARGS,
     RTOL,
     ZERO,
@@ -247,4 +250,209 @@ def test_bema_over_shards_logs_and_saves_what_trl_does(tmp_path, zero_name):
     assert max(float((v - start[k]).abs().max()) for k, v in expected.items()) > 1e-4
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=RTOL, atol=1e-6, msg=name)
+    trainer.close()
+
+
+def triples() -> Dataset:
+    """Preference rows with TPO's third, gold ``reference`` completion."""
+    rows = preferences().to_list()
+    return Dataset.from_list([dict(row, reference=row["chosen"] + " done") for row in rows])
+
+
+@pytest.mark.parametrize("which, zero_name", [("orpo", "stage3"), ("tpo", "stage3-nvme")])
+def test_orpo_and_tpo_log_the_plain_losses(tmp_path, which, zero_name):
+    """ORPO (the odds ratio of chosen to rejected) and TPO (a gold reference completion
+    besides the pair): preference losses with no second model; the logs are plain TRL's."""
+    if which == "orpo":
+        from trl.experimental.orpo import ORPOConfig as Config
+        from trl.experimental.orpo import ORPOTrainer as Trainer
+
+        rows = preferences
+    else:
+        from trl.experimental.tpo import TPOConfig as Config
+        from trl.experimental.tpo import TPOTrainer as Trainer
+
+        rows = triples
+
+    def run(wrap, args):
+        trainer = wrap(Trainer)(
+            model=byte_gpt2(), args=args, train_dataset=rows(), processing_class=byte_tokenizer()
+        )
+        trainer.train()
+        return trainer, {key: logged(trainer, key) for key in (*LOGGED, "rewards/margins")}
+
+    _, plain = run(unwrapped, Config(output_dir=str(tmp_path / "plain"), **ARGS))
+    options = zero_options(tmp_path, zero_name)
+    trainer, logs = run(zero, zero(Config)(output_dir=str(tmp_path / "zero"), **ARGS, **options))
+    assert len(plain["loss"]) == 3 and min(plain["grad_norm"]) > 0
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+
+
+def test_gold_shards_its_teacher_and_logs_the_plain_losses(tmp_path):
+    """GOLD (GKD's successor, on-policy steps drawn from Python's random): the teacher is
+    sharded and frozen and scores every step; the logs are plain GOLD's."""
+    from trl.experimental.gold import GOLDConfig, GOLDTrainer
+
+    gold = dict(ARGS, lmbda=0.5, seq_kd=True, max_completion_length=8)
+
+    def run(wrap, args):
+        random.seed(0)
+        trainer = wrap(GOLDTrainer)(
+            model=byte_gpt2(), teacher_model=teacher_gpt2(), args=args, train_dataset=chats(),
+            processing_class=chat_tokenizer(),
+        )  # fmt: skip
+        trainer.train()
+        return trainer, {key: logged(trainer, key) for key in LOGGED}
+
+    _, plain = run(unwrapped, GOLDConfig(output_dir=str(tmp_path / "plain"), **gold))
+    options = zero_options(tmp_path, "stage3-nvme")
+    trainer, logs = run(zero, zero(GOLDConfig)(str(tmp_path / "zero"), **gold, **options))
+    teacher = trainer.teacher_engine
+    assert teacher is not None and trainer.teacher_model is teacher.module
+    assert teacher.optimizer is None and teacher.memory_report()["master"] == 0
+    assert min(plain["grad_norm"]) > 0
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+
+
+def test_gmpo_with_a_kl_term_shards_its_reference_and_logs_the_plain_values(tmp_path):
+    """GMPO (GRPO with the geometric mean of the token ratios) generating its completions,
+    with a KL term: the reference TRL builds from the model's folder is sharded."""
+    from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+
+    folder = tmp_path / "model"
+    byte_gpt2().save_pretrained(folder)
+    gmpo = dict(GRPO_ARGS, beta=0.1)
+
+    def run(wrap, args):
+        prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+        trainer = wrap(GMPOTrainer)(
+            model=str(folder), reward_funcs=counted_length, args=args, train_dataset=prompts,
+            processing_class=byte_tokenizer(),
+        )  # fmt: skip
+        trainer.train()
+        keys = (*LOGGED, "reward", "reward_std", "entropy", "kl")
+        return trainer, {key: logged(trainer, key) for key in keys}
+
+    _, plain = run(unwrapped, GMPOConfig(output_dir=str(tmp_path / "plain"), **gmpo))
+    options = zero_options(tmp_path, "stage3")
+    trainer, logs = run(zero, zero(GMPOConfig)(str(tmp_path / "zero"), **gmpo, **options))
+    ref = trainer.ref_engine
+    assert ref is not None and trainer.ref_model is ref.module and ref is not trainer.engine
+    assert ref.optimizer is None
+    assert max(plain["reward_std"]) > 0 and max(plain["kl"]) > 1e-4  # the reference matters
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+
+
+def test_a2po_shards_the_reference_it_copies_and_logs_the_plain_values(tmp_path):
+    """A*-PO deep-copies the trained model for its reference, which samples completions for
+    the optimal values before training and scores every step; the copy is sharded."""
+    from trl.experimental.a2po import A2POConfig, A2POTrainer
+
+    a2po = dict(DISTIL_ARGS, num_value_samples=2, filter_all_incorrect=False)
+
+    def run(wrap, args):
+        prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+        trainer = wrap(A2POTrainer)(
+            model=byte_gpt2(), reward_funcs=counted_length, args=args, train_dataset=prompts,
+            processing_class=byte_tokenizer(),
+        )  # fmt: skip
+        trainer.train()
+        return trainer, {key: logged(trainer, key) for key in (*LOGGED, "reward", "v_star")}
+
+    _, plain = run(unwrapped, A2POConfig(output_dir=str(tmp_path / "plain"), **a2po))
+    options = zero_options(tmp_path, "stage3-nvme")
+    trainer, logs = run(zero, zero(A2POConfig)(str(tmp_path / "zero"), **a2po, **options))
+    ref = trainer.ref_engine
+    assert ref is not None and trainer.ref_model is ref.module and ref is not trainer.engine
+    assert ref.optimizer is None and ref.memory_report()["master"] == 0
+    assert max(plain["v_star"]) > 0
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+
+
+def test_iw_opd_streams_its_teacher_folder_into_shards_and_logs_the_plain_losses(tmp_path):
+    """IW-OPD (on-policy distillation, lmbda=1.0) reads the teacher's tokenizer from the
+    teacher's folder; named by that folder, the teacher is streamed into frozen shards."""
+    from trl.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
+
+    folder = tmp_path / "teacher"
+    teacher_gpt2().save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)
+    iw_opd = dict(ARGS, lmbda=1.0, max_completion_length=8)
+
+    def run(wrap, args):
+        random.seed(0)
+        trainer = wrap(IWOPDTrainer)(
+            model=byte_gpt2(), teacher_model=str(folder), args=args, train_dataset=chats(),
+            processing_class=chat_tokenizer(),
+        )  # fmt: skip
+        trainer.train()
+        return trainer, {key: logged(trainer, key) for key in LOGGED}
+
+    _, plain = run(unwrapped, IWOPDConfig(output_dir=str(tmp_path / "plain"), **iw_opd))
+    options = zero_options(tmp_path, "stage3")
+    trainer, logs = run(zero, zero(IWOPDConfig)(str(tmp_path / "zero"), **iw_opd, **options))
+    teacher = trainer.teacher_engine
+    assert teacher is not None and trainer.teacher_model is teacher.module
+    assert teacher.optimizer is None and teacher.memory_report()["master"] == 0
+    assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
+    assert min(plain["grad_norm"]) > 0
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    trainer.close()
+
+
+def sdft_run(wrap, args, folder):
+    from trl.experimental.sdft import SDFTTrainer
+
+    rows = Dataset.from_dict(
+        {
+            "prompt": [f"count from {i}:" for i in range(16)],
+            "privileged_context": [" ".join(str(i + k) for k in range(1, 4)) for i in range(16)],
+        }
+    )
+    trainer = wrap(SDFTTrainer)(
+        model=folder, args=args, train_dataset=rows, processing_class=byte_tokenizer()
+    )
+    trainer.train()
+    return trainer, {key: logged(trainer, key) for key in LOGGED}
+
+
+@pytest.mark.parametrize(
+    "kind, zero_name", [("live", "stage3"), ("base", "stage3"), ("ema", "stage3-nvme")]
+)
+def test_sdft_teachers_log_the_plain_losses(tmp_path, student_folder, kind, zero_name):
+    """SDFT's teacher sees the privileged context: the student itself (``live``), a frozen
+    copy rebuilt from the student's folder (``base``) or an EMA of the student (``ema``),
+    both sharded; the teacher's weights end where the plain one's do."""
+    from trl.experimental.sdft import SDFTConfig
+
+    sdft = dict(GRPO_ARGS, teacher_model_kind=kind)
+    args = SDFTConfig(output_dir=str(tmp_path / "plain"), **sdft)
+    plain_trainer, plain = sdft_run(unwrapped, args, student_folder)
+    options = zero_options(tmp_path, zero_name)
+    args = zero(SDFTConfig)(output_dir=str(tmp_path / "zero"), **sdft, **options)
+    trainer, logs = sdft_run(zero, args, student_folder)
+    assert min(plain["grad_norm"]) > 0
+    for key in plain:
+        torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    if kind == "live":
+        assert trainer.teacher_model is trainer.model and trainer.teacher_engine is None
+    else:
+        assert trainer.teacher_engine.optimizer is None
+        assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
+        expected = teacher_weights(plain_trainer)
+        got = teacher_weights(trainer)
+        start = dict(tiny_gpt2(seed=0, vocab_size=259, n_positions=512).named_parameters())
+        moved = max((expected[n] - start[n]).abs().max().item() for n in expected)
+        assert moved > 1e-4 if kind == "ema" else moved == 0.0
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-6)
     trainer.close()
