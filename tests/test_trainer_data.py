@@ -441,8 +441,9 @@ def test_packed_conversations_share_blocks_and_restart_their_positions(tmp_path)
 
 
 def _tiny_configs():
-    """One tiny config per model family: those in PACKABLE, and two that take their
-    positions from the attention mask (OPT, Bloom)."""
+    """One tiny config per model family: those in PACKABLE, and three whose packed
+    conversations would see each other (OPT and Bloom take their positions from the
+    attention mask; GPT-OSS)."""
     import transformers as T
 
     h = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
@@ -460,15 +461,77 @@ def _tiny_configs():
         "falcon": T.FalconConfig(**h),
         "gptj": T.GPTJConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=300, rotary_dim=4),
         "olmo2": T.Olmo2Config(**h, intermediate_size=64),
+        "qwen2_moe": T.Qwen2MoeConfig(
+            **h,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=16,
+        ),
+        "qwen3_moe": T.Qwen3MoeConfig(
+            **h,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            head_dim=8,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+        "olmoe": T.OlmoeConfig(
+            **h, intermediate_size=64, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2
+        ),
+        "deepseek_v3": T.DeepseekV3Config(
+            **h,
+            intermediate_size=64,
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+        ),
+        "gemma3_text": T.Gemma3TextConfig(
+            **h, intermediate_size=64, num_key_value_heads=2, head_dim=8
+        ),
+        "granite": T.GraniteConfig(**h, intermediate_size=64, num_key_value_heads=2),
+        "olmo3": T.Olmo3Config(**h, intermediate_size=64, num_key_value_heads=2),
+        "glm4_moe": T.Glm4MoeConfig(
+            **h,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            head_dim=8,
+        ),
         "opt": T.OPTConfig(**h, ffn_dim=64, word_embed_proj_dim=32),
         "bloom": T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=300),
+        "gpt_oss": T.GptOssConfig(
+            **h,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=8,
+        ),
     }
 
 
 def test_a_packed_block_gives_each_conversation_its_own_logits(tmp_path):
     """For every model type ``--packing`` takes, the logits of each conversation in a packed
     block (training mode, dropout off, the collator's batch) equal those of the conversation
-    run alone; for OPT and Bloom, which ``--packing`` refuses, they do not."""
+    run alone; for OPT, Bloom and GPT-OSS, which ``--packing`` refuses, they do not."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -481,7 +544,7 @@ def test_a_packed_block_gives_each_conversation_its_own_logits(tmp_path):
     batch = packed_collator([packed[0], packed[1]])
     assert batch["use_cache"] is False and "attention_mask" not in batch
     configs = _tiny_configs()
-    assert set(configs) - {"opt", "bloom"} == PACKABLE
+    assert set(configs) - {"opt", "bloom", "gpt_oss"} == PACKABLE
     for name, config in configs.items():
         for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop",
                     "embd_pdrop", "attn_pdrop"):  # fmt: skip

@@ -102,13 +102,14 @@ DEFAULT_CHAT_TEMPLATE = (
 # give. The label of each conversation's first token is -100 (the token before it belongs to
 # the conversation before). The mask is built only without a cache: batches carry
 # ``use_cache=False`` (``packed_collator``). Models whose positions come from the attention
-# mask (OPT's learned positions, Bloom's ALiBi) would mix conversations: ``--packing`` takes
-# only the model types in ``PACKABLE``, each checked against the conversations run alone
-# (tests/test_trainer_data.py). What changes is the batch: a step averages the loss over the
-# tokens of more conversations.
+# mask (OPT's learned positions, Bloom's ALiBi) would mix conversations, and so does GPT-OSS:
+# ``--packing`` takes only the model types in ``PACKABLE``, each checked against the
+# conversations run alone (tests/test_trainer_data.py). What changes is the batch: a step
+# averages the loss over the tokens of more conversations.
 PACKABLE = frozenset(
     {"gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox",
-     "falcon", "gptj", "olmo2"}
+     "falcon", "gptj", "olmo2", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
+     "gemma3_text", "granite", "olmo3", "glm4_moe"}
 )  # fmt: skip
 
 
