@@ -388,11 +388,12 @@ def test_a_deepspeed_config_trains_like_the_plain_trainer(reference, tmp_path):
     counts become bytes), its "auto" values follow the Trainer's arguments, and the run logs
     the plain Trainer's losses and learning rates."""
     swap = str(tmp_path / "swap")
-    text = json.dumps(DS_ZERO3_NVME).replace('"SWAP"', json.dumps(swap))
-    (tmp_path / "ds_config.json").write_text(text)
+    config = {k: v for k, v in DS_ZERO3_NVME.items() if k != "optimizer"}
+    (tmp_path / "ds_config.json").write_text(json.dumps(config).replace('"SWAP"', json.dumps(swap)))
     trainer = zero_run(str(tmp_path / "out"), deepspeed=str(tmp_path / "ds_config.json"))
     args, z = trainer.args, trainer.args.zero
     assert args.deepspeed is None and args.gather_weights_on_save is True
+    assert not args.weight_decay_all  # no optimizer section: the Trainer's decay groups
     assert (z.stage, z.offload_param, z.offload_optimizer, z.nvme_path) == (3, "nvme", "nvme", swap)
     assert (z.max_live_bytes, z.persistence_threshold) == (4 * 10**6, 0)  # 1e6 fp32 parameters
     assert (z.aio_queue_depth, z.aio_threads, z.aio_block_bytes) == (8, 1, 2**20)
@@ -400,6 +401,31 @@ def test_a_deepspeed_config_trains_like_the_plain_trainer(reference, tmp_path):
     assert trainer.memory_summary()["nvme"] > 0
     torch.testing.assert_close(logged(trainer), reference["loss"], rtol=RTOL, atol=0)
     assert logged(trainer, "learning_rate") == pytest.approx(reference["lr"], rel=1e-12)
+    trainer.close()
+
+
+def test_a_deepspeed_optimizer_section_decays_every_parameter(reference, tmp_path):
+    """With an optimizer section, transformers hands DeepSpeed every parameter in one group,
+    so weight decay reaches biases and norms: the run equals a plain Trainer whose decay
+    groups hold every parameter, and differs from the Trainer's own groups."""
+    from transformers import Trainer, TrainingArguments
+
+    class DecayAll(Trainer):
+        def get_decay_parameter_names(self, model):
+            return [n for n, _ in model.named_parameters()]
+
+    args = TrainingArguments(output_dir=str(tmp_path / "plain"), **COMMON)
+    plain = DecayAll(model=model(), args=args, train_dataset=dataset())
+    plain.train()
+    ds = {"zero_optimization": {"stage": 3}, "optimizer": DS_ZERO3_NVME["optimizer"]}
+    trainer = zero_run(str(tmp_path / "out"), deepspeed=ds)
+    assert trainer.args.weight_decay_all and COMMON["weight_decay"] > 0
+    torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
+    weights = trainer.engine.full_state_dict()
+    for name, p in plain.model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=RTOL, atol=RTOL, msg=name)
+    moved = [abs(a - b) for a, b in zip(logged(trainer), reference["loss"])]
+    assert max(moved) > 1e-6  # the biases' and norms' decay changed the losses
     trainer.close()
 
 

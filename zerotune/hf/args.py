@@ -125,6 +125,12 @@ class ZeroTrainingArguments(TrainingArguments):
                   "each checkpoint-N, so that from_pretrained loads it (default: when the "
                   "weights take at most 1 GiB in the save dtype)."},
     )  # fmt: skip
+    weight_decay_all: bool = field(
+        default=False,
+        metadata={"help": "Apply --weight_decay to every parameter, biases and norms too (what "
+                  "a DeepSpeed config's optimizer section does); by default the Trainer's "
+                  "decay leaves those out."},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if isinstance(self.zero_config, ZeroConfig):
@@ -163,6 +169,7 @@ class ZeroTrainingArguments(TrainingArguments):
         self.zero_config, trainer = zero_config_from_deepspeed(data, self)
         if self.gather_weights_on_save is None:
             self.gather_weights_on_save = trainer.get("gather_weights_on_save")
+        self.weight_decay_all = self.weight_decay_all or trainer.get("weight_decay_all", False)
         self.deepspeed = None
 
     def _check_contradictions(self) -> None:

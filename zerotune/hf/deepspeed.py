@@ -11,7 +11,9 @@ DeepSpeed:
   they become bytes of the compute dtype. `aio` and the fp16 loss scaler map one to one.
 - What the Trainer's arguments also set (batch sizes, accumulation, clipping, bf16/fp16, an
   Adam/AdamW optimizer's hyperparameters) is "auto" or must equal them, as transformers'
-  own DeepSpeed integration requires; every mismatch is listed in one message.
+  own DeepSpeed integration requires; every mismatch is listed in one message. With an
+  optimizer section, transformers hands DeepSpeed every parameter in one group: weight
+  decay reaches biases and norms too, and so it does here (`weight_decay_all`).
 - DeepSpeed's bucket, communication and monitoring knobs have no counterpart (zerotune sizes
   its own buffers); they are named once in the log.
 - What zerotune cannot do as DeepSpeed would is refused: ZeRO++ and MiCS, optimizers other
@@ -219,7 +221,9 @@ def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, An
                         ("min_loss_scale", "loss_scale_min")):  # fmt: skip
         if fp16.get(ds_key) not in (None, "auto"):
             out[key] = fp16[ds_key]
-    _optimizer(_section(data, "optimizer"), args, match)
+    if _optimizer(_section(data, "optimizer"), args, match):
+        # transformers hands DeepSpeed's optimizer every parameter in one group.
+        trainer["weight_decay_all"] = True
     zero = _section(data, "zero_optimization")
     _unknown(zero, _KNOWN_ZERO, "zero_optimization.")
     _zero(zero, 2 if args.bf16 or args.fp16 else 4, out, trainer)
@@ -243,9 +247,10 @@ def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, An
     return out, trainer
 
 
-def _optimizer(section: dict, args, match: _Matcher) -> None:
+def _optimizer(section: dict, args, match: _Matcher) -> bool:
+    """Check an optimizer section against ``args``; whether there is one."""
     if not section:
-        return
+        return False
     _unknown(section, {"type", "params"}, "optimizer.")
     kind = str(section.get("type", ""))
     params = section.get("params") or {}
@@ -273,6 +278,7 @@ def _optimizer(section: dict, args, match: _Matcher) -> None:
     match(params.get("eps"), args.adam_epsilon, "optimizer.params.eps", "--adam_epsilon")
     match(params.get("weight_decay"), args.weight_decay, "optimizer.params.weight_decay",
           "--weight_decay")  # fmt: skip
+    return True
 
 
 def deepspeed_zero_base(data: dict[str, Any]) -> dict[str, Any]:

@@ -414,8 +414,11 @@ class ZeroTrainer(Trainer):
             # model_init) gives the shards up; its state goes with it.
             self.engine.detach_optimizer()
             args = self.args
-            decay = set(self.get_decay_parameter_names(self.model))
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            if args.weight_decay_all:
+                decay = {n for n, _ in named}
+            else:
+                decay = set(self.get_decay_parameter_names(self.model))
             groups = [
                 {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
                 {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
