@@ -131,19 +131,25 @@ def test_sdpo_teachers_log_the_plain_losses(tmp_path, student_folder, kind, zero
     trainer, logs = sdpo_run(zero, args, student_folder)
     for key in plain:
         torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
+    check_teacher(trainer, plain_trainer, kind)
+    trainer.close()
+
+
+def check_teacher(trainer, plain_trainer, kind: str) -> None:
+    """A self-distillation teacher: the student itself (``live``), or sharded and frozen,
+    its weights where the plain teacher's end (unmoved for ``base``, moved for ``ema``)."""
     if kind == "live":
         assert trainer.teacher_model is trainer.model and trainer.teacher_engine is None
-    else:
-        assert trainer.teacher_engine.optimizer is None
-        assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
-        expected = teacher_weights(plain_trainer)
-        got = teacher_weights(trainer)
-        start = dict(tiny_gpt2(seed=0, vocab_size=259, n_positions=512).named_parameters())
-        moved = max((expected[n] - start[n]).abs().max().item() for n in expected)
-        assert moved > 1e-4 if kind == "ema" else moved == 0.0
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-6)
-    trainer.close()
+        return
+    assert trainer.teacher_engine.optimizer is None
+    assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
+    expected = teacher_weights(plain_trainer)
+    got = teacher_weights(trainer)
+    start = dict(tiny_gpt2(seed=0, vocab_size=259, n_positions=512).named_parameters())
+    moved = max((expected[n] - start[n]).abs().max().item() for n in expected)
+    assert moved > 1e-4 if kind == "ema" else moved == 0.0
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-6)
 
 
 def online_dpo_run(wrap, args):
@@ -443,16 +449,5 @@ def test_sdft_teachers_log_the_plain_losses(tmp_path, student_folder, kind, zero
     assert min(plain["grad_norm"]) > 0
     for key in plain:
         torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
-    if kind == "live":
-        assert trainer.teacher_model is trainer.model and trainer.teacher_engine is None
-    else:
-        assert trainer.teacher_engine.optimizer is None
-        assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
-        expected = teacher_weights(plain_trainer)
-        got = teacher_weights(trainer)
-        start = dict(tiny_gpt2(seed=0, vocab_size=259, n_positions=512).named_parameters())
-        moved = max((expected[n] - start[n]).abs().max().item() for n in expected)
-        assert moved > 1e-4 if kind == "ema" else moved == 0.0
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-6)
+    check_teacher(trainer, plain_trainer, kind)
     trainer.close()
