@@ -419,6 +419,36 @@ def test_exports_write_the_layout_save_pretrained_writes(converted_folders, tmp_
                 assert torch.equal(got[key], tensor), (name, kind, key)
 
 
+def test_a_checkpoint_from_before_manifests_named_the_layout_exports_it(
+    converted_folders, tmp_path, monkeypatch
+):
+    """A checkpoint whose manifest has no ``hub_layout`` (saved before it was recorded) is
+    exported in the layout save_pretrained writes too: the export looks at the model."""
+    from safetensors.torch import load_file
+
+    import zerotune
+    from zerotune.checkpoint import export_hf, save
+
+    real = save._build_manifest
+
+    def without_the_key(*args, **kwargs):
+        manifest = real(*args, **kwargs)
+        del manifest["hub_layout"]
+        return manifest
+
+    monkeypatch.setattr(save, "_build_manifest", without_the_key)
+    engine = zerotune.from_pretrained(converted_folders["mixtral"], {"stage": 3})
+    folder = zerotune.save_checkpoint(engine, tmp_path / "ckpt", step=0)
+    engine.close()
+    assert "hub_layout" not in json.loads((folder / "manifest.json").read_text())
+    export_hf(folder, tmp_path / "out", dtype="fp32")
+    expected = load_file(f"{converted_folders['mixtral']}/model.safetensors")
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(got) == sorted(expected)
+    for k, w in expected.items():
+        assert torch.equal(got[k], w), k
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_tensor_stored_in_another_shape_under_its_own_name_is_converted(tmp_path, world):
     """Qwen3-VL-MoE hub checkpoints hold each layer's experts as (experts, in, out) under

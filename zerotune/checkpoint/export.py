@@ -322,9 +322,10 @@ def export_hf(
     by_name = {p["name"]: p for p in params}
     # Tiled weights (sharding/tiling.py) are written whole, under their own names.
     entries = _untiled_entries(params, manifest.get("tiled") or [])
-    # Only a model saved with another checkpoint layout builds its (meta) model here.
+    # Only a model saved with another checkpoint layout builds its (meta) model here; a
+    # checkpoint from before manifests said (no key) builds it to find out.
     model = None
-    if manifest.get("hub_layout") and "config.json" in manifest["files"]:
+    if manifest.get("hub_layout", True) and "config.json" in manifest["files"]:
         model = meta_model((folder / "config.json").read_bytes())
     layout = HubLayout(model, [e[:2] for e in entries])
     specs = _specs(layout, entries, torch_dtype)
