@@ -183,6 +183,7 @@ def test_default_job(default_run, env):
     assert s["elapsed_s"] < 120
     assert "zerotune finetune: done" in proc.stdout and "tokens/s" in proc.stdout
     assert "1 thread(s) per process (OMP_NUM_THREADS)" in proc.stdout
+    assert "building the model: 100%" in proc.stderr  # the engine's units, as they are placed
     # Tokens as trained: each epoch's last batch holds what is left of the blocks.
     blocks, batch = s["train_blocks"], 8
     per_epoch = -(-blocks // batch)

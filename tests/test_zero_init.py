@@ -202,3 +202,22 @@ def test_a_parent_init_fills_a_frozen_table_another_unit_owns(world):
     own unit (built first, frozen): the enclosing init wins, as in transformers."""
     for error, shape in run_world(world, whisper_positions):
         assert shape == [16, 32] and error == 0.0
+
+
+def test_the_build_reports_each_unit_it_places(tmp_path):
+    """report_units hears of every unit once it is on its tiers, in order, with the count
+    (zerotune finetune's progress bar); nothing outside the context."""
+    from transformers import GPT2Config
+
+    from zerotune.sharding.progress import report_units
+
+    config = GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=96, n_positions=32)
+    heard = []
+    nvme = {"offload_param": "nvme", "nvme_path": str(tmp_path)}
+    with report_units(lambda done, total: heard.append((done, total))):
+        engine = zerotune.zero_init(config, {"stage": 3, **nvme})
+    units = len(engine.units)
+    assert units > 3 and heard == [(i, units) for i in range(1, units + 1)]
+    engine.close()
+    zerotune.zero_init(config, {"stage": 3}).close()
+    assert len(heard) == units

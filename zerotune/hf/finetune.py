@@ -72,6 +72,27 @@ def check_before_launch(job: Job) -> None:
         raise
 
 
+class _BuildBar:
+    """A progress bar over the units the engine builds, made at the first one placed (a run
+    refused before, e.g. for NVMe space, prints nothing else)."""
+
+    def __init__(self, show: bool):
+        self.show, self.bar = show, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.show:
+            return
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="building the model", unit="unit")
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def run_job(job: Job, echo: Echo = _log) -> RunReport | None:
     """Steps 2 (the engine, the data) and 4 of [Note: finetune flow] in this process (one
     rank): train ``job``, save the model into its output folder and, on rank 0, write the
@@ -83,6 +104,7 @@ def run_job(job: Job, echo: Echo = _log) -> RunReport | None:
     from ..config import ConfigError
     from ..init.pretrained import ModelLoadError
     from ..launch import shared_temp_nvme
+    from ..sharding.progress import report_units
     from . import ZeroTrainer, build_engine
     from .record import clear_output_dir, job_record, write_job_record
 
@@ -95,8 +117,12 @@ def run_job(job: Job, echo: Echo = _log) -> RunReport | None:
         if writer:  # early and cheap; held below, once the input is known good
             with as_job_error(CheckpointError):
                 FolderLock.check_free(args.output_dir)
-        with as_job_error(ConfigError, ModelLoadError):
-            engine = build_engine(job.model_source, args)  # NVMe space is checked here
+        bar = _BuildBar(show=writer)
+        try:
+            with as_job_error(ConfigError, ModelLoadError), report_units(bar):
+                engine = build_engine(job.model_source, args)  # NVMe space is checked here
+        finally:
+            bar.close()
         if args.zero.nvme_path and engine.rank == 0 and job.temp_nvme is None:
             echo(f"swap files in {describe_folder(args.zero.nvme_path)}")
         tokenize(job)  # the data's own checks (too few blocks, bad text) come here

@@ -47,6 +47,7 @@ from .external import ExternalParams, ShardedParameterError
 from .grads import GradReducer
 from .hooks import Prefetcher, in_backward, install_hooks
 from .plan import UnitPlan, assign_params, plan_swap, size_unit, unit_deps
+from .progress import unit_built
 from .tiling import apply_tiling, merge_tiles, tiled_weights
 from .unit import Unit, UnitState
 
@@ -260,6 +261,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
             if frozen:
                 unit.drop_master()  # before placing: no master to copy to a tier
             self._place(unit)  # to its tiers now: the next unit's construction needs the room
+            unit_built(i + 1, len(specs))
             units.append(unit)
         # Dependencies: parameters that a unit's modules hold but another unit owns (tied
         # weights), found at wrap time; see external.py for those found while running.
