@@ -209,7 +209,7 @@ def test_the_build_reports_each_unit_it_places(tmp_path):
     (zerotune finetune's progress bar); nothing outside the context."""
     from transformers import GPT2Config
 
-    from zerotune.sharding.progress import report_units
+    from zerotune.sharding.hooks import report_units
 
     config = GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=96, n_positions=32)
     heard = []

@@ -104,7 +104,7 @@ def run_job(job: Job, echo: Echo = _log) -> RunReport | None:
     from ..config import ConfigError
     from ..init.pretrained import ModelLoadError
     from ..launch import shared_temp_nvme
-    from ..sharding.progress import report_units
+    from ..sharding.hooks import report_units
     from . import ZeroTrainer, build_engine
     from .record import clear_output_dir, job_record, write_job_record
 

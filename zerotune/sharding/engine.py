@@ -45,9 +45,8 @@ from .compiled import CompiledUnits
 from .copies import CopiedAsSource
 from .external import ExternalParams, ShardedParameterError
 from .grads import GradReducer
-from .hooks import Prefetcher, in_backward, install_hooks
+from .hooks import Prefetcher, in_backward, install_hooks, unit_built
 from .plan import UnitPlan, assign_params, plan_swap, size_unit, unit_deps
-from .progress import unit_built
 from .tiling import apply_tiling, merge_tiles, tiled_weights
 from .unit import Unit, UnitState
 

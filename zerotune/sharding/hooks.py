@@ -1,5 +1,6 @@
-"""Forward and backward hooks that gather, release and reduce units, and the prefetcher that
-gathers the next units ahead of use.
+"""Forward and backward hooks that gather, release and reduce units, the prefetcher that
+gathers the next units ahead of use, and the listener that hears of each unit built
+(``report_units``: ``zerotune finetune``'s progress bar over a large model's construction).
 
 [Note: pins and hooks]
 Every unit has a pin count: it stays gathered while pinned and is released when the count
@@ -44,7 +45,10 @@ same sequence of uses, so they issue the same collectives in the same order.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,7 +61,14 @@ from .unit import Unit, UnitState
 if TYPE_CHECKING:
     from .engine import ZeroEngine
 
-__all__ = ["Prefetcher", "in_backward", "install_hooks", "tensors_in"]
+__all__ = [
+    "Prefetcher",
+    "in_backward",
+    "install_hooks",
+    "report_units",
+    "tensors_in",
+    "unit_built",
+]
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -234,3 +245,25 @@ class Prefetcher:
             if nxt.state is UnitState.SHARDED:
                 ahead.append(nxt)
         return ahead
+
+
+_BUILD_LISTENER: contextvars.ContextVar[Callable[[int, int], None] | None] = contextvars.ContextVar(
+    "units_built", default=None
+)
+
+
+@contextlib.contextmanager
+def report_units(listener: Callable[[int, int], None]) -> Iterator[None]:
+    """Engines built inside call ``listener(units placed, units in all)`` after each unit is
+    on its tiers."""
+    token = _BUILD_LISTENER.set(listener)
+    try:
+        yield
+    finally:
+        _BUILD_LISTENER.reset(token)
+
+
+def unit_built(done: int, total: int) -> None:
+    listener = _BUILD_LISTENER.get()
+    if listener is not None:
+        listener(done, total)
