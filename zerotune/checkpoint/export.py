@@ -244,6 +244,13 @@ def _specs(layout: HubLayout, entries: list[tuple], dtype: torch.dtype) -> list[
     return specs
 
 
+def _append(writer: HFFolderWriter, tensor: torch.Tensor, progress: Progress | None) -> None:
+    """One piece into the files, and the bytes written so far to ``progress``."""
+    writer.append(tensor)
+    if progress is not None:
+        progress(tensor.numel() * tensor.element_size(), writer.total_bytes)
+
+
 def _whole_tiled(tw: TiledWeight, read) -> torch.Tensor:
     return torch.cat([band.clone() for band in iter_row_bands(tw, read, CHUNK_ELEMENTS)])
 
@@ -260,9 +267,7 @@ def _write_rows(layout, group, row_of, writer, progress) -> None:
     of its parameter, shape ``(1, ...)``, in the export dtype."""
     for e in range(len(group.rows)):
         for tensor in layout.convert_row(group, e, row_of(e)).values():
-            writer.append(tensor.contiguous())
-            if progress is not None:
-                progress(tensor.numel() * tensor.element_size(), writer.total_bytes)
+            _append(writer, tensor.contiguous(), progress)
 
 
 def _hold(layout, name: str, whole: torch.Tensor, held: dict, writer, progress) -> None:
@@ -273,9 +278,7 @@ def _hold(layout, name: str, whole: torch.Tensor, held: dict, writer, progress) 
         return
     members = {n: held.pop(n) for _, n in group.members}
     for tensor in layout.convert(group, members).values():
-        writer.append(tensor.contiguous())
-        if progress is not None:
-            progress(tensor.numel() * tensor.element_size(), writer.total_bytes)
+        _append(writer, tensor.contiguous(), progress)
 
 
 def export_hf(
@@ -371,18 +374,14 @@ def export_hf(
                 continue
             if tiled is not None:
                 for band in iter_row_bands(tiled, read, CHUNK_ELEMENTS):
-                    writer.append(band.to(torch_dtype))
-                    if progress is not None:
-                        progress(band.numel() * _itemsize(torch_dtype), writer.total_bytes)
+                    _append(writer, band.to(torch_dtype), progress)
                 continue
             for c0 in range(0, by_name[name]["numel"], CHUNK_ELEMENTS):
                 c1 = min(by_name[name]["numel"], c0 + CHUNK_ELEMENTS)
                 buf = staging[: c1 - c0]
                 read(name, c0, c1, buf)
                 out = buf if converted is None else converted[: c1 - c0].copy_(buf)
-                writer.append(out)
-                if progress is not None:
-                    progress(out.numel() * out.element_size(), writer.total_bytes)
+                _append(writer, out, progress)
         if buffers:
             reader = TensorFileReader(folder / BUFFERS)
             try:
@@ -488,9 +487,7 @@ def save_hf(
                         _hold(layout, tw.name, whole.view(tw.shape), held, writer, progress)
                     else:
                         for band in iter_row_bands(tw, _read_pending(pending), CHUNK_ELEMENTS):
-                            writer.append(band.to(torch_dtype))
-                            if progress is not None:
-                                progress(band.numel() * _itemsize(torch_dtype), writer.total_bytes)
+                            _append(writer, band.to(torch_dtype), progress)
                     for t in tw.tiles:
                         del pending[t.name]
                     continue
@@ -506,9 +503,7 @@ def save_hf(
                 for c0 in range(0, s.numel, CHUNK_ELEMENTS):
                     c1 = min(s.numel, c0 + CHUNK_ELEMENTS)
                     piece = flat[s.offset + c0 : s.offset + c1].to("cpu", torch_dtype)
-                    writer.append(piece)
-                    if progress is not None:
-                        progress(piece.numel() * piece.element_size(), writer.total_bytes)
+                    _append(writer, piece, progress)
         except Exception as exc:  # noqa: BLE001 - the other ranks keep gathering; raised below
             error = exc
         del flat

@@ -224,9 +224,7 @@ def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, An
     if _optimizer(_section(data, "optimizer"), args, match):
         # transformers hands DeepSpeed's optimizer every parameter in one group.
         trainer["weight_decay_all"] = True
-    zero = _section(data, "zero_optimization")
-    _unknown(zero, _KNOWN_ZERO, "zero_optimization.")
-    _zero(zero, 2 if args.bf16 or args.fp16 else 4, out, trainer)
+    zero = _zero(data, 2 if args.bf16 or args.fp16 else 4, out, trainer)
     aio = _section(data, "aio")
     _unknown(aio, set(_AIO) | _AIO_IGNORED, "aio.")
     for ds_key, key in _AIO.items():
@@ -285,14 +283,16 @@ def deepspeed_zero_base(data: dict[str, Any]) -> dict[str, Any]:
     """The zerotune keys a DeepSpeed config's ZeRO section gives (sizes as fp32 bytes), for
     planning a job before its Trainer arguments exist; ``zero_config_from_deepspeed`` makes
     the config the run uses."""
-    zero = _section(data, "zero_optimization")
-    _unknown(zero, _KNOWN_ZERO, "zero_optimization.")
     out: dict[str, Any] = {}
-    _zero(zero, 4, out, {})
+    _zero(data, 4, out, {})
     return out
 
 
-def _zero(zero: dict, itemsize: int, out: dict, trainer: dict) -> None:
+def _zero(data: dict, itemsize: int, out: dict, trainer: dict) -> dict:
+    """The ZeRO section of ``data``, checked, read into ``out`` (zerotune config keys, sizes
+    in bytes of ``itemsize``) and ``trainer`` (Trainer argument values)."""
+    zero = _section(data, "zero_optimization")
+    _unknown(zero, _KNOWN_ZERO, "zero_optimization.")
     stage = zero.get("stage", 0)
     if stage not in (1, 2, 3):
         raise ConfigError(
@@ -341,3 +341,4 @@ def _zero(zero: dict, itemsize: int, out: dict, trainer: dict) -> None:
                 "stage3_gather_fp16_weights_on_model_save"):  # fmt: skip
         if isinstance(zero.get(key), bool):
             trainer["gather_weights_on_save"] = zero[key]
+    return zero

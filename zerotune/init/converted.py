@@ -25,6 +25,7 @@ parameter and its sources), by each rank whose slice needs it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from copy import deepcopy
 
@@ -55,7 +56,6 @@ class ConvertedCheckpoint:
         # answered from the full shapes, never from the (sharded or tiled) parameters.
         self.model = ParamShapes(model, {**(all_shapes or {}), **shapes})
         self.ckpt, self.error = ckpt, error
-        self._shapes = {name: torch.Size(shape) for name, shape in shapes.items()}
         self.readers: dict[str, Reader] = {}
         self.sources: set[str] = set()
         # A converter's first target name -> (the converter, its (pattern, key) sources, the
@@ -157,7 +157,7 @@ class ConvertedCheckpoint:
             if not experts:
                 out.copy_(self._build(group)[name].reshape(-1)[start:stop])
                 return
-            per = self._shapes[name].numel() // experts  # elements of one expert's row
+            per = math.prod(self.model.shapes[name]) // experts  # one expert's row
             at = start
             while at < stop:
                 e = at // per
