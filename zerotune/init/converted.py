@@ -25,7 +25,9 @@ parameter and its sources), by each rank whose slice needs it.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import Counter
 from collections.abc import Callable
 from copy import deepcopy
 
@@ -95,7 +97,7 @@ class ConvertedCheckpoint:
                     continue
                 if target not in self.readers:
                     self._check(target, ckpt.entries[key].shape, shapes[target], key)
-                    self.readers[target] = self._renamed(key)
+                    self.readers[target] = functools.partial(ckpt.read, key)
                 continue
             converter = by_pattern[pattern]
             if target not in self._groups:
@@ -129,7 +131,7 @@ class ConvertedCheckpoint:
             type(op) is Concatenate and op.dim >= 1 for op in ops[1:]
         ):
             return 0
-        counts = {p: sum(1 for q, _ in sources if q == p) for p, _ in sources}
+        counts = Counter(p for p, _ in sources)
         experts = next(iter(counts.values()))
         if len(set(counts.values())) != 1 or experts < 2:
             return 0
@@ -144,12 +146,6 @@ class ConvertedCheckpoint:
                 f"{key!r} (read as {name!r}, as transformers converts it on load) gives shape "
                 f"{tuple(got)}, the model expects {tuple(want)} (a different model or config?)"
             )
-
-    def _renamed(self, key: str) -> Reader:
-        def read(start: int, stop: int, out: torch.Tensor) -> None:
-            self.ckpt.read(key, start, stop, out)
-
-        return read
 
     def _converted(self, group: str, name: str) -> Reader:
         def read(start: int, stop: int, out: torch.Tensor) -> None:
