@@ -415,12 +415,35 @@ def test_a_deepspeed_config_sets_the_zero_settings(cli, tmp_path):
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                               "overlap_comm": True, "reduce_bucket_size": "auto"},
         "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                      "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
     }))  # fmt: skip
     out = tmp_path / "out"
-    cli.finetune("--output-dir", out, "--deepspeed", ds, "--max_steps", "2")
+    cli.finetune("--output-dir", out, "--deepspeed", ds, "--max_steps", "3",
+                 "--learning_rate", "1e-3", "--warmup_steps", "0", "--logging_steps", "1",
+                 "--save_strategy", "steps", "--save_steps", "3")  # fmt: skip
     s = summary(out)
     assert (s["zero"]["stage"], s["zero"]["offload_optimizer"]) == (2, "cpu")
-    assert s["zero"]["offload_param"] == "none" and s["global_step"] == 2
+    assert s["zero"]["offload_param"] == "none" and s["global_step"] == 3
+    # DeepSpeed's log warmup over 2 steps (no --warmup_steps): 0, 0, then the full rate.
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert [h["learning_rate"] for h in state["log_history"] if "loss" in h] == [0, 0, 1e-3]
+
+
+def test_a_deepspeed_schedule_longer_than_the_epochs(cli, tmp_path):
+    """Trained by epochs, the run's length is known once the model is built: a schedule
+    of another length stops there, with one error line, exit code 2 and nothing written."""
+    ds = tmp_path / "ds_config.json"
+    ds.write_text('{"zero_optimization": {"stage": 3}, "scheduler": {"type": '
+                  '"WarmupDecayLR", "params": {"total_num_steps": 999}}}')  # fmt: skip
+    out = tmp_path / "out"
+    proc = cli.finetune("--output-dir", out, "--deepspeed", ds, "--max_steps", "-1",
+                        "--num_train_epochs", "1", check=False)  # fmt: skip
+    errors = [x for x in proc.stderr.splitlines() if x.strip() and "building the model" not in x]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith("zerotune finetune: error: --deepspeed: scheduler.params."
+                                "total_num_steps=999 but the run has ")  # fmt: skip
+    assert not out.exists()
 
 
 def test_chat_data_with_a_template_file(cli, tmp_path):
@@ -652,6 +675,11 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
     ds_clip.write_text('{"zero_optimization": {"stage": 3}, "gradient_clipping": 0.3}')
     ds_broken = tmp_path / "ds_broken.json"
     ds_broken.write_text('{"zero_optimization": {"stage": 3}')
+    ds_long = tmp_path / "ds_long.json"
+    ds_long.write_text('{"zero_optimization": {"stage": 3}, "scheduler": {"type": '
+                       '"WarmupDecayLR", "params": {"total_num_steps": 999}}}')  # fmt: skip
+    ds_cycle = tmp_path / "ds_cycle.json"
+    ds_cycle.write_text('{"zero_optimization": {"stage": 3}, "scheduler": {"type": "OneCycle"}}')
     cases = {
         "unknown model": (["--model", "no-such-org/no-such-model"], "unknown model"),
         "preset without --init": (["--model", "gpt2-xl"], "add --init random"),
@@ -717,6 +745,11 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
         ),
         "deepspeed and config": (["--deepspeed", ds_clip, "--config", "zero3"], "keep one"),
         "deepspeed not json": (["--deepspeed", ds_broken], "cannot read"),
+        "deepspeed one cycle": (["--deepspeed", ds_cycle], "scheduler type 'OneCycle' is not"),
+        "deepspeed schedule steps": (
+            ["--deepspeed", ds_long, "--max_steps", "3"],
+            "scheduler.params.total_num_steps=999 but the run has 3",
+        ),
     }
     # Each its own process for a few (what a process prints beside the CLI's own line, e.g.
     # import warnings, shows there); the rest in the module's process.

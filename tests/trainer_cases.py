@@ -55,6 +55,31 @@ def model():
     return tiny_gpt2(seed=0)  # dropout off: the two trainers see the same function
 
 
+# A DeepSpeed ZeRO-3 config as transformers' DeepSpeed docs write one: "auto" wherever the
+# Trainer's arguments decide, both tiers on NVMe, DeepSpeed's own tuning knobs.
+DS_ZERO3_NVME = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16,
+             "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "SWAP", "pin_memory": True},
+        "offload_param": {"device": "nvme", "nvme_path": "SWAP", "pin_memory": True},
+        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e6,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+            "overlap_events": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}  # fmt: skip
+
+
 def logged(trainer, key: str = "loss") -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h and "step" in h]
 

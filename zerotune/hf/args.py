@@ -132,6 +132,13 @@ class ZeroTrainingArguments(TrainingArguments):
                   "decay leaves those out."},
     )  # fmt: skip
 
+    deepspeed_scheduler: dict | str | None = field(
+        default=None,
+        metadata={"help": "A DeepSpeed scheduler section as JSON (WarmupLR, WarmupDecayLR, "
+                  "WarmupCosineLR) run instead of --lr_scheduler_type, as DeepSpeed steps "
+                  "it; --deepspeed sets it from its config."},
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
@@ -166,7 +173,12 @@ class ZeroTrainingArguments(TrainingArguments):
                 "--deepspeed and --zero_config both give the ZeRO configuration; keep one."
             )
         data = read_deepspeed_config(self.deepspeed)
+        if self.deepspeed_scheduler and data.get("scheduler"):
+            raise ConfigError(
+                "--deepspeed has a scheduler section and --deepspeed_scheduler gives one; keep one."
+            )
         self.zero_config, trainer = zero_config_from_deepspeed(data, self)
+        self.deepspeed_scheduler = trainer.get("deepspeed_scheduler", self.deepspeed_scheduler)
         if self.gather_weights_on_save is None:
             self.gather_weights_on_save = trainer.get("gather_weights_on_save")
         self.weight_decay_all = self.weight_decay_all or trainer.get("weight_decay_all", False)
@@ -269,6 +281,10 @@ class ZeroTrainingArguments(TrainingArguments):
                 "--optim_args is not read by ZeroAdamW; set --adam_beta1, --adam_beta2, "
                 "--adam_epsilon and --weight_decay instead."
             )
+        if self.deepspeed_scheduler:
+            from .deepspeed import check_deepspeed_scheduler
+
+            self.deepspeed_scheduler = check_deepspeed_scheduler(self.deepspeed_scheduler, self)
 
     def _raw_config(self) -> dict[str, Any]:
         try:

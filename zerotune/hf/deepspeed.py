@@ -16,10 +16,30 @@ DeepSpeed:
   decay reaches biases and norms too, and so it does here (`weight_decay_all`).
 - DeepSpeed's bucket, communication and monitoring knobs have no counterpart (zerotune sizes
   its own buffers); they are named once in the log.
+- A `scheduler` section (WarmupLR, WarmupDecayLR, WarmupCosineLR) replaces the Trainer's
+  schedule, as it does under transformers: [Note: DeepSpeed schedules].
 - What zerotune cannot do as DeepSpeed would is refused: ZeRO++ and MiCS, optimizers other
-  than Adam/AdamW, a static fp16 loss scale, and a `scheduler` section (its WarmupLR warms
-  up logarithmically by default, which no Trainer schedule does). A key zerotune does not
-  know is refused with the nearest known one, where DeepSpeed would ignore a typo.
+  than Adam/AdamW, a static fp16 loss scale, DeepSpeed's OneCycle and LRRangeTest schedules.
+  A key zerotune does not know is refused with the nearest known one, where DeepSpeed would
+  ignore a typo.
+
+[Note: DeepSpeed schedules]
+Under transformers a DeepSpeed scheduler section is built and stepped by DeepSpeed's engine,
+not the Trainer; `DeepSpeedSchedule` gives the same learning rate at every step:
+- Its constructor already sets the rate, to `warmup_min_lr` (0 for "auto"; a ratio of 0 for
+  WarmupCosineLR), and each step's `step()` moves it to the value for iteration
+  `step - 1`: the first update runs at the minimum, and with the log warmup (the default)
+  the second does too. Iteration i of the warmup is `log(i + 1) / log(N)` of the way up
+  (`i / N` for "linear"), N = max(2, warmup_num_steps).
+- "auto" values are transformers': warmup_min_lr 0, warmup_max_lr the learning rate,
+  total_num_steps the run's steps, warmup_num_steps max(1, the Trainer's warmup steps).
+  Given values of the last three must equal those (checked when the schedule is built,
+  as transformers does); a key left out takes DeepSpeed's default (1000 warmup steps).
+- The rate is a torch `LRScheduler`'s, so the Trainer steps it after each update (not
+  after a skipped fp16 step, as DeepSpeed), logs it, and zerotune's checkpoints keep it.
+- `--lr_scheduler_type` and warmup's shape are then DeepSpeed's, as under transformers.
+`tests/test_deepspeed_schedules.py` runs DeepSpeed's own classes in a plain Trainer as the
+reference.
 """
 
 from __future__ import annotations
@@ -29,13 +49,19 @@ import contextvars
 import difflib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
 
+from torch.optim.lr_scheduler import LRScheduler
+
 from ..config import ConfigError
 
 __all__ = [
+    "DeepSpeedSchedule",
+    "check_deepspeed_scheduler",
+    "deepspeed_schedule",
     "deepspeed_zero_base",
     "planned_world",
     "read_deepspeed_config",
@@ -87,12 +113,16 @@ _KNOWN_TOP = _IGNORED_TOP | {
 _AIO = {"block_size": "aio_block_bytes", "queue_depth": "aio_queue_depth",
         "thread_count": "aio_threads", "intra_op_parallelism": "aio_threads"}  # fmt: skip
 _AIO_IGNORED = {"single_submit", "overlap_events", "use_gds"}
-# DeepSpeed scheduler -> the Trainer's schedule with the same shape after a linear warmup.
-_NEAREST_SCHEDULE = {
-    "WarmupLR": "constant_with_warmup",
-    "WarmupDecayLR": "linear",
-    "WarmupCosineLR": "cosine",
-}
+# DeepSpeed's schedules zerotune runs: the keys each takes, with DeepSpeed's defaults
+# (deepspeed.runtime.lr_schedules; None: required, or the optimizer's learning rate).
+_SCHEDULES: dict[str, dict[str, Any]] = {
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
+                 "warmup_type": "log"},
+    "WarmupDecayLR": {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
+                      "warmup_num_steps": 1000, "warmup_type": "log"},
+    "WarmupCosineLR": {"total_num_steps": None, "warmup_min_ratio": 0.0,
+                       "warmup_num_steps": 1000, "cos_min_ratio": 0.0001, "warmup_type": "log"},
+}  # fmt: skip
 # zero_optimization key counted in parameters -> zerotune key in bytes.
 _ELEMENTS = {
     "stage3_prefetch_bucket_size": "prefetch_bytes",
@@ -178,15 +208,6 @@ def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, An
     against ``args`` (a ``ZeroTrainingArguments`` being initialized); see [Note: DeepSpeed
     configs]. Raises ConfigError in one line for anything zerotune cannot honour."""
     _unknown(data, _KNOWN_TOP, "")
-    if data.get("scheduler"):
-        kind = str(_section(data, "scheduler").get("type", "?"))
-        near = _NEAREST_SCHEDULE.get(kind)
-        hint = f" (--lr_scheduler_type {near} with --warmup_steps is the nearest)" if near else ""
-        raise ConfigError(
-            f"--deepspeed: the scheduler section ({kind}) is not supported: zerotune trains "
-            "with the Trainer's scheduler, and DeepSpeed's warms up logarithmically by default, "
-            f"which no Trainer schedule does; remove the section{hint}"
-        )
     match = _Matcher()
     world = _PLANNED_WORLD.get() or int(os.environ.get("WORLD_SIZE", "1"))
     micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
@@ -224,6 +245,8 @@ def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, An
     if _optimizer(_section(data, "optimizer"), args, match):
         # transformers hands DeepSpeed's optimizer every parameter in one group.
         trainer["weight_decay_all"] = True
+    if data.get("scheduler"):
+        trainer["deepspeed_scheduler"] = _scheduler(_section(data, "scheduler"), args, match)
     zero = _zero(data, 2 if args.bf16 or args.fp16 else 4, out, trainer)
     aio = _section(data, "aio")
     _unknown(aio, set(_AIO) | _AIO_IGNORED, "aio.")
@@ -277,6 +300,152 @@ def _optimizer(section: dict, args, match: _Matcher) -> bool:
     match(params.get("weight_decay"), args.weight_decay, "optimizer.params.weight_decay",
           "--weight_decay")  # fmt: skip
     return True
+
+
+def check_deepspeed_scheduler(value: str | dict, args) -> dict[str, Any]:
+    """``--deepspeed_scheduler`` (a DeepSpeed scheduler section, a dict or JSON) checked
+    against ``args``, as ``_scheduler`` leaves it; raises ConfigError in one line."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(f"--deepspeed_scheduler: not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--deepspeed_scheduler must be a JSON object, got {value!r}")
+    match = _Matcher()
+    section = _scheduler(value, args, match)
+    if match.mismatches:
+        raise ConfigError(f'--deepspeed: {"; ".join(match.mismatches)} (use "auto")')
+    return section
+
+
+def _scheduler(section: dict, args, match: _Matcher) -> dict[str, Any]:
+    """A scheduler section checked, with "auto" learning rates resolved from ``args``;
+    step counts stay "auto" until the run's length is known ([Note: DeepSpeed schedules])."""
+    _unknown(section, {"type", "params"}, "scheduler.")
+    kind = section.get("type")
+    if kind not in _SCHEDULES:
+        raise ConfigError(
+            f"--deepspeed: scheduler type {kind!r} is not supported (zerotune runs "
+            f"{', '.join(_SCHEDULES)}; or remove the section for --lr_scheduler_type)"
+        )
+    given = dict(section.get("params") or {})
+    _unknown(given, set(_SCHEDULES[kind]), "scheduler.params.")
+    if "total_num_steps" in _SCHEDULES[kind] and "total_num_steps" not in given:
+        raise ConfigError(f'--deepspeed: {kind} needs scheduler.params.total_num_steps ("auto")')
+    if given.get("warmup_min_lr") == "auto":
+        given["warmup_min_lr"] = 0.0
+    if given.get("warmup_max_lr") == "auto":
+        given["warmup_max_lr"] = args.learning_rate
+    elif isinstance(given.get("warmup_max_lr"), (int, float)):
+        match(given["warmup_max_lr"], args.learning_rate, "scheduler.params.warmup_max_lr",
+              "--learning_rate")  # fmt: skip
+    for key, value in given.items():
+        where = f"--deepspeed: scheduler.params.{key}"
+        if key.endswith("_num_steps"):
+            if value != "auto" and (type(value) is not int or value <= 0):
+                raise ConfigError(f'{where} must be a positive integer or "auto", got {value!r}')
+        elif key == "warmup_type":
+            if value not in ("log", "linear"):
+                raise ConfigError(f'{where} must be "log" or "linear", got {value!r}')
+        elif not all(_is_number(v) for v in (value if isinstance(value, list) else [value])):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        elif isinstance(value, list) and key.endswith("_ratio"):
+            raise ConfigError(f"{where} must be one number, got {value!r}")
+    if args.max_steps > 0:  # the run's length is known: check the step counts now
+        _step_counts(given, args.max_steps, args.get_warmup_steps(args.max_steps))
+    return {"type": kind, "params": given}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def deepspeed_schedule(section: dict, optimizer, num_training_steps: int, warmup_steps: int):
+    """The ``DeepSpeedSchedule`` of a checked scheduler section for a run of
+    ``num_training_steps`` updates whose Trainer counts ``warmup_steps`` warmup steps."""
+    params = _step_counts(section["params"], num_training_steps, warmup_steps)
+    return DeepSpeedSchedule(optimizer, section["type"], params)
+
+
+def _step_counts(params: dict, num_training_steps: int, warmup_steps: int) -> dict:
+    """``params`` with "auto" step counts filled in for the run; given ones must be the
+    run's, as transformers checks them."""
+    params = dict(params)
+    mismatches = []
+    for key, value in (("total_num_steps", num_training_steps),
+                       ("warmup_num_steps", max(1, warmup_steps))):  # fmt: skip
+        if params.get(key) == "auto":
+            params[key] = value
+        elif key in params and params[key] != value:
+            mismatches.append(f"scheduler.params.{key}={params[key]} but the run has {value}")
+    if mismatches:
+        raise ConfigError(f'--deepspeed: {"; ".join(mismatches)} (use "auto")')
+    return params
+
+
+class DeepSpeedSchedule(LRScheduler):
+    """DeepSpeed's WarmupLR, WarmupDecayLR or WarmupCosineLR, stepped as its engine steps
+    them under the Trainer ([Note: DeepSpeed schedules]). ``params`` as DeepSpeed takes them
+    (no "auto" left)."""
+
+    def __init__(self, optimizer, kind: str, params: dict[str, Any]):
+        p = {**_SCHEDULES[kind], **params}
+        self.kind = kind
+        self.warmup_type: str = p["warmup_type"]
+        self.warmup_num_steps: int = max(2, p["warmup_num_steps"])
+        self.inverse_log_warmup = 1.0 / math.log(self.warmup_num_steps)
+        self.total_num_steps: int | None = p.get("total_num_steps")
+        groups = optimizer.param_groups
+        self.min_lrs = _per_group(p.get("warmup_min_lr", 0.0), groups, "warmup_min_lr")
+        top = p.get("warmup_max_lr")
+        self.max_lrs = _per_group([g["lr"] for g in groups] if top is None else top, groups,
+                                  "warmup_max_lr")  # fmt: skip
+        self.warmup_min_ratio: float = p.get("warmup_min_ratio", 0.0)
+        self.cos_min_ratio: float = p.get("cos_min_ratio", 0.0)
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        step = self.last_epoch - 1  # DeepSpeed's last_batch_iteration
+        if self.kind == "WarmupCosineLR":
+            ratio = 0.0 if step < 0 else self._cosine_ratio(step)
+            return [lr * ratio for lr in self.base_lrs]
+        if step < 0:
+            return list(self.min_lrs)
+        gamma = self._gamma(step)
+        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
+
+    def _warmup(self, step: int) -> float:
+        if self.warmup_type == "log":
+            return self.inverse_log_warmup * math.log(step + 1)
+        return step / self.warmup_num_steps
+
+    def _gamma(self, step: int) -> float:
+        if step < self.warmup_num_steps:
+            return self._warmup(step)
+        if self.kind == "WarmupDecayLR":
+            left = float(self.total_num_steps - step)
+            return max(0.0, left / float(max(1.0, self.total_num_steps - self.warmup_num_steps)))
+        return 1.0
+
+    def _cosine_ratio(self, step: int) -> float:
+        if step < self.warmup_num_steps:
+            return self.warmup_min_ratio + self._warmup(step) * (1.0 - self.warmup_min_ratio)
+        span = max(1, self.total_num_steps - self.warmup_num_steps)
+        progress = min(1.0, (step - self.warmup_num_steps + 1) / span)
+        ratio = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * ratio)
+
+
+def _per_group(value, groups, name: str) -> list[float]:
+    if isinstance(value, list):
+        if len(value) != len(groups):
+            raise ConfigError(
+                f"--deepspeed: scheduler.params.{name} lists {len(value)} values for "
+                f"{len(groups)} parameter groups"
+            )
+        return [float(v) for v in value]
+    return [float(value)] * len(groups)
 
 
 def deepspeed_zero_base(data: dict[str, Any]) -> dict[str, Any]:

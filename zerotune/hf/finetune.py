@@ -154,15 +154,17 @@ def run_job(job: Job, echo: Echo = _log) -> RunReport | None:
         class StartStep(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):
                 job.start_step = state.global_step  # after a resume: the checkpoint's step
+                if engine.rank == 0:  # what --resume continues, once the input is good
+                    out = Path(args.output_dir)
+                    out.mkdir(parents=True, exist_ok=True)
+                    write_job_record(out, job_record(options, args))
 
         trainer.add_callback(StartStep())
-        if engine.rank == 0:  # what --resume continues (written once the input is good)
-            out = Path(args.output_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            write_job_record(out, job_record(options, args))
         resume = args.resume_from_checkpoint or (True if options["resume"] else None)
 
-        with as_job_error(CheckpointError):  # a checkpoint that turns out damaged on loading
+        # A checkpoint that turns out damaged on loading; a schedule that does not fit the
+        # run's length (known only now).
+        with as_job_error(CheckpointError, ConfigError):
             result = trainer.train(resume_from_checkpoint=resume)
         eval_metrics = None
         if job.eval is not None:

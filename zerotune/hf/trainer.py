@@ -40,12 +40,11 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
   or ``save_only_model``; otherwise the zerotune checkpoint alone holds the weights
   (``zerotune export checkpoint-N out`` consolidates them). ``TRAINER_COMPLETE``, written
   last (after the fsynced ``trainer_state.json``, before older checkpoints are rotated
-  out), holds the checksums of
-  ``trainer_state.json`` and of ``zero/COMPLETE``: a folder without it, or whose files no
-  longer match it, is skipped by ``--resume`` / ``resume_from_checkpoint=True`` (the one
-  before is taken) and refused when named. A save that fails leaves no folder. Resuming
-  loads everything in ``_load_optimizer_and_scheduler``, once the optimizer and scheduler
-  exist, at any world size.
+  out), holds the checksums of ``trainer_state.json`` and of ``zero/COMPLETE``: a folder
+  without it, or whose files no longer match it, is skipped by ``--resume`` /
+  ``resume_from_checkpoint=True`` (the one before is taken) and refused when named. A save
+  that fails leaves no folder. Resuming loads everything in ``_load_optimizer_and_scheduler``,
+  once the optimizer and scheduler exist, at any world size.
 - ``save_model`` writes a consolidated HF folder (config.json + safetensors) with
   ``save_hf``: every rank takes part, rank 0 writes.
 """
@@ -85,6 +84,7 @@ from .checkpoints import (
 )
 from .companions import TEACHER, Companions, adapt_callback, trl_class
 from .configs import describe_config
+from .deepspeed import deepspeed_schedule
 from .generation import gather_for_generation
 from .optimizers import (
     ModelGroup,
@@ -407,6 +407,15 @@ class ZeroTrainer(Trainer):
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return self.engine
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        section = self.args.deepspeed_scheduler  # [Note: DeepSpeed schedules]
+        if self.lr_scheduler is None and section:
+            warmup = self.args.get_warmup_steps(num_training_steps)
+            opt = optimizer or self.optimizer
+            self.lr_scheduler = deepspeed_schedule(section, opt, num_training_steps, warmup)
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:

@@ -1,0 +1,160 @@
+"""A DeepSpeed config's scheduler section against DeepSpeed's own schedule classes: a plain
+Trainer stepping ``deepspeed.runtime.lr_schedules`` (as DeepSpeed's engine steps them under
+transformers) logs the learning rates and losses ZeroTrainer logs with the section."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from trainer_cases import COMMON, DS_ZERO3_NVME, dataset, logged, model, zero_run
+
+import zerotune
+from zerotune.hf import ZeroTrainingArguments
+
+RTOL = 1e-5
+# What transformers fills in for "auto" (its DeepSpeed integration), for this run.
+AUTO = {
+    "warmup_min_lr": 0,
+    "warmup_max_lr": COMMON["learning_rate"],
+    "total_num_steps": COMMON["max_steps"],
+    "warmup_num_steps": COMMON["warmup_steps"],
+}
+
+
+def deepspeed_reference(tmp_path, kind: str, params: dict, decay_all: bool):
+    """The plain Trainer with DeepSpeed's schedule over its optimizer, built (and so setting
+    the first learning rate) as DeepSpeed's engine builds it; ``decay_all``: weight decay on
+    every parameter, as with a DeepSpeed optimizer section."""
+    from deepspeed.runtime import lr_schedules
+    from transformers import Trainer, TrainingArguments
+
+    class Plain(Trainer):
+        def get_decay_parameter_names(self, model):
+            if decay_all:
+                return [n for n, _ in model.named_parameters()]
+            return super().get_decay_parameter_names(model)
+
+    args = TrainingArguments(output_dir=str(tmp_path / "plain"), **COMMON)
+    plain = Plain(model=model(), args=args, train_dataset=dataset())
+    plain.create_optimizer()
+    resolved = {k: AUTO[k] if v == "auto" else v for k, v in params.items()}
+    plain.lr_scheduler = getattr(lr_schedules, kind)(plain.optimizer, **resolved)
+    plain.train()
+    return plain
+
+
+CASES = {
+    # As transformers' DeepSpeed docs write the section: log warmup from 0, the first two
+    # updates at learning rate 0.
+    "warmup-auto": ("WarmupLR", {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                 "warmup_num_steps": "auto"}),
+    "warmup-linear": ("WarmupLR", {"warmup_min_lr": 1e-4, "warmup_num_steps": 2,
+                                   "warmup_type": "linear"}),
+    "decay": ("WarmupDecayLR", {"total_num_steps": "auto", "warmup_min_lr": "auto",
+                                "warmup_max_lr": "auto", "warmup_num_steps": "auto"}),
+    "cosine": ("WarmupCosineLR", {"total_num_steps": "auto", "warmup_num_steps": "auto",
+                                  "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_deepspeed_schedules_step_as_deepspeed_does(tmp_path, case):
+    kind, params = CASES[case]
+    docs = case == "warmup-auto"  # the whole docs config: both tiers on NVMe, AdamW section
+    plain = deepspeed_reference(tmp_path, kind, params, decay_all=docs)
+    ds = {"zero_optimization": {"stage": 3}, "scheduler": {"type": kind, "params": params}}
+    if docs:
+        ds = {**DS_ZERO3_NVME, "scheduler": ds["scheduler"]}
+        swap = str(tmp_path / "swap")
+        ds = json.loads(json.dumps(ds).replace('"SWAP"', json.dumps(swap)))
+    trainer = zero_run(str(tmp_path / "out"), deepspeed=ds)
+    lrs = logged(trainer, "learning_rate")
+    assert lrs == logged(plain, "learning_rate")  # exactly: the same float operations
+    assert len(set(lrs)) >= 2 and lrs[0] == (1e-4 if case == "warmup-linear" else 0.0)
+    torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
+    weights = trainer.engine.full_state_dict()
+    for name, p in plain.model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=RTOL, atol=RTOL, msg=name)
+    trainer.close()
+
+
+def test_a_deepspeed_schedule_resumes(tmp_path):
+    """The schedule's state goes into zerotune's checkpoint (JSON): resumed at step 3, the
+    run logs the uninterrupted run's learning rates and losses."""
+    kind, params = CASES["decay"]
+    ds = {"zero_optimization": {"stage": 3}, "scheduler": {"type": kind, "params": params}}
+    saving = dict(save_strategy="steps", save_steps=3, deepspeed=ds)
+    full = zero_run(str(tmp_path / "full"), **saving)
+    state = json.loads((tmp_path / "full/checkpoint-3/zero/manifest.json").read_text())
+    assert state["scheduler"]["last_epoch"] == 3 and state["scheduler"]["kind"] == "WarmupDecayLR"
+    resumed = zero_run(str(tmp_path / "full"), train=False, **saving)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full/checkpoint-3"))
+    assert logged(resumed, "learning_rate")[-3:] == logged(full, "learning_rate")[-3:]
+    torch.testing.assert_close(logged(resumed)[-3:], logged(full)[-3:], rtol=RTOL, atol=0)
+    full.close()
+    resumed.close()
+
+
+def test_deepspeed_scheduler_without_a_config_file(tmp_path):
+    """--deepspeed_scheduler takes the section alone (JSON), checked the same way."""
+    section = {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 4}}
+    args = ZeroTrainingArguments(output_dir="unused", deepspeed_scheduler=json.dumps(section))
+    assert args.deepspeed_scheduler == {
+        "type": "WarmupLR",
+        "params": {"warmup_max_lr": args.learning_rate, "warmup_num_steps": 4},
+    }
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"type": "OneCycle"}, "scheduler type 'OneCycle' is not supported"),
+        ({"type": "WarmupDecayLR"}, "WarmupDecayLR needs scheduler.params.total_num_steps"),
+        (
+            {"type": "WarmupLR", "params": {"warmup_max_lr": 0.1}},
+            "warmup_max_lr=0.1 but --learning_rate is 0.002",
+        ),
+        (
+            {"type": "WarmupLR", "params": {"warmup_type": "cosine"}},
+            'warmup_type must be "log" or "linear"',
+        ),
+        (
+            {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_min_lr": 0}},
+            "'warmup_min_lr' is not a DeepSpeed setting zerotune knows .did you mean "
+            "'warmup_min_ratio'",
+        ),
+        (
+            {"type": "WarmupLR", "params": {"warmup_num_steps": 0}},
+            'warmup_num_steps must be a positive integer or "auto", got 0',
+        ),
+        (
+            {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "cos_min_ratio": "auto"}},
+            "cos_min_ratio must be a number",
+        ),
+    ],
+)
+def test_deepspeed_scheduler_refusals(section, message):
+    ds = {"zero_optimization": {"stage": 3}, "scheduler": section}
+    with pytest.raises(zerotune.ConfigError, match=message):
+        ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed=ds)
+
+
+def test_deepspeed_step_counts_must_match_the_run(tmp_path):
+    """A given warmup_num_steps or total_num_steps must be the run's (transformers checks
+    it the same way): with --max_steps when the arguments are read, else when the schedule
+    is built, before any step."""
+    section = {"type": "WarmupDecayLR", "params": {"total_num_steps": 5, "warmup_num_steps": 3}}
+    with pytest.raises(
+        zerotune.ConfigError,
+        match="total_num_steps=5 but the run has 6; scheduler.params.warmup_num_steps=3 but "
+        "the run has 2",
+    ):
+        ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed_scheduler=section)
+    by_epochs = dict(max_steps=-1, num_train_epochs=1, deepspeed_scheduler=section)
+    trainer = zero_run(str(tmp_path / "out"), train=False, **by_epochs)
+    with pytest.raises(zerotune.ConfigError, match="total_num_steps=5 but the run has 8"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    trainer.close()
