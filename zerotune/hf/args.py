@@ -142,8 +142,13 @@ class ZeroTrainingArguments(TrainingArguments):
     def __post_init__(self) -> None:
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
+        from .deepspeed import LAUNCHER, launcher_deepspeed_config
+
+        launched = launcher_deepspeed_config()  # always: the launcher's flag goes
         if self.deepspeed:
-            self._read_deepspeed()
+            self._read_deepspeed(self.deepspeed, "--deepspeed")
+        elif launched is not None and self.zero_config is None:
+            self._read_deepspeed(launched, LAUNCHER)
         self._check_contradictions()
         self._check_values()
         # The engine holds the parameters in bf16/fp16 itself: hide the flags from the parent
@@ -163,21 +168,25 @@ class ZeroTrainingArguments(TrainingArguments):
         self._zero = self._build_zero_config()
 
     # ------------------------------------------------------------------ validation
-    def _read_deepspeed(self) -> None:
-        """A DeepSpeed config becomes the base zerotune config ([Note: DeepSpeed configs] in
-        deepspeed.py); the parent never sees it (it would start DeepSpeed)."""
+    def _read_deepspeed(self, source, where: str) -> None:
+        """A DeepSpeed config (``--deepspeed``, or the one accelerate launch passed) becomes the
+        base zerotune config ([Note: DeepSpeed configs] in deepspeed.py); the parent never
+        sees it (it would start DeepSpeed)."""
         from .deepspeed import read_deepspeed_config, zero_config_from_deepspeed
 
         if self.zero_config is not None:
             raise ConfigError(
                 "--deepspeed and --zero_config both give the ZeRO configuration; keep one."
             )
-        data = read_deepspeed_config(self.deepspeed)
+        data = read_deepspeed_config(source)
         if self.deepspeed_scheduler and data.get("scheduler"):
             raise ConfigError(
-                "--deepspeed has a scheduler section and --deepspeed_scheduler gives one; keep one."
+                f"{where} has a scheduler section and --deepspeed_scheduler gives one; keep one."
             )
-        self.zero_config, trainer = zero_config_from_deepspeed(data, self)
+        try:
+            self.zero_config, trainer = zero_config_from_deepspeed(data, self)
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace("--deepspeed", where, 1)) from None
         self.deepspeed_scheduler = trainer.get("deepspeed_scheduler", self.deepspeed_scheduler)
         if self.gather_weights_on_save is None:
             self.gather_weights_on_save = trainer.get("gather_weights_on_save")

@@ -16,6 +16,11 @@ DeepSpeed:
   decay reaches biases and norms too, and so it does here (`weight_decay_all`).
 - DeepSpeed's bucket, communication and monitoring knobs have no counterpart (zerotune sizes
   its own buffers); they are named once in the log.
+- `accelerate launch` with a DeepSpeed config sets ACCELERATE_USE_DEEPSPEED (and its
+  ACCELERATE_DEEPSPEED_* settings, or a config file) for its processes; left there, the
+  Trainer and accelerate would start DeepSpeed around the engine. accelerate's own
+  `DeepSpeedPlugin` turns them into a config, read as if given as `--deepspeed` (arguments
+  that give one themselves win), and the variable is removed from the process.
 - A `scheduler` section (WarmupLR, WarmupDecayLR, WarmupCosineLR) replaces the Trainer's
   schedule, as it does under transformers: [Note: DeepSpeed schedules].
 - What zerotune cannot do as DeepSpeed would is refused: ZeRO++ and MiCS, optimizers other
@@ -38,7 +43,7 @@ not the Trainer; `DeepSpeedSchedule` gives the same learning rate at every step:
 - The rate is a torch `LRScheduler`'s, so the Trainer steps it after each update (not
   after a skipped fp16 step, as DeepSpeed), logs it, and zerotune's checkpoints keep it.
 - `--lr_scheduler_type` and warmup's shape are then DeepSpeed's, as under transformers.
-`tests/test_deepspeed_schedules.py` runs DeepSpeed's own classes in a plain Trainer as the
+`tests/test_deepspeed_configs.py` runs DeepSpeed's own classes in a plain Trainer as the
 reference.
 """
 
@@ -63,6 +68,7 @@ __all__ = [
     "check_deepspeed_scheduler",
     "deepspeed_schedule",
     "deepspeed_zero_base",
+    "launcher_deepspeed_config",
     "planned_world",
     "read_deepspeed_config",
     "zero_config_from_deepspeed",
@@ -147,6 +153,30 @@ def planned_world(world: int):
         yield
     finally:
         _PLANNED_WORLD.reset(token)
+
+
+# The DeepSpeed config accelerate launch gave this process, read once (the variable that
+# asks for DeepSpeed is gone after): [Note: DeepSpeed configs].
+_LAUNCHED: list[dict[str, Any]] = []
+LAUNCHER = "accelerate launch's DeepSpeed config"
+
+
+def launcher_deepspeed_config() -> dict[str, Any] | None:
+    """The DeepSpeed config ``accelerate launch`` passed this process, as accelerate's
+    ``DeepSpeedPlugin`` reads it; None when it passed none. Removes ACCELERATE_USE_DEEPSPEED
+    from the environment."""
+    flag = os.environ.pop("ACCELERATE_USE_DEEPSPEED", "false")
+    if flag.lower() in ("true", "1", "yes", "on") and not _LAUNCHED:
+        from accelerate.utils import DeepSpeedPlugin
+
+        try:
+            config = DeepSpeedPlugin().deepspeed_config
+        except (ValueError, TypeError, OSError, KeyError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"{LAUNCHER}: {first}") from None
+        config.pop("steps_per_print", None)  # accelerate sets it to infinity
+        _LAUNCHED.append(json.loads(json.dumps(config)))
+    return json.loads(json.dumps(_LAUNCHED[0])) if _LAUNCHED else None
 
 
 def read_deepspeed_config(source: str | dict | os.PathLike) -> dict[str, Any]:

@@ -1,14 +1,17 @@
-"""A DeepSpeed config's scheduler section against DeepSpeed's own schedule classes: a plain
-Trainer stepping ``deepspeed.runtime.lr_schedules`` (as DeepSpeed's engine steps them under
-transformers) logs the learning rates and losses ZeroTrainer logs with the section."""
+"""What DeepSpeed users bring beyond the ZeRO section (tests/test_trainer.py has that): a
+scheduler section, checked against DeepSpeed's own schedule classes (a plain Trainer stepping
+``deepspeed.runtime.lr_schedules`` as DeepSpeed's engine steps them under transformers logs
+the learning rates and losses ZeroTrainer logs with the section), and the DeepSpeed config
+``accelerate launch`` hands its processes."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
-from trainer_cases import COMMON, DS_ZERO3_NVME, dataset, logged, model, zero_run
+from trainer_cases import COMMON, DS_ZERO3_NVME, dataset, logged, model, plain_run, zero_run
 
 import zerotune
 from zerotune.hf import ZeroTrainingArguments
@@ -158,3 +161,70 @@ def test_deepspeed_step_counts_must_match_the_run(tmp_path):
         trainer.train()
     assert trainer.state.global_step == 0
     trainer.close()
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The environment accelerate launch gives its processes for a DeepSpeed config (set by
+    the test), read afresh."""
+    from zerotune.hf import deepspeed
+
+    monkeypatch.setattr(deepspeed, "_LAUNCHED", [])
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    return monkeypatch
+
+
+def test_accelerate_launch_with_deepspeed_trains_on_the_engine(launched, tmp_path):
+    """accelerate launch's DeepSpeed settings (stage, offload, accumulation) become the
+    zerotune config: neither the Trainer nor accelerate starts DeepSpeed (which crashed in
+    the first backward), and the run logs the plain Trainer's losses."""
+    launched.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    launched.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
+    launched.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
+    trainer = zero_run(str(tmp_path / "out"))
+    assert "ACCELERATE_USE_DEEPSPEED" not in os.environ and not trainer.is_deepspeed_enabled
+    zero = trainer.args.zero
+    assert (zero.stage, zero.offload_optimizer, zero.offload_param) == (3, "cpu", "none")
+    plain = plain_run(str(tmp_path / "plain"))
+    torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
+    trainer.close()
+    # Arguments built again in the process read the same config; given ones win.
+    again = ZeroTrainingArguments(output_dir="unused", **COMMON)
+    assert again.zero.offload_optimizer == "cpu"
+    given = ZeroTrainingArguments(output_dir="unused", **COMMON, zero_config={"stage": 2})
+    assert (given.zero.stage, given.zero.offload_optimizer) == (2, "none")
+
+
+def test_accelerate_launch_with_a_deepspeed_config_file(launched, tmp_path):
+    ds = tmp_path / "ds_config.json"
+    offload = {"device": "nvme", "nvme_path": str(tmp_path)}
+    zero = {"stage": 3, "offload_param": offload}
+    ds.write_text(json.dumps({"zero_optimization": zero, "scheduler": {"type": "WarmupLR"},
+                              "gradient_accumulation_steps": "auto"}))  # fmt: skip
+    launched.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds))
+    args = ZeroTrainingArguments(output_dir="unused", **COMMON)
+    assert (args.zero.offload_param, args.zero.nvme_path) == ("nvme", str(tmp_path))
+    assert args.deepspeed_scheduler == {"type": "WarmupLR", "params": {}}
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"},
+            "accelerate launch's DeepSpeed config: the config contradicts the Trainer's "
+            "arguments: gradient_accumulation_steps=4 but --gradient_accumulation_steps is 2",
+        ),
+        (
+            {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "/no/such/ds.json"},
+            "accelerate launch's DeepSpeed config: Expected a string path to an existing",
+        ),
+    ],
+)
+def test_accelerate_launch_refusals(launched, env, message):
+    for key, value in env.items():
+        launched.setenv(key, value)
+    with pytest.raises(zerotune.ConfigError, match=message):
+        ZeroTrainingArguments(output_dir="unused", **COMMON)
