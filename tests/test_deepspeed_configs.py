@@ -228,3 +228,9 @@ def test_accelerate_launch_refusals(launched, env, message):
         launched.setenv(key, value)
     with pytest.raises(zerotune.ConfigError, match=message):
         ZeroTrainingArguments(output_dir="unused", **COMMON)
+
+
+def test_accelerate_launch_with_fsdp_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(zerotune.ConfigError, match=r"accelerate launch with FSDP .* cannot be"):
+        ZeroTrainingArguments(output_dir="unused", **COMMON)

@@ -11,6 +11,7 @@ mixed precision is switched off, and fp16 uses the engine's dynamic loss scaler.
 # No ``from __future__ import annotations``: HfArgumentParser reads the field types at run time.
 
 import copy
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +199,12 @@ class ZeroTrainingArguments(TrainingArguments):
             raise ConfigError(
                 "--fsdp cannot be combined with ZeroTrainer: zerotune already shards the model; "
                 "drop --fsdp and choose a --zero_stage."
+            )
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1"):
+            raise ConfigError(
+                "accelerate launch with FSDP (ACCELERATE_USE_FSDP) cannot be combined with "
+                "ZeroTrainer: zerotune already shards the model; launch without FSDP (torchrun, "
+                "or an accelerate config without it) and choose a --zero_stage."
             )
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 cannot both be set; choose one training dtype.")
