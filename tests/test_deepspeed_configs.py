@@ -234,3 +234,21 @@ def test_accelerate_launch_with_fsdp_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(zerotune.ConfigError, match=r"accelerate launch with FSDP .* cannot be"):
         ZeroTrainingArguments(output_dir="unused", **COMMON)
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_resuming_a_deepspeed_checkpoint_says_what_to_do(tmp_path, weights):
+    """A checkpoint the Trainer saved under DeepSpeed (its ZeRO state in pickle files) is not
+    resumed; the message says to train on from its weights."""
+    from zerotune.hf.checkpoints import check_resumable
+
+    ckpt = tmp_path / "checkpoint-6"
+    (ckpt / "global_step6").mkdir(parents=True)
+    (ckpt / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    (ckpt / "latest").write_text("global_step6")
+    (ckpt / "trainer_state.json").write_text("{}")
+    if weights:  # stage3_gather_16bit_weights_on_model_save
+        (ckpt / "model.safetensors").write_bytes(b"x")
+    source = "its model.safetensors" if weights else "what DeepSpeed's zero_to_fp32.py writes"
+    with pytest.raises(zerotune.CheckpointError, match=f"is a DeepSpeed checkpoint: .*{source}"):
+        check_resumable(ckpt)

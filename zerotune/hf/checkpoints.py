@@ -113,7 +113,14 @@ def check_resumable(folder: Path) -> None:
         if why is not None:
             raise CheckpointError(f"{folder} cannot be resumed: {why}")
         return
-    if any(_WEIGHT_FILES.match(p.name) for p in folder.iterdir()):
+    weights = any(_WEIGHT_FILES.match(p.name) for p in folder.iterdir())
+    if (folder / "latest").is_file() or any(folder.glob("global_step*/*_states.pt")):
+        source = "its model.safetensors" if weights else "what DeepSpeed's zero_to_fp32.py writes"
+        raise CheckpointError(
+            f"{folder} is a DeepSpeed checkpoint: its optimizer state is in DeepSpeed's pickle "
+            f"files, which zerotune does not load; train on from {source} as the model"
+        )
+    if weights:
         raise CheckpointError(
             f"{folder} holds a model but no optimizer state (a saved model, or a "
             "save_only_model checkpoint): train from it as the model instead of resuming"
