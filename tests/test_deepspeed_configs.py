@@ -17,6 +17,8 @@ import zerotune
 from zerotune.hf import ZeroTrainingArguments
 
 RTOL = 1e-5
+# ZeRO-3; the Trainer's clipping (DeepSpeed would clip at 1.0 without the key).
+DS_BASE = {"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}
 # What transformers fills in for "auto" (its DeepSpeed integration), for this run.
 AUTO = {
     "warmup_min_lr": 0,
@@ -67,7 +69,7 @@ def test_deepspeed_schedules_step_as_deepspeed_does(tmp_path, case):
     kind, params = CASES[case]
     docs = case == "warmup-auto"  # the whole docs config: both tiers on NVMe, AdamW section
     plain = deepspeed_reference(tmp_path, kind, params, decay_all=docs)
-    ds = {"zero_optimization": {"stage": 3}, "scheduler": {"type": kind, "params": params}}
+    ds = {**DS_BASE, "scheduler": {"type": kind, "params": params}}
     if docs:
         ds = {**DS_ZERO3_NVME, "scheduler": ds["scheduler"]}
         swap = str(tmp_path / "swap")
@@ -87,7 +89,7 @@ def test_a_deepspeed_schedule_resumes(tmp_path):
     """The schedule's state goes into zerotune's checkpoint (JSON): resumed at step 3, the
     run logs the uninterrupted run's learning rates and losses."""
     kind, params = CASES["decay"]
-    ds = {"zero_optimization": {"stage": 3}, "scheduler": {"type": kind, "params": params}}
+    ds = {**DS_BASE, "scheduler": {"type": kind, "params": params}}
     saving = dict(save_strategy="steps", save_steps=3, deepspeed=ds)
     full = zero_run(str(tmp_path / "full"), **saving)
     state = json.loads((tmp_path / "full/checkpoint-3/zero/manifest.json").read_text())
@@ -139,7 +141,7 @@ def test_deepspeed_scheduler_without_a_config_file(tmp_path):
     ],
 )
 def test_deepspeed_scheduler_refusals(section, message):
-    ds = {"zero_optimization": {"stage": 3}, "scheduler": section}
+    ds = {**DS_BASE, "scheduler": section}
     with pytest.raises(zerotune.ConfigError, match=message):
         ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed=ds)
 
@@ -202,7 +204,8 @@ def test_accelerate_launch_with_a_deepspeed_config_file(launched, tmp_path):
     offload = {"device": "nvme", "nvme_path": str(tmp_path)}
     zero = {"stage": 3, "offload_param": offload}
     ds.write_text(json.dumps({"zero_optimization": zero, "scheduler": {"type": "WarmupLR"},
-                              "gradient_accumulation_steps": "auto"}))  # fmt: skip
+                              "gradient_accumulation_steps": "auto",
+                              "gradient_clipping": "auto"}))  # fmt: skip
     launched.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds))
     args = ZeroTrainingArguments(output_dir="unused", **COMMON)
     assert (args.zero.offload_param, args.zero.nvme_path) == ("nvme", str(tmp_path))
@@ -252,3 +255,136 @@ def test_resuming_a_deepspeed_checkpoint_says_what_to_do(tmp_path, weights):
     source = "its model.safetensors" if weights else "what DeepSpeed's zero_to_fp32.py writes"
     with pytest.raises(zerotune.CheckpointError, match=f"is a DeepSpeed checkpoint: .*{source}"):
         check_resumable(ckpt)
+
+
+def test_deepspeed_spellings_of_the_same_settings():
+    """DeepSpeed reads ZeRO-3 keys with or without their stage3_ prefix, its old bfloat16
+    section and cpu_offload_param; comment keys are skipped (axolotl's and LLaVA's configs
+    write them so)."""
+    ds = {
+        "_comment": "zero3 with offload",
+        "bfloat16": {"enabled": "auto"},
+        "gradient_clipping": "auto",
+        "zero_optimization": {
+            "stage": 3, "cpu_offload_param": True, "prefetch_bucket_size": 100,
+            "max_live_parameters": 1000, "param_persistence_threshold": 10,
+            "gather_16bit_weights_on_model_save": True, "max_reuse_distance": 0,
+            "allgather_sequential": False,
+        },
+    }  # fmt: skip
+    args = ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed=ds)
+    zero = args.zero
+    assert (zero.offload_param, zero.prefetch_bytes, zero.max_live_bytes) == ("cpu", 400, 4000)
+    assert zero.persistence_threshold == 40 and args.gather_weights_on_save is True
+    both = {"zero_optimization": {"stage": 3, "max_live_parameters": 1,
+                                  "stage3_max_live_parameters": 1}}  # fmt: skip
+    with pytest.raises(zerotune.ConfigError, match="max_live_parameters and stage3_max_live"):
+        ZeroTrainingArguments(output_dir="unused", deepspeed=both)
+    # DeepSpeed's tightest bound on live parameters is zerotune's "no bound": left out.
+    tight = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0}}
+    assert ZeroTrainingArguments(output_dir="unused", deepspeed=tight).zero.max_live_bytes == 0
+
+
+def test_deepspeed_sections_switched_off_and_what_deepspeed_ignores():
+    ds = {
+        **DS_BASE, "torch_autocast": {"enabled": False}, "tensor_parallel": {"autotp_size": 1},
+        "amp": {"enabled": "auto", "opt_level": "auto"}, "gradient_allreduce_op": "mean",
+        "dataloader_drop_last": True, "cuda_visible_devices": "0",
+        "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"},
+                              "offload_optimizer": {"device": "cpu", "ratio": 0.3}},
+        "optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}},
+    }  # fmt: skip
+    args = ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed=ds)
+    # Stages 1-2 keep the parameters on the device: DeepSpeed ignores offload_param there.
+    assert (args.zero.stage, args.zero.offload_param, args.zero.offload_optimizer) == (
+        2, "none", "cpu")  # fmt: skip
+    assert args.weight_decay_all  # "AdamW" is AdamW for DeepSpeed whatever adam_w_mode says
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            {"gradient_clipping": None},
+            r"no gradient_clipping \(DeepSpeed then clips at 1.0\) "
+            r"but --max_grad_norm is 0.5",
+        ),
+        ({"torch_autocast": {"enabled": True}}, "torch_autocast .autocast over fp32"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "AutoTP tensor parallelism"),
+        ({"compile": {"deepcompile": True}}, "compile section is not supported; --torch_compile"),
+        ({"amp": {"enabled": True}}, "Apex AMP"),
+        ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op='sum' is not supported"),
+        ({"bf16": {"enabled": False, "bf16_master_weights_and_grads": True}}, "bf16 master"),
+        ({"bf16": {"enabled": "auto"}, "bfloat16": {"enabled": "auto"}}, "both given"),
+        ({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}}, "ZenFlow"),
+        ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "Adam with adam_w"),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": "0.9,0.95"}}}, "two numbers"),
+    ],
+)
+def test_deepspeed_refusals_name_what_is_refused(extra, message):
+    ds = {k: v for k, v in {**DS_BASE, **extra}.items() if v is not None}
+    with pytest.raises(zerotune.ConfigError, match=message):
+        ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed=ds)
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_the_deepspeed_loss_scale_rule_is_deepspeeds(consecutive, monkeypatch):
+    """zerotune's scaler under a DeepSpeed config's rule moves its scale exactly as
+    DeepSpeed's own DynamicLossScaler does, over the same overflows (hysteresis 2, a
+    window of 3 good steps, a floor)."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    from zerotune.optim.scaling import DynamicLossScaler
+
+    monkeypatch.setattr(loss_scaler, "dist", SimpleNamespace(get_rank=lambda: 0))  # its log
+    ours = DynamicLossScaler(2.0**8, 3, 4.0, "deepspeed", 2, consecutive)
+    theirs = loss_scaler.DynamicLossScaler(
+        init_scale=2.0**8, scale_window=3, min_scale=4.0, delayed_shift=2,
+        consecutive_hysteresis=consecutive, raise_error_at_min_scale=False,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    overflows = (torch.rand(300, generator=g) < 0.3).tolist()
+    scales = []
+    for overflow in overflows:
+        ours.update(overflow)
+        theirs.update_scale(overflow)
+        scales.append(ours.scale)
+        assert ours.scale == theirs.cur_scale
+    assert len(set(scales)) > 5 and min(scales) == 4.0  # it moved, down to the floor
+    torch_rule = DynamicLossScaler(2.0**8, 3, 4.0)  # the plain Trainer's rule differs
+    assert [torch_rule.update(o) or torch_rule.scale for o in overflows] != scales
+
+
+def test_a_deepspeed_fp16_section_sets_the_scaler(tmp_path):
+    fp16 = {"enabled": "auto", "hysteresis": 3, "loss_scale_window": 50,
+            "consecutive_hysteresis": True, "initial_scale_power": 12}  # fmt: skip
+    ds = {**DS_BASE, "fp16": fp16}
+    trainer = zero_run(str(tmp_path / "out"), train=False, fp16=True, deepspeed=ds)
+    scaler = trainer.engine.scaler
+    assert (scaler.rule, scaler.hysteresis, scaler.consecutive_hysteresis) == ("deepspeed", 3, True)
+    assert (scaler.window, scaler.scale) == (50, 2.0**12)
+    trainer.close()
+
+
+def test_accelerate_launch_mixed_precision_is_the_dtype(launched, tmp_path):
+    """accelerate launch --mixed_precision bf16 (the config's mixed_precision): training in
+    bf16 (--bf16) unless a flag says otherwise; with a DeepSpeed config too, whose bf16
+    section accelerate then turns on."""
+    launched.delenv("ACCELERATE_USE_DEEPSPEED")
+    launched.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert ZeroTrainingArguments(output_dir="unused").zero.dtype == "bf16"
+    launched.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    launched.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    args = ZeroTrainingArguments(output_dir="unused")
+    assert (args.bf16, args.zero.dtype, args.zero.stage) == (True, "bf16", 3)
+    launched.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(zerotune.ConfigError, match="mixed_precision fp8 is not supported"):
+        ZeroTrainingArguments(output_dir="unused")
+
+
+def test_a_parallelism_config_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    with pytest.raises(zerotune.ConfigError, match="a parallelism config .* cannot be combined"):
+        ZeroTrainingArguments(output_dir="unused")

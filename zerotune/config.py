@@ -97,6 +97,11 @@ class ZeroConfig:
         gathered for the whole run (stage 3), saving collectives on tiny units.
     unit_modules: class names of the modules that become sharding units; ``None`` uses the
         model's ``_no_split_modules`` plus embeddings and the output head.
+    loss_scale_init / loss_scale_window / loss_scale_min: fp16's dynamic loss scale: where it
+        starts, the good steps before it doubles, its floor.
+    loss_scale_rule: torch (halve at each overflow, as the plain Trainer) or deepspeed (a
+        DeepSpeed config's rule, with loss_scale_hysteresis and
+        loss_scale_consecutive_hysteresis): [Note: two loss-scale rules] in optim/scaling.py.
     auto_external_params: register parameters a unit's forward reads from another unit
         (see sharding/external.py); off, such a read raises instead.
     offload_param: where stage-3 parameter shards live between uses: none (the compute
@@ -170,6 +175,9 @@ class ZeroConfig:
     loss_scale_init: float = 2.0**16
     loss_scale_window: int = 1000
     loss_scale_min: float = 1.0
+    loss_scale_rule: str = "torch"
+    loss_scale_hysteresis: int = 2
+    loss_scale_consecutive_hysteresis: bool = False
     auto_external_params: bool = True
     optim_state_bits: int = 32
     offload_activations: str = "none"
@@ -218,6 +226,12 @@ class ZeroConfig:
             raise ConfigError("loss scales must be positive")
         if self.loss_scale_window < 1:
             raise ConfigError("loss_scale_window must be at least 1")
+        if self.loss_scale_rule not in ("torch", "deepspeed"):
+            raise ConfigError(
+                f"loss_scale_rule must be torch or deepspeed, got {self.loss_scale_rule!r}"
+            )
+        if self.loss_scale_hysteresis < 1:
+            raise ConfigError("loss_scale_hysteresis must be at least 1")
 
     def _check_types(self) -> None:
         """Each field holds its declared kind: a boolean is no number here (``stage: true``

@@ -145,6 +145,7 @@ class ZeroTrainingArguments(TrainingArguments):
             self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
         from .deepspeed import LAUNCHER, launcher_deepspeed_config
 
+        self._launched_dtype()
         launched = launcher_deepspeed_config()  # always: the launcher's flag goes
         if self.deepspeed:
             self._read_deepspeed(self.deepspeed, "--deepspeed")
@@ -169,6 +170,16 @@ class ZeroTrainingArguments(TrainingArguments):
         self._zero = self._build_zero_config()
 
     # ------------------------------------------------------------------ validation
+    def _launched_dtype(self) -> None:
+        """``accelerate launch --mixed_precision bf16`` (or fp16, its config's
+        mixed_precision): the plain Trainer then trains under autocast; here it is --bf16
+        (--fp16), the engine's dtype, unless a flag gives one."""
+        launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if launched == "fp8":
+            raise ConfigError("accelerate launch's mixed_precision fp8 is not supported; use bf16")
+        if launched in ("bf16", "fp16") and not (self.bf16 or self.fp16):
+            setattr(self, launched, True)
+
     def _read_deepspeed(self, source, where: str) -> None:
         """A DeepSpeed config (``--deepspeed``, or the one accelerate launch passed) becomes the
         base zerotune config ([Note: DeepSpeed configs] in deepspeed.py); the parent never
@@ -179,12 +190,13 @@ class ZeroTrainingArguments(TrainingArguments):
             raise ConfigError(
                 "--deepspeed and --zero_config both give the ZeRO configuration; keep one."
             )
-        data = read_deepspeed_config(source)
-        if self.deepspeed_scheduler and data.get("scheduler"):
-            raise ConfigError(
-                f"{where} has a scheduler section and --deepspeed_scheduler gives one; keep one."
-            )
         try:
+            data = read_deepspeed_config(source)
+            if self.deepspeed_scheduler and data.get("scheduler"):
+                raise ConfigError(
+                    f"{where} has a scheduler section and --deepspeed_scheduler gives one; "
+                    "keep one."
+                )
             self.zero_config, trainer = zero_config_from_deepspeed(data, self)
         except ConfigError as exc:
             raise ConfigError(str(exc).replace("--deepspeed", where, 1)) from None
@@ -205,6 +217,13 @@ class ZeroTrainingArguments(TrainingArguments):
                 "accelerate launch with FSDP (ACCELERATE_USE_FSDP) cannot be combined with "
                 "ZeroTrainer: zerotune already shards the model; launch without FSDP (torchrun, "
                 "or an accelerate config without it) and choose a --zero_stage."
+            )
+        launched = os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower()
+        if self.parallelism_config is not None or launched in ("true", "1"):
+            raise ConfigError(
+                "a parallelism config (accelerate's tensor, context or sequence parallelism) "
+                "cannot be combined with ZeroTrainer: zerotune shards over data-parallel ranks "
+                "only."
             )
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 cannot both be set; choose one training dtype.")

@@ -4,25 +4,29 @@
 Users moving from DeepSpeed bring a ds_config.json. `ZeroTrainingArguments` reads it as the
 base of zerotune's config (the zerotune flags still override it) instead of handing it to
 DeepSpeed:
-- `zero_optimization`: the stage, where parameters and optimizer state live
-  (`offload_param` / `offload_optimizer`, their `nvme_path`), and the sizes zerotune has a
-  counterpart for. DeepSpeed counts `stage3_prefetch_bucket_size`,
-  `stage3_max_live_parameters` and `stage3_param_persistence_threshold` in parameters;
-  they become bytes of the compute dtype. `aio` and the fp16 loss scaler map one to one.
+- `zero_optimization`: the stage, where parameters and optimizer state live, and the sizes
+  zerotune has a counterpart for (counted in parameters there, bytes of the compute dtype
+  here). Every spelling DeepSpeed reads is read: keys with or without `stage3_`, the old
+  `bfloat16` and `cpu_offload_param`. `aio` maps one to one; the fp16 section's loss
+  scaler runs DeepSpeed's rule ([Note: two loss-scale rules] in optim/scaling.py).
 - What the Trainer's arguments also set (batch sizes, accumulation, clipping, bf16/fp16, an
-  Adam/AdamW optimizer's hyperparameters) is "auto" or must equal them, as transformers'
-  own DeepSpeed integration requires; every mismatch is listed in one message. With an
-  optimizer section, transformers hands DeepSpeed every parameter in one group: weight
-  decay reaches biases and norms too, and so it does here (`weight_decay_all`).
-- DeepSpeed's bucket, communication and monitoring knobs have no counterpart (zerotune sizes
-  its own buffers); they are named once in the log.
-- `accelerate launch` with a DeepSpeed config sets ACCELERATE_USE_DEEPSPEED (and its
-  ACCELERATE_DEEPSPEED_* settings, or a config file) for its processes; left there, the
-  Trainer and accelerate would start DeepSpeed around the engine. accelerate's own
-  `DeepSpeedPlugin` turns them into a config, read as if given as `--deepspeed` (arguments
-  that give one themselves win), and the variable is removed from the process.
-- A `scheduler` section (WarmupLR, WarmupDecayLR, WarmupCosineLR) replaces the Trainer's
-  schedule, as it does under transformers: [Note: DeepSpeed schedules].
+  Adam/AdamW optimizer's hyperparameters) is "auto" or must equal them, as transformers
+  requires; all mismatches are listed in one message. The Trainer leaves clipping to
+  DeepSpeed, which clips at 1.0 when the key is missing: another --max_grad_norm is then a
+  mismatch. An optimizer section gets every parameter in one group, so weight decay reaches
+  biases and norms too (`weight_decay_all`).
+- A `scheduler` section replaces the Trainer's schedule: [Note: DeepSpeed schedules].
+- Bucket, communication and monitoring knobs have no counterpart and are named in the log.
+  Features zerotune cannot run as DeepSpeed does are refused by name: ZeRO++, MiCS,
+  ZenFlow, AutoTP, autocast, Apex AMP, bf16 master weights, summed gradients, optimizers
+  other than Adam/AdamW, a static fp16 loss scale. An unknown key is refused with the
+  nearest known one, where DeepSpeed would ignore a typo.
+- `accelerate launch` with a DeepSpeed config sets ACCELERATE_USE_DEEPSPEED for its
+  processes, and the Trainer would start DeepSpeed around the engine: the config accelerate's
+  own `DeepSpeedPlugin` builds (its mixed_precision set) is read as `--deepspeed`'s, and the
+  variable is removed from the process.
+
+[Note: DeepSpeed schedules].
 - What zerotune cannot do as DeepSpeed would is refused: ZeRO++ and MiCS, optimizers other
   than Adam/AdamW, a static fp16 loss scale, DeepSpeed's OneCycle and LRRangeTest schedules.
   A key zerotune does not know is refused with the nearest known one, where DeepSpeed would
@@ -43,6 +47,7 @@ not the Trainer; `DeepSpeedSchedule` gives the same learning rate at every step:
 - The rate is a torch `LRScheduler`'s, so the Trainer steps it after each update (not
   after a skipped fp16 step, as DeepSpeed), logs it, and zerotune's checkpoints keep it.
 - `--lr_scheduler_type` and warmup's shape are then DeepSpeed's, as under transformers.
+  The rate logged is the one the step used; under DeepSpeed transformers logs the next.
 `tests/test_deepspeed_configs.py` runs DeepSpeed's own classes in a plain Trainer as the
 reference.
 """
@@ -85,6 +90,9 @@ _IGNORED_TOP = {
     "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
     "comet", "comms_logger", "checkpoint", "timers", "seq_parallel_communication_data_type",
     "elasticity", "autotuning", "data_types", "disable_allgather", "gradient_accumulation_dtype",
+    "dataloader_drop_last", "disable_python_gc", "log_level",
+    # Not DeepSpeed settings (it ignores them), found in configs users share.
+    "comms_config", "monitor_config", "cuda_visible_devices",
 }  # fmt: skip
 _IGNORED_ZERO = {
     "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
@@ -93,8 +101,10 @@ _IGNORED_ZERO = {
     "memory_efficient_linear", "ignore_unused_parameters", "use_multi_rank_bucket_allreduce",
     "log_trace_cache_warnings", "mics_hierarchical_params_gather",
     "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
-    "pipeline_loading_checkpoint", "override_module_apply", "module_granularity_threshold",
-    "leaf_module",
+    "pipeline_loading_checkpoint", "override_module_apply", "leaf_module",
+    "stage3_model_persistence_threshold", "stage3_allgather_sequential", "legacy_stage1",
+    "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "cpu_offload_use_pin_memory",
+    "zeropp_loco_param",
 }  # fmt: skip
 # zero_optimization keys read here (the rest of _KNOWN_ZERO is checked, then ignored).
 _USED_ZERO = {
@@ -105,20 +115,32 @@ _USED_ZERO = {
 }  # fmt: skip
 _REFUSED_ZERO = {
     "zero_hpz_partition_size", "mics_shard_size", "zero_quantized_weights",
-    "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients", "zero_quantized_nontrainable_weights", "zenflow",
 }  # fmt: skip
+# zero_optimization keys DeepSpeed also reads without their stage3_ prefix.
+_STAGE3_ALIASES = (
+    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
+)  # fmt: skip
 _KNOWN_ZERO = _IGNORED_ZERO | _USED_ZERO | _REFUSED_ZERO
 _OFFLOAD_KEYS = {
     "device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
-    "ratio", "fast_init", "pipeline_read", "pipeline_write", "pipeline",
+    "ratio", "fast_init", "pipeline_read", "pipeline_write", "pipeline", "super_offload",
+    "cpuadam_cores_perc",
 }  # fmt: skip
 _KNOWN_TOP = _IGNORED_TOP | {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "fp16", "bf16", "optimizer", "scheduler", "zero_optimization", "aio",
+    "gradient_allreduce_op", "torch_autocast", "tensor_parallel", "compile", "amp",
 }  # fmt: skip
 _AIO = {"block_size": "aio_block_bytes", "queue_depth": "aio_queue_depth",
         "thread_count": "aio_threads", "intra_op_parallelism": "aio_threads"}  # fmt: skip
 _AIO_IGNORED = {"single_submit", "overlap_events", "use_gds"}
+# fp16 loss-scaler key -> zerotune key (DeepSpeed's rule: [Note: two loss-scale rules]).
+_FP16 = {"loss_scale_window": "loss_scale_window", "min_loss_scale": "loss_scale_min",
+         "hysteresis": "loss_scale_hysteresis",
+         "consecutive_hysteresis": "loss_scale_consecutive_hysteresis"}  # fmt: skip
 # DeepSpeed's schedules zerotune runs: the keys each takes, with DeepSpeed's defaults
 # (deepspeed.runtime.lr_schedules; None: required, or the optimizer's learning rate).
 _SCHEDULES: dict[str, dict[str, Any]] = {
@@ -170,7 +192,10 @@ def launcher_deepspeed_config() -> dict[str, Any] | None:
         from accelerate.utils import DeepSpeedPlugin
 
         try:
-            config = DeepSpeedPlugin().deepspeed_config
+            plugin = DeepSpeedPlugin()
+            # As accelerate does before handing the config to DeepSpeed.
+            plugin.set_mixed_precision(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+            config = plugin.deepspeed_config
         except (ValueError, TypeError, OSError, KeyError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"{LAUNCHER}: {first}") from None
@@ -182,7 +207,7 @@ def launcher_deepspeed_config() -> dict[str, Any] | None:
 def read_deepspeed_config(source: str | dict | os.PathLike) -> dict[str, Any]:
     """The mapping of a DeepSpeed config: a dict, a JSON file, or inline JSON."""
     if isinstance(source, dict):
-        return json.loads(json.dumps(source))  # a copy, and only JSON values
+        return _other_spellings(json.loads(json.dumps(source)))  # a copy, only JSON values
     text = str(source)
     try:
         data = json.loads(text if text.lstrip().startswith("{") else Path(text).read_text())
@@ -193,6 +218,30 @@ def read_deepspeed_config(source: str | dict | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"--deepspeed: cannot read {text!r} as JSON: {reason}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--deepspeed: {text!r} must hold a JSON object")
+    return _other_spellings(data)
+
+
+def _other_spellings(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the names DeepSpeed also reads turned into the ones read here: the old
+    ``bfloat16`` section, the ZeRO keys without their ``stage3_`` prefix, the old
+    ``cpu_offload_param``; comment keys (``_comment``) dropped."""
+    data = {k: v for k, v in data.items() if not str(k).startswith("_")}
+    if "bfloat16" in data:
+        if "bf16" in data:
+            raise ConfigError("--deepspeed: bf16 and bfloat16 (its old name) are both given")
+        data["bf16"] = data.pop("bfloat16")
+    zero = data.get("zero_optimization")
+    if isinstance(zero, dict):
+        zero = {k: v for k, v in zero.items() if not str(k).startswith("_")}
+        for name in _STAGE3_ALIASES:
+            if name in zero:
+                if f"stage3_{name}" in zero:
+                    raise ConfigError(f"--deepspeed: zero_optimization.{name} and "
+                                      f"stage3_{name} (one setting) are both given")  # fmt: skip
+                zero[f"stage3_{name}"] = zero.pop(name)
+        if zero.pop("cpu_offload_param", None) and "offload_param" not in zero:
+            zero["offload_param"] = {"device": "cpu"}
+        data["zero_optimization"] = zero
     return data
 
 
@@ -249,10 +298,21 @@ def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, An
           "per-device batch x accumulation x world size")  # fmt: skip
     match(data.get("gradient_clipping"), args.max_grad_norm, "gradient_clipping",
           "--max_grad_norm")  # fmt: skip
+    if "gradient_clipping" not in data and args.max_grad_norm != 1.0:
+        # The Trainer leaves clipping to DeepSpeed, whose default (since 0.19.3) is 1.0.
+        match.mismatches.append(
+            f"no gradient_clipping (DeepSpeed then clips at 1.0) but --max_grad_norm is "
+            f"{args.max_grad_norm}"
+        )
+    _features_off(data)
     out: dict[str, Any] = {}
     trainer: dict[str, Any] = {}
     fp16, bf16 = _section(data, "fp16"), _section(data, "bf16")
-    _unknown(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16.")
+    _unknown(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow",
+                    "bf16_master_weights_and_grads", "bf16_optimizer_states"}, "bf16.")  # fmt: skip
+    if bf16.get("bf16_master_weights_and_grads") or bf16.get("bf16_optimizer_states"):
+        raise ConfigError("--deepspeed: bf16 master weights, gradients or optimizer states are "
+                          "not supported (zerotune keeps fp32 master weights)")  # fmt: skip
     _unknown(fp16, {"enabled", "auto_cast", "loss_scale", "initial_scale_power",
                     "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                     "min_loss_scale", "fp16_master_weights_and_grads"}, "fp16.")  # fmt: skip
@@ -268,10 +328,10 @@ def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, An
                           "(zerotune keeps fp32 master weights)")  # fmt: skip
     if fp16.get("initial_scale_power") not in (None, "auto"):
         out["loss_scale_init"] = 2.0 ** fp16["initial_scale_power"]
-    for ds_key, key in (("loss_scale_window", "loss_scale_window"),
-                        ("min_loss_scale", "loss_scale_min")):  # fmt: skip
+    for ds_key, key in _FP16.items():
         if fp16.get(ds_key) not in (None, "auto"):
             out[key] = fp16[ds_key]
+    out["loss_scale_rule"] = "deepspeed"  # [Note: two loss-scale rules]
     if _optimizer(_section(data, "optimizer"), args, match):
         # transformers hands DeepSpeed's optimizer every parameter in one group.
         trainer["weight_decay_all"] = True
@@ -298,6 +358,26 @@ def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, An
     return out, trainer
 
 
+def _features_off(data: dict) -> None:
+    """Sections zerotune accepts only switched off, refused with what they are."""
+    if data.get("gradient_allreduce_op", "mean") != "mean":
+        raise ConfigError(f"--deepspeed: gradient_allreduce_op={data['gradient_allreduce_op']!r}"
+                          " is not supported: zerotune averages the ranks' gradients, as DDP "
+                          'and DeepSpeed\'s default "mean" do')  # fmt: skip
+    if _section(data, "torch_autocast").get("enabled") not in (None, False, "auto"):
+        raise ConfigError("--deepspeed: torch_autocast (autocast over fp32 parameters) is not "
+                          "supported: --bf16 or --fp16 keep the parameters in it")  # fmt: skip
+    if _section(data, "tensor_parallel").get("autotp_size") not in (None, 0, 1):
+        raise ConfigError("--deepspeed: tensor_parallel.autotp_size > 1 (AutoTP tensor "
+                          "parallelism) is not supported")  # fmt: skip
+    if data.get("compile"):
+        raise ConfigError("--deepspeed: DeepSpeed's compile section is not supported; "
+                          "--torch_compile compiles each block's forward")  # fmt: skip
+    if _section(data, "amp").get("enabled") not in (None, False, "auto"):
+        raise ConfigError("--deepspeed: amp (Apex AMP, which DeepSpeed dropped) is not "
+                          "supported; use --bf16 or --fp16")  # fmt: skip
+
+
 def _optimizer(section: dict, args, match: _Matcher) -> bool:
     """Check an optimizer section against ``args``; whether there is one."""
     if not section:
@@ -305,7 +385,11 @@ def _optimizer(section: dict, args, match: _Matcher) -> bool:
     _unknown(section, {"type", "params"}, "optimizer.")
     kind = str(section.get("type", ""))
     params = section.get("params") or {}
-    if kind.lower() not in ("adam", "adamw") or params.get("adam_w_mode") is False:
+    # DeepSpeed runs AdamW for "AdamW" whatever adam_w_mode says, and for "Adam" unless it
+    # is false.
+    if kind.lower() not in ("adam", "adamw") or (
+        kind.lower() == "adam" and params.get("adam_w_mode") is False
+    ):
         what = f"{kind} with adam_w_mode false" if kind.lower() == "adam" else kind
         raise ConfigError(
             f"--deepspeed: optimizer {what!r} is not supported from a DeepSpeed config: "
@@ -324,7 +408,10 @@ def _optimizer(section: dict, args, match: _Matcher) -> bool:
     match(params.get("lr"), args.learning_rate, "optimizer.params.lr", "--learning_rate")
     betas = params.get("betas")
     if betas not in (None, "auto"):
-        match(list(betas), [args.adam_beta1, args.adam_beta2], "optimizer.params.betas",
+        if not (isinstance(betas, list) and len(betas) == 2 and all(map(_is_number, betas))):
+            raise ConfigError(f"--deepspeed: optimizer.params.betas must be two numbers or "
+                              f'"auto", got {betas!r}')  # fmt: skip
+        match(betas, [args.adam_beta1, args.adam_beta2], "optimizer.params.betas",
               "--adam_beta1/--adam_beta2")  # fmt: skip
     match(params.get("eps"), args.adam_epsilon, "optimizer.params.eps", "--adam_epsilon")
     match(params.get("weight_decay"), args.weight_decay, "optimizer.params.weight_decay",
@@ -516,12 +603,19 @@ def _zero(data: dict, itemsize: int, out: dict, trainer: dict) -> dict:
         if device not in ("none", "cpu", "nvme"):
             raise ConfigError(f"--deepspeed: zero_optimization.{kind}.device must be none, cpu "
                               f"or nvme, got {device!r}")  # fmt: skip
+        if kind == "offload_param" and stage < 3:
+            if device != "none":  # as DeepSpeed: stages 1-2 keep the parameters gathered
+                log.info("zerotune: zero_optimization.offload_param ignored at stage %s", stage)
+            continue
         if section:
             out[kind] = device
         if device == "nvme" and section.get("nvme_path"):
             paths.add(str(section["nvme_path"]))
     if zero.get("cpu_offload") and "offload_optimizer" not in out:  # the legacy flag
         out["offload_optimizer"] = "cpu"
+    if zero.get("zenflow"):
+        raise ConfigError("--deepspeed: zero_optimization.zenflow (ZenFlow's deferred updates "
+                          "of less important gradients) is not supported")  # fmt: skip
     if len(paths) > 1:
         raise ConfigError(
             f"--deepspeed: offload_param and offload_optimizer name different nvme_path "
@@ -531,6 +625,11 @@ def _zero(data: dict, itemsize: int, out: dict, trainer: dict) -> dict:
         out["nvme_path"] = paths.pop()
     for ds_key, key in _ELEMENTS.items():
         value = zero.get(ds_key)
+        if ds_key == "stage3_max_live_parameters" and value == 0:
+            # DeepSpeed's tightest bound, zerotune's "no bound": one unit at a time anyway.
+            log.info("zerotune: stage3_max_live_parameters 0 ignored (zerotune gathers one "
+                     "unit ahead at most by its prefetch_bytes)")  # fmt: skip
+            continue
         if value not in (None, "auto"):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"--deepspeed: zero_optimization.{ds_key} must be a number "

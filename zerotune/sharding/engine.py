@@ -162,8 +162,11 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         self.prefetcher = Prefetcher(prefetch_budget(config))
         self.scaler = None
         if config.torch_dtype == torch.float16:
-            limits = (config.loss_scale_init, config.loss_scale_window, config.loss_scale_min)
-            self.scaler = DynamicLossScaler(*limits)
+            c = config
+            self.scaler = DynamicLossScaler(c.loss_scale_init, c.loss_scale_window,
+                                            c.loss_scale_min, c.loss_scale_rule,
+                                            c.loss_scale_hysteresis,
+                                            c.loss_scale_consecutive_hysteresis)  # fmt: skip
         self.swap = None
         self.staging = None
         self._grads_on_disk = False
