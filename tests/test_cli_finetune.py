@@ -430,6 +430,17 @@ def test_a_deepspeed_config_sets_the_zero_settings(cli, tmp_path):
     assert [h["learning_rate"] for h in state["log_history"] if "loss" in h] == [0, 0, 1e-3]
 
 
+def test_fsdp_settings_set_the_zero_settings(cli, tmp_path):
+    """--fsdp "full_shard offload": stage 3 with parameters and optimizer state on the CPU
+    tier (the default job's NVMe offload does not override it)."""
+    out = tmp_path / "out"
+    cli.finetune("--output-dir", out, "--fsdp", "full_shard offload", "--max_steps", "2")
+    s = summary(out)
+    zero = s["zero"]
+    assert (zero["stage"], zero["offload_param"], zero["offload_optimizer"]) == (3, "cpu", "cpu")
+    assert s["global_step"] == 2
+
+
 def test_a_deepspeed_schedule_longer_than_the_epochs(cli, tmp_path):
     """Trained by epochs, the run's length is known once the model is built: a schedule
     of another length stops there, with one error line, exit code 2 and nothing written."""
@@ -746,6 +757,8 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
         "deepspeed and config": (["--deepspeed", ds_clip, "--config", "zero3"], "keep one"),
         "deepspeed not json": (["--deepspeed", ds_broken], "cannot read"),
         "deepspeed one cycle": (["--deepspeed", ds_cycle], "scheduler type 'OneCycle' is not"),
+        "fsdp no shard": (["--fsdp", "no_shard"], "--fsdp no_shard (plain data parallelism"),
+        "fsdp and deepspeed": (["--fsdp", "full_shard", "--deepspeed", ds_clip], "keep one"),
         "deepspeed schedule steps": (
             ["--deepspeed", ds_long, "--max_steps", "3"],
             "scheduler.params.total_num_steps=999 but the run has 3",

@@ -233,12 +233,6 @@ def test_accelerate_launch_refusals(launched, env, message):
         ZeroTrainingArguments(output_dir="unused", **COMMON)
 
 
-def test_accelerate_launch_with_fsdp_is_refused(monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(zerotune.ConfigError, match=r"accelerate launch with FSDP .* cannot be"):
-        ZeroTrainingArguments(output_dir="unused", **COMMON)
-
-
 @pytest.mark.parametrize("weights", [False, True])
 def test_resuming_a_deepspeed_checkpoint_says_what_to_do(tmp_path, weights):
     """A checkpoint the Trainer saved under DeepSpeed (its ZeRO state in pickle files) is not

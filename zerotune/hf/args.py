@@ -144,13 +144,19 @@ class ZeroTrainingArguments(TrainingArguments):
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
         from .deepspeed import LAUNCHER, launcher_deepspeed_config
+        from .fsdp import launcher_fsdp_settings
 
         self._launched_dtype()
-        launched = launcher_deepspeed_config()  # always: the launcher's flag goes
+        launched = launcher_deepspeed_config()  # always: the launchers' flags go
+        launched_fsdp = launcher_fsdp_settings()
         if self.deepspeed:
             self._read_deepspeed(self.deepspeed, "--deepspeed")
         elif launched is not None and self.zero_config is None:
             self._read_deepspeed(launched, LAUNCHER)
+        if self.fsdp:
+            self._read_fsdp(self.fsdp, self.fsdp_config)
+        elif launched_fsdp is not None and self.zero_config is None:
+            self._read_fsdp(True, launched_fsdp)
         self._check_contradictions()
         self._check_values()
         # The engine holds the parameters in bf16/fp16 itself: hide the flags from the parent
@@ -180,6 +186,23 @@ class ZeroTrainingArguments(TrainingArguments):
         if launched in ("bf16", "fp16") and not (self.bf16 or self.fp16):
             setattr(self, launched, True)
 
+    def _read_fsdp(self, fsdp, fsdp_config) -> None:
+        """FSDP settings become the base zerotune config ([Note: FSDP settings] in fsdp.py);
+        the parent never sees them (it would wrap the engine in FSDP)."""
+        from .fsdp import zero_config_from_fsdp
+
+        if self.zero_config is not None:
+            raise ConfigError(
+                "--fsdp and --zero_config (or --deepspeed) both give the sharding; keep one."
+            )
+        self.zero_config, trainer = zero_config_from_fsdp(fsdp, fsdp_config)
+        if trainer.get("activation_checkpointing"):
+            # transformers 5.2x names it activation_checkpointing, earlier releases
+            # gradient_checkpointing.
+            old = not hasattr(self, "activation_checkpointing")
+            setattr(self, "gradient_checkpointing" if old else "activation_checkpointing", True)
+        self.fsdp, self.fsdp_config = None, None
+
     def _read_deepspeed(self, source, where: str) -> None:
         """A DeepSpeed config (``--deepspeed``, or the one accelerate launch passed) becomes the
         base zerotune config ([Note: DeepSpeed configs] in deepspeed.py); the parent never
@@ -207,17 +230,6 @@ class ZeroTrainingArguments(TrainingArguments):
         self.deepspeed = None
 
     def _check_contradictions(self) -> None:
-        if self.fsdp:
-            raise ConfigError(
-                "--fsdp cannot be combined with ZeroTrainer: zerotune already shards the model; "
-                "drop --fsdp and choose a --zero_stage."
-            )
-        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1"):
-            raise ConfigError(
-                "accelerate launch with FSDP (ACCELERATE_USE_FSDP) cannot be combined with "
-                "ZeroTrainer: zerotune already shards the model; launch without FSDP (torchrun, "
-                "or an accelerate config without it) and choose a --zero_stage."
-            )
         launched = os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower()
         if self.parallelism_config is not None or launched in ("true", "1"):
             raise ConfigError(

@@ -295,6 +295,14 @@ def zero_settings(options: dict[str, Any]) -> dict[str, Any]:
             raise JobError("--deepspeed and --config both give the ZeRO configuration; keep one")
         with as_job_error(ConfigError):
             base = deepspeed_zero_base(read_deepspeed_config(deepspeed))
+    fsdp = flag_value(options["hf_args"], "fsdp")
+    if fsdp is not None:  # its settings are the base ([Note: FSDP settings])
+        from .fsdp import zero_config_from_fsdp
+
+        if options["zero_config"] or deepspeed is not None:
+            raise JobError("--fsdp and --config (or --deepspeed) both give the sharding; keep one")
+        with as_job_error(ConfigError):
+            base, _ = zero_config_from_fsdp(fsdp, flag_value(options["hf_args"], "fsdp_config"))
     default_job = options["model"] is None
     # The TrainingArguments spellings (--zero_stage, --offload_param, --offload_optimizer)
     # win over --stage / --offload, which win over the config file.
