@@ -431,10 +431,12 @@ def test_a_deepspeed_config_sets_the_zero_settings(cli, tmp_path):
 
 
 def test_fsdp_settings_set_the_zero_settings(cli, tmp_path):
-    """--fsdp "full_shard offload": stage 3 with parameters and optimizer state on the CPU
-    tier (the default job's NVMe offload does not override it)."""
+    """A bare --fsdp with its settings in --fsdp_config (inline JSON): stage 3 with
+    parameters and optimizer state on the CPU tier (the default job's NVMe offload does not
+    override it)."""
     out = tmp_path / "out"
-    cli.finetune("--output-dir", out, "--fsdp", "full_shard offload", "--max_steps", "2")
+    cli.finetune("--output-dir", out, "--fsdp", "--fsdp_config", '{"cpu_offload": true}',
+                 "--max_steps", "2")  # fmt: skip
     s = summary(out)
     zero = s["zero"]
     assert (zero["stage"], zero["offload_param"], zero["offload_optimizer"]) == (3, "cpu", "cpu")

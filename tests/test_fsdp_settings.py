@@ -39,10 +39,15 @@ def test_fsdp_full_shard_with_offload_trains_like_the_plain_trainer(tmp_path):
         (True, {"cpu_offload": True}, (3, "cpu", "cpu")),
         ("shard_grad_op offload", None, (2, "none", "cpu")),
         # FSDP1 and accelerate's spelling: a strategy name or number, offload_params.
-        (True, {"fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_offload_params": True},
-         (2, "none", "cpu")),
+        (True, {"fsdp_version": 1, "fsdp_sharding_strategy": "SHARD_GRAD_OP",
+                "fsdp_offload_params": True}, (2, "none", "cpu")),
         (True, {"sharding_strategy": 1, "version": 1}, (3, "none", "none")),
         (True, {"reshard_after_forward": "full_shard", "version": 1}, (3, "none", "none")),
+        # FSDP2 (the default) reads reshard_after_forward only, as transformers does.
+        (True, {"sharding_strategy": "SHARD_GRAD_OP"}, (3, "none", "none")),
+        (True, {"version": 2, "sharding_strategy": "HYBRID_SHARD",
+                "reshard_after_forward": False}, (2, "none", "none")),
+        ("FULL_SHARD", '{"cpu_offload": true}', (3, "cpu", "cpu")),  # inline JSON
     ],
 )  # fmt: skip
 def test_fsdp_settings_become_the_zero_config(fsdp, fsdp_config, expected):
@@ -56,7 +61,8 @@ def test_fsdp_settings_become_the_zero_config(fsdp, fsdp_config, expected):
     "fsdp, fsdp_config, message",
     [
         ("no_shard", None, "no_shard .plain data parallelism"),
-        (True, {"sharding_strategy": "HYBRID_SHARD"}, "sharding_strategy 'HYBRID_SHARD' has no"),
+        (True, {"version": 1, "sharding_strategy": "HYBRID_SHARD"}, "'HYBRID_SHARD' has no"),
+        ("full_shard offload", {"cpu_offload": False}, "offload and --fsdp_config's cpu_off"),
         ("full_shard offlaod", None, "unknown option 'offlaod' .did you mean 'offload'"),
         ("full_shard", {"reshard_after_forward": False}, "give different sharding strategies"),
         (True, {"xla": True}, "XLA's FSDP"),
@@ -74,8 +80,11 @@ def test_fsdp_refusals(fsdp, fsdp_config, message):
     [
         ({"FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, (3, "cpu", "cpu")),
         ({"FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"}, (2, "none", "none")),
+        # As accelerate launch sets them for an FSDP1 yaml (the last two would look for an
+        # accelerator device).
         ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP",
-          "FSDP_OFFLOAD_PARAMS": "true"}, (2, "none", "cpu")),
+          "FSDP_OFFLOAD_PARAMS": "true", "FSDP_SYNC_MODULE_STATES": "true",
+          "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}, (2, "none", "cpu")),
     ],
 )  # fmt: skip
 def test_accelerate_launch_with_fsdp(monkeypatch, tmp_path, env, expected):
@@ -93,3 +102,18 @@ def test_accelerate_launch_with_fsdp(monkeypatch, tmp_path, env, expected):
     assert "ACCELERATE_USE_FSDP" not in os.environ and not trainer.is_fsdp_enabled
     assert trainer.state.global_step == 2
     trainer.close()
+
+
+def test_fsdp_options_beyond_the_sharding(tmp_path):
+    """Activation checkpointing offloaded to the CPU is zerotune's offload_activations; the
+    state-dict type says whether saves gather the weights; FSDP's own knobs are ignored."""
+    config = {"activation_checkpointing_offload": True, "state_dict_type": "SHARDED_STATE_DICT",
+              "mixed_precision_policy": "bf16", "ignored_modules": [], "backward_prefetch_policy":
+              "BACKWARD_PRE", "cpu_offload_pin_memory": True}  # fmt: skip
+    args = ZeroTrainingArguments(output_dir="unused", fsdp="full_shard", fsdp_config=config)
+    assert args.zero.offload_activations == "cpu" and args.activation_checkpointing
+    assert args.gather_weights_on_save is False
+    full = {"state_dict_type": "FULL_STATE_DICT"}
+    assert ZeroTrainingArguments(
+        output_dir="unused", fsdp=True, fsdp_config=full
+    ).gather_weights_on_save

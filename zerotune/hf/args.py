@@ -196,6 +196,8 @@ class ZeroTrainingArguments(TrainingArguments):
                 "--fsdp and --zero_config (or --deepspeed) both give the sharding; keep one."
             )
         self.zero_config, trainer = zero_config_from_fsdp(fsdp, fsdp_config)
+        if self.gather_weights_on_save is None:
+            self.gather_weights_on_save = trainer.get("gather_weights_on_save")
         if trainer.get("activation_checkpointing"):
             # transformers 5.2x names it activation_checkpointing, earlier releases
             # gradient_checkpointing.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .flags import flag_value
+from .flags import flag_groups, flag_name, flag_value
 from .job import JobError, as_job_error
 
 __all__ = [
@@ -296,6 +296,9 @@ def zero_settings(options: dict[str, Any]) -> dict[str, Any]:
         with as_job_error(ConfigError):
             base = deepspeed_zero_base(read_deepspeed_config(deepspeed))
     fsdp = flag_value(options["hf_args"], "fsdp")
+    if any(flag_name(g[0]) == "fsdp" for g in flag_groups(options["hf_args"])):
+        if fsdp is None or fsdp.startswith("--"):
+            fsdp = "true"  # a bare --fsdp: everything in --fsdp_config
     if fsdp is not None:  # its settings are the base ([Note: FSDP settings])
         from .fsdp import zero_config_from_fsdp
 
