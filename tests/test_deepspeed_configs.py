@@ -263,7 +263,7 @@ def test_deepspeed_spellings_of_the_same_settings():
             "stage": 3, "cpu_offload_param": True, "prefetch_bucket_size": 100,
             "max_live_parameters": 1000, "param_persistence_threshold": 10,
             "gather_16bit_weights_on_model_save": True, "max_reuse_distance": 0,
-            "allgather_sequential": False,
+            "allgather_sequential": False, "compute_grad_norm": True,
         },
     }  # fmt: skip
     args = ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed=ds)
@@ -275,7 +275,7 @@ def test_deepspeed_spellings_of_the_same_settings():
     with pytest.raises(zerotune.ConfigError, match="max_live_parameters and stage3_max_live"):
         ZeroTrainingArguments(output_dir="unused", deepspeed=both)
     # DeepSpeed's tightest bound on live parameters is zerotune's "no bound": left out.
-    tight = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0}}
+    tight = {"zero_optimization": {"stage": "3", "stage3_max_live_parameters": 0}}  # "3" is 3
     assert ZeroTrainingArguments(output_dir="unused", deepspeed=tight).zero.max_live_bytes == 0
 
 

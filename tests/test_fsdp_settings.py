@@ -63,6 +63,7 @@ def test_fsdp_settings_become_the_zero_config(fsdp, fsdp_config, expected):
         ("no_shard", None, "no_shard .plain data parallelism"),
         (True, {"version": 1, "sharding_strategy": "HYBRID_SHARD"}, "'HYBRID_SHARD' has no"),
         ("full_shard offload", {"cpu_offload": False}, "offload and --fsdp_config's cpu_off"),
+        (True, {"activation_checkpointing_offload": True}, "needs activation_checkpointing"),
         ("full_shard offlaod", None, "unknown option 'offlaod' .did you mean 'offload'"),
         ("full_shard", {"reshard_after_forward": False}, "give different sharding strategies"),
         (True, {"xla": True}, "XLA's FSDP"),
@@ -84,7 +85,8 @@ def test_fsdp_refusals(fsdp, fsdp_config, message):
         # accelerator device).
         ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP",
           "FSDP_OFFLOAD_PARAMS": "true", "FSDP_SYNC_MODULE_STATES": "true",
-          "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}, (2, "none", "cpu")),
+          "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"},
+         (2, "none", "cpu")),
     ],
 )  # fmt: skip
 def test_accelerate_launch_with_fsdp(monkeypatch, tmp_path, env, expected):
@@ -100,6 +102,7 @@ def test_accelerate_launch_with_fsdp(monkeypatch, tmp_path, env, expected):
     zero = trainer.args.zero
     assert (zero.stage, zero.offload_param, zero.offload_optimizer) == expected
     assert "ACCELERATE_USE_FSDP" not in os.environ and not trainer.is_fsdp_enabled
+    assert trainer.args.gather_weights_on_save is ("FSDP_STATE_DICT_TYPE" in env or None)
     assert trainer.state.global_step == 2
     trainer.close()
 
@@ -107,7 +110,8 @@ def test_accelerate_launch_with_fsdp(monkeypatch, tmp_path, env, expected):
 def test_fsdp_options_beyond_the_sharding(tmp_path):
     """Activation checkpointing offloaded to the CPU is zerotune's offload_activations; the
     state-dict type says whether saves gather the weights; FSDP's own knobs are ignored."""
-    config = {"activation_checkpointing_offload": True, "state_dict_type": "SHARDED_STATE_DICT",
+    config = {"activation_checkpointing": True, "activation_checkpointing_offload": True,
+              "state_dict_type": "SHARDED_STATE_DICT",
               "mixed_precision_policy": "bf16", "ignored_modules": [], "backward_prefetch_policy":
               "BACKWARD_PRE", "cpu_offload_pin_memory": True}  # fmt: skip
     args = ZeroTrainingArguments(output_dir="unused", fsdp="full_shard", fsdp_config=config)

@@ -104,7 +104,7 @@ _IGNORED_ZERO = {
     "pipeline_loading_checkpoint", "override_module_apply", "leaf_module",
     "stage3_model_persistence_threshold", "stage3_allgather_sequential", "legacy_stage1",
     "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "cpu_offload_use_pin_memory",
-    "zeropp_loco_param",
+    "zeropp_loco_param", "compute_grad_norm",
 }  # fmt: skip
 # zero_optimization keys read here (the rest of _KNOWN_ZERO is checked, then ignored).
 _USED_ZERO = {
@@ -580,6 +580,8 @@ def _zero(data: dict, itemsize: int, out: dict, trainer: dict) -> dict:
     zero = _section(data, "zero_optimization")
     _unknown(zero, _KNOWN_ZERO, "zero_optimization.")
     stage = zero.get("stage", 0)
+    if isinstance(stage, str) and stage.isdigit():  # DeepSpeed reads "3" as 3
+        stage = int(stage)
     if stage not in (1, 2, 3):
         raise ConfigError(
             f"--deepspeed: zero_optimization.stage must be 1, 2 or 3 for zerotune, got "

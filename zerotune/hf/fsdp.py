@@ -81,6 +81,7 @@ def zero_config_from_fsdp(fsdp, fsdp_config) -> tuple[dict[str, Any], dict[str, 
                 + _nearest(key, _IGNORED | _USED | _XLA)
             )
     stage = _stage(words, config)
+    version = str(config.get("version", 2))
     out: dict[str, Any] = {"stage": stage}
     offload = _offload(words, config)
     if offload:
@@ -91,7 +92,9 @@ def zero_config_from_fsdp(fsdp, fsdp_config) -> tuple[dict[str, Any], dict[str, 
     if _true(config.get("activation_checkpointing")):
         trainer["activation_checkpointing"] = True
     if _true(config.get("activation_checkpointing_offload")):
-        trainer["activation_checkpointing"] = True
+        if not _true(config.get("activation_checkpointing")) or version == "1":
+            raise ConfigError("--fsdp_config: activation_checkpointing_offload needs "
+                              "activation_checkpointing and FSDP2, as in accelerate")  # fmt: skip
         out["offload_activations"] = "cpu"
     kind = str(config.get("state_dict_type", "")).upper().replace("_STATE_DICT", "")
     if kind in ("FULL", "SHARDED"):  # what save_model and checkpoints write
@@ -204,6 +207,8 @@ def launcher_fsdp_settings() -> dict[str, Any] | None:
     offload = getattr(policy, "offload_params", None)
     settings["cpu_offload"] = bool(offload) if offload is not None else (
         type(policy).__name__ == "CPUOffloadPolicy")  # fmt: skip
-    log.info("zerotune: accelerate's FSDP wrapping, prefetch, state-dict and loading settings "
-             "do not apply (zerotune picks its own units)")  # fmt: skip
+    if os.environ.get("FSDP_STATE_DICT_TYPE"):
+        settings["state_dict_type"] = os.environ["FSDP_STATE_DICT_TYPE"]
+    log.info("zerotune: accelerate's FSDP wrapping, prefetch and loading settings do not "
+             "apply (zerotune picks its own units)")  # fmt: skip
     return settings
