@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ConfigError", "ZeroConfig", "parse_bytes", "load_config"]
+__all__ = ["ConfigError", "ZeroConfig", "did_you_mean", "first_line", "parse_bytes", "load_config"]
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -75,9 +75,17 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
     return n
 
 
-def _suggest(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+def did_you_mean(key: str, valid, cutoff: float = 0.5) -> str:
+    """`` (did you mean 'x'?)`` for the name in ``valid`` nearest ``key``, or ""."""
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=cutoff)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), for a
+    ConfigError's one line."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @dataclass
@@ -193,7 +201,7 @@ class ZeroConfig:
             if value not in _DTYPES:
                 raise ConfigError(
                     f"{name} must be one of fp32, bf16, fp16, got {value!r}"
-                    + _suggest(str(value), list(_DTYPES))
+                    + did_you_mean(str(value), list(_DTYPES))
                 )
         for name in sorted(_BYTE_FIELDS):
             setattr(self, name, parse_bytes(getattr(self, name), name=name))
@@ -202,7 +210,7 @@ class ZeroConfig:
             if value not in _OFFLOAD:
                 raise ConfigError(
                     f"{name} must be one of none, cpu, nvme, got {value!r}"
-                    + _suggest(str(value), list(_OFFLOAD))
+                    + did_you_mean(str(value), list(_OFFLOAD))
                 )
         if self.offload_param != "none" and self.stage != 3:
             raise ConfigError(
@@ -273,7 +281,7 @@ class ZeroConfig:
         valid = [f.name for f in fields(cls)]
         for key in data:
             if key not in valid:
-                raise ConfigError(f"unknown config key {key!r}" + _suggest(str(key), valid))
+                raise ConfigError(f"unknown config key {key!r}" + did_you_mean(str(key), valid))
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -314,7 +322,7 @@ def _strict_init(init):
         valid = [f.name for f in fields(ZeroConfig)]
         for key in kwargs:
             if key not in valid:
-                raise ConfigError(f"unknown config key {key!r}" + _suggest(str(key), valid))
+                raise ConfigError(f"unknown config key {key!r}" + did_you_mean(str(key), valid))
         init(self, *args, **kwargs)
 
     return checked

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..config import ConfigError, ZeroConfig
+from ..config import ConfigError, ZeroConfig, first_line
 from .configs import read_zero_config_file
 
 __all__ = ["ZeroTrainingArguments"]
@@ -143,9 +143,11 @@ class ZeroTrainingArguments(TrainingArguments):
     def __post_init__(self) -> None:
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
-        from .deepspeed import LAUNCHER, launcher_deepspeed_config
+        from .deepspeed import LAUNCHER, check_deepspeed_scheduler, launcher_deepspeed_config
         from .fsdp import launcher_fsdp_settings
 
+        if self.deepspeed_scheduler:  # given alone; one from --deepspeed is checked there
+            self.deepspeed_scheduler = check_deepspeed_scheduler(self.deepspeed_scheduler, self)
         self._launched_dtype()
         launched = launcher_deepspeed_config()  # always: the launchers' flags go
         launched_fsdp = launcher_fsdp_settings()
@@ -274,8 +276,7 @@ class ZeroTrainingArguments(TrainingArguments):
         try:
             Trainer.get_optimizer_cls_and_kwargs(self)
         except (ImportError, ValueError, RuntimeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"--optim {optim} cannot run here: {first}") from None
+            raise ConfigError(f"--optim {optim} cannot run here: {first_line(exc)}") from None
         base = self._raw_config()
         if base.get("optim_state_bits", 32) != 32:
             raise ConfigError(
@@ -330,10 +331,6 @@ class ZeroTrainingArguments(TrainingArguments):
                 "--optim_args is not read by ZeroAdamW; set --adam_beta1, --adam_beta2, "
                 "--adam_epsilon and --weight_decay instead."
             )
-        if self.deepspeed_scheduler:
-            from .deepspeed import check_deepspeed_scheduler
-
-            self.deepspeed_scheduler = check_deepspeed_scheduler(self.deepspeed_scheduler, self)
 
     def _raw_config(self) -> dict[str, Any]:
         try:

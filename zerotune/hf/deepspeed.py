@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import difflib
 import json
 import logging
 import math
@@ -66,7 +65,7 @@ from typing import Any
 
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..config import ConfigError
+from ..config import ConfigError, did_you_mean, first_line
 
 __all__ = [
     "DeepSpeedSchedule",
@@ -197,8 +196,7 @@ def launcher_deepspeed_config() -> dict[str, Any] | None:
             plugin.set_mixed_precision(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
             config = plugin.deepspeed_config
         except (ValueError, TypeError, OSError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"{LAUNCHER}: {first}") from None
+            raise ConfigError(f"{LAUNCHER}: {first_line(exc)}") from None
         config.pop("steps_per_print", None)  # accelerate sets it to infinity
         _LAUNCHED.append(json.loads(json.dumps(config)))
     return json.loads(json.dumps(_LAUNCHED[0])) if _LAUNCHED else None
@@ -248,8 +246,7 @@ def _other_spellings(data: dict[str, Any]) -> dict[str, Any]:
 def _unknown(keys, known: set[str], where: str) -> None:
     for key in keys:
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(key, known, cutoff=0.6)
             raise ConfigError(
                 f"--deepspeed: {where}{key!r} is not a DeepSpeed setting zerotune knows{hint}"
             )

@@ -25,14 +25,13 @@ from the process so that neither the Trainer nor accelerate wraps the engine.
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config import ConfigError, did_you_mean, first_line
 
 __all__ = ["launcher_fsdp_settings", "zero_config_from_fsdp"]
 
@@ -68,7 +67,8 @@ def zero_config_from_fsdp(fsdp, fsdp_config) -> tuple[dict[str, Any], dict[str, 
     words = [str(w).lower() for w in words]
     for word in words:
         if word not in _WORDS:
-            raise ConfigError(f"--fsdp: unknown option {word!r}" + _nearest(word, _WORDS))
+            hint = did_you_mean(word, _WORDS, cutoff=0.6)
+            raise ConfigError(f"--fsdp: unknown option {word!r}{hint}")
         if word in _REFUSED:
             raise ConfigError(f"--fsdp {_REFUSED[word]} has no zerotune counterpart")
     config = _read(fsdp_config)
@@ -78,10 +78,10 @@ def zero_config_from_fsdp(fsdp, fsdp_config) -> tuple[dict[str, Any], dict[str, 
         if key not in _IGNORED | _USED | _XLA:
             raise ConfigError(
                 f"--fsdp_config: {key!r} is not an FSDP setting zerotune knows"
-                + _nearest(key, _IGNORED | _USED | _XLA)
+                + did_you_mean(key, _IGNORED | _USED | _XLA, cutoff=0.6)
             )
-    stage = _stage(words, config)
     version = str(config.get("version", 2))
+    stage = _stage(words, config, version)
     out: dict[str, Any] = {"stage": stage}
     offload = _offload(words, config)
     if offload:
@@ -105,14 +105,13 @@ def zero_config_from_fsdp(fsdp, fsdp_config) -> tuple[dict[str, Any], dict[str, 
     return out, trainer
 
 
-def _stage(words: list[str], config: dict) -> int:
+def _stage(words: list[str], config: dict, version: str) -> int:
     """The ZeRO stage the sharding asks for: reshard_after_forward (FSDP2, the default
     version: a bool; FSDP1: a strategy name), else FSDP1's sharding_strategy (a name or its
     number); the --fsdp words where the config gives neither (transformers' setdefault)."""
     named = {_STAGES[w] for w in words if w in _STAGES}
     if len(named) > 1:
         raise ConfigError("--fsdp names both full_shard and shard_grad_op; choose one")
-    version = str(config.get("version", 2))
     keys = [k for k in ("reshard_after_forward", "sharding_strategy") if k in config]
     if keys[1:] or (version != "1" and keys == ["sharding_strategy"]):
         # transformers reads reshard_after_forward (FSDP1: a strategy name, FSDP2: a bool);
@@ -172,11 +171,6 @@ def _true(value) -> bool:
     return str(value).lower() in ("true", "1", "yes") if value is not None else False
 
 
-def _nearest(word: str, known) -> str:
-    close = difflib.get_close_matches(word, sorted(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def launcher_fsdp_settings() -> dict[str, Any] | None:
     """The FSDP settings ``accelerate launch`` passed this process (ACCELERATE_USE_FSDP and
     its FSDP_* variables, read by accelerate's ``FullyShardedDataParallelPlugin``) as an
@@ -191,8 +185,7 @@ def launcher_fsdp_settings() -> dict[str, Any] | None:
         plugin = FullyShardedDataParallelPlugin(sync_module_states=False,
                                                 cpu_ram_efficient_loading=False)  # fmt: skip
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"accelerate launch's FSDP config: {first}") from None
+        raise ConfigError(f"accelerate launch's FSDP config: {first_line(exc)}") from None
     settings: dict[str, Any] = {
         "version": plugin.fsdp_version,
         "activation_checkpointing": bool(plugin.activation_checkpointing),
