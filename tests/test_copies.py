@@ -88,3 +88,31 @@ def test_copy_sharded_refuses_what_it_cannot_rebuild(tmp_path):
         zerotune.copy_sharded(plain)
     source.close()
     plain.close()
+
+
+def test_resize_token_embeddings_keeps_the_row_count_or_refuses(tmp_path):
+    """[Note: resizing a sharded model's embeddings]: a resize to the same number of rows
+    does what transformers does (the embedding returned, vocab_size set), another is refused
+    before anything changes."""
+    plain = tiny_gpt2(seed=1)
+    engine = zerotune.shard(tiny_gpt2(seed=1), {"stage": 3})
+    model = engine.module
+    with torch.no_grad():
+        before = model(IDS).logits.clone()
+    embeddings = model.get_input_embeddings()
+    for args in [(), (96,), (90, 32), (None, 48)]:
+        assert model.resize_token_embeddings(*args) is embeddings
+        assert plain.resize_token_embeddings(*args) is plain.get_input_embeddings()
+    assert model.vocab_size == plain.vocab_size == model.config.vocab_size == 96
+    for args, target in [((97,), 97), ((96, 64), 128), ((80,), 80)]:
+        with pytest.raises(RuntimeError, match=f"cannot grow or shrink from 96 to {target} rows"):
+            model.resize_token_embeddings(*args)
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be an integer"):
+        model.resize_token_embeddings(96, 8.0)
+    assert model.config.vocab_size == 96 and model.get_input_embeddings() is embeddings
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, before)
+    copied = copy.deepcopy(model)  # a deep copy's refers to the engine it came from
+    with pytest.raises(AttributeError, match="is a copy"):
+        copied.resize_token_embeddings(97)
+    engine.close()

@@ -42,7 +42,7 @@ from ..memory.tiers import (
 from ..optim.scaling import DynamicLossScaler
 from .buffers import gather_cache_bytes, gathers_into_cache, pool_keep_sizes, prefetch_budget
 from .compiled import CompiledUnits
-from .copies import CopiedAsSource
+from .copies import CopiedAsSource, guard_resize
 from .external import ExternalParams, ShardedParameterError
 from .grads import GradReducer
 from .hooks import Prefetcher, in_backward, install_hooks, unit_built
@@ -190,8 +190,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         trainable = [(u.padded_numel, u.shard_numel) for u in self.units if u.trainable and u.numel]
         self.pool.keep_only(pool_keep_sizes(trainable, config, self.world, self.device.type))
         self.optimizer = None  # attach_optimizer
-        # Gradients from backward into their shards: no_sync(), find_unused_parameters and
-        # the overlapped step's hand-off (sharding/grads.py).
+        # Gradients into their shards: no_sync, unused parameters, overlap (grads.py).
         self.reducer = GradReducer(
             self.units, config, self.world, group, self.device, self.host_pool
         )
@@ -208,6 +207,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
 
             self.activations = CheckpointOffload(self)
         object.__setattr__(model, "_zerotune_engine", self)
+        guard_resize(model, self)  # [Note: resizing a sharded model's embeddings] in copies.py
         if self.world > 1 and config.stage == 3:
             # transformers' generate then runs forwards on every rank until all are done.
             model._is_fsdp_managed_module = True
