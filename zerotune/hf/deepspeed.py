@@ -19,18 +19,12 @@ DeepSpeed:
 - Bucket, communication and monitoring knobs have no counterpart and are named in the log.
   Features zerotune cannot run as DeepSpeed does are refused by name: ZeRO++, MiCS,
   ZenFlow, AutoTP, autocast, Apex AMP, bf16 master weights, summed gradients, optimizers
-  other than Adam/AdamW, a static fp16 loss scale. An unknown key is refused with the
-  nearest known one, where DeepSpeed would ignore a typo.
+  other than Adam/AdamW, a static fp16 loss scale, the OneCycle and LRRangeTest schedules.
+  An unknown key is refused with the nearest known one, where DeepSpeed would ignore a typo.
 - `accelerate launch` with a DeepSpeed config sets ACCELERATE_USE_DEEPSPEED for its
   processes, and the Trainer would start DeepSpeed around the engine: the config accelerate's
   own `DeepSpeedPlugin` builds (its mixed_precision set) is read as `--deepspeed`'s, and the
   variable is removed from the process.
-
-[Note: DeepSpeed schedules].
-- What zerotune cannot do as DeepSpeed would is refused: ZeRO++ and MiCS, optimizers other
-  than Adam/AdamW, a static fp16 loss scale, DeepSpeed's OneCycle and LRRangeTest schedules.
-  A key zerotune does not know is refused with the nearest known one, where DeepSpeed would
-  ignore a typo.
 
 [Note: DeepSpeed schedules]
 Under transformers a DeepSpeed scheduler section is built and stepped by DeepSpeed's engine,
