@@ -90,13 +90,13 @@ def test_copy_sharded_refuses_what_it_cannot_rebuild(tmp_path):
     plain.close()
 
 
-def test_resize_token_embeddings_keeps_the_row_count_or_refuses(tmp_path):
-    """[Note: resizing a sharded model's embeddings]: a resize to the same number of rows
-    does what transformers does (the embedding returned, vocab_size set), another is refused
-    before anything changes."""
+def test_resize_token_embeddings_to_the_rows_it_has_changes_nothing(tmp_path):
+    """A resize that keeps the row count does what transformers does then (the embedding
+    returned, vocab_size set); one after the optimizer exists is refused before anything
+    changes; a deep copy's refuses as the copy does."""
     plain = tiny_gpt2(seed=1)
     engine = zerotune.shard(tiny_gpt2(seed=1), {"stage": 3})
-    model = engine.module
+    model, units = engine.module, engine.units
     with torch.no_grad():
         before = model(IDS).logits.clone()
     embeddings = model.get_input_embeddings()
@@ -104,15 +104,81 @@ def test_resize_token_embeddings_keeps_the_row_count_or_refuses(tmp_path):
         assert model.resize_token_embeddings(*args) is embeddings
         assert plain.resize_token_embeddings(*args) is plain.get_input_embeddings()
     assert model.vocab_size == plain.vocab_size == model.config.vocab_size == 96
-    for args, target in [((97,), 97), ((96, 64), 128), ((80,), 80)]:
-        with pytest.raises(RuntimeError, match=f"cannot grow or shrink from 96 to {target} rows"):
-            model.resize_token_embeddings(*args)
+    assert engine.units is units  # not sharded again
     with pytest.raises(ValueError, match="pad_to_multiple_of must be an integer"):
         model.resize_token_embeddings(96, 8.0)
-    assert model.config.vocab_size == 96 and model.get_input_embeddings() is embeddings
+    zerotune.ZeroAdamW(engine, lr=1e-3)
+    with pytest.raises(RuntimeError, match="its optimizer exists already; resize before"):
+        model.resize_token_embeddings(97)
+    assert model.config.vocab_size == 96 and engine.units is units
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, before)
     copied = copy.deepcopy(model)  # a deep copy's refers to the engine it came from
     with pytest.raises(AttributeError, match="is a copy"):
         copied.resize_token_embeddings(97)
     engine.close()
+
+
+def resize_per_rank(rank, world, root, tie, zero, size):
+    """transformers' resize of the plain model and zerotune's of the sharded one, from the
+    same random state; then three AdamW steps of each."""
+    plain = tiny_gpt2(seed=1, tie=tie)
+    config = nvme_config(root, rank, dtype="fp32") if zero == "nvme" else {"stage": zero}
+    engine = zerotune.shard(tiny_gpt2(seed=1, tie=tie), config)
+    model = engine.module
+    torch.manual_seed(5)
+    plain.resize_token_embeddings(*size)
+    torch.manual_seed(5)
+    returned = model.resize_token_embeddings(*size)
+    assert returned is model.get_input_embeddings() and model._zerotune_engine is engine
+    ids = torch.tensor([[5, 17, model.vocab_size - 1, 60, 2, 66]])  # the last row too
+    got, expected = engine.full_state_dict(), plain.state_dict()
+    weights = max(float((got[k] - expected[k]).abs().max()) for k in got)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.0)
+    opt = zerotune.ZeroAdamW(engine, lr=1e-3, weight_decay=0.0)
+    losses = []
+    for _ in range(3):
+        pair = []
+        for runner, optimizer in ((plain, plain_opt), (engine, opt)):
+            loss = runner(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    final = engine.full_state_dict()
+    trained = max(
+        float((final[k] - v).abs().max()) for k, v in plain.state_dict().items() if k in final
+    )
+    shapes = (
+        model.config.vocab_size,
+        model.vocab_size,
+        tuple(final["transformer.wte.weight"].shape),
+    )
+    engine.close()
+    return weights, losses, trained, shapes, set(expected) - set(got)
+
+
+@pytest.mark.parametrize(
+    "world,tie,zero,size,rows",
+    [
+        (1, True, 3, (110, 8), 112),
+        (1, False, 2, (110, 8), 112),
+        (2, True, "nvme", (110, 8), 112),
+        (2, False, 3, (110, 8), 112),
+        (1, True, "nvme", (80,), 80),
+    ],
+)
+def test_resize_token_embeddings_of_a_sharded_model_is_transformers_resize(
+    tmp_path, world, tie, zero, size, rows
+):
+    """[Note: resizing a sharded model's embeddings]: the same weights as transformers'
+    resize of the plain model (its random rows included), then the same training."""
+    for weights, losses, trained, shapes, missing in run_world(
+        world, resize_per_rank, str(tmp_path), tie, zero, size
+    ):
+        assert weights == 0.0 and missing == ({"lm_head.weight"} if tie else set())  # tied
+        assert shapes == (rows, rows, (rows, 32))
+        for plain, sharded in losses:
+            assert sharded == pytest.approx(plain, rel=1e-5), losses
+        assert trained < 1e-5, trained

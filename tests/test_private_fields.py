@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Other projects' fields: torch (nn.Module's registries, a tensor's version counter,
 # autograd's engine, the C extension, the fused multi-tensor ops torch.optim runs),
-# transformers (gradient checkpointing, init flag, generate's rank sync), accelerate
-# (prepared / scheduler flags), os._exit.
+# transformers (gradient checkpointing, init flag, generate's rank sync, resize helpers),
+# accelerate (prepared / scheduler flags), os._exit.
 FOREIGN = {
     "_parameters",
     "_buffers",
@@ -28,6 +28,8 @@ FOREIGN = {
     "_is_hf_initialized",
     "_is_accelerate_prepared",
     "_is_fsdp_managed_module",
+    "_get_resized_embeddings",
+    "_get_resized_lm_head",
     "_opt_called",
     "_wrapped_by_lr_sched",
     "_exit",

@@ -184,10 +184,8 @@ class ZeroTrainer(Trainer):
         if optimizer is not None and kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError("pass either optimizers or optimizer_cls_and_kwargs, not both")
         if model is None and kwargs.get("model_init") is None:
-            raise ValueError(
-                "ZeroTrainer needs a model (a config, a folder, a module or an engine) or a "
-                "model_init"
-            )
+            raise ValueError("ZeroTrainer needs a model (a config, a folder, a module or an "
+                             "engine) or a model_init")  # fmt: skip
         # Peaks are measured from here: check_estimate compares what the engine and the
         # training add with `zerotune estimate` after the first step.
         reset_peak_rss()
@@ -222,7 +220,10 @@ class ZeroTrainer(Trainer):
                 rebuild_over_shards(self.engine, optimizer, scheduler),
                 scheduler,
             )
+        units = getattr(self.engine, "units", None)
         super().__init__(model=model, args=args, **kwargs)
+        if units is not None and self.engine.units is not units:  # resharded by cls.__init__:
+            self._use_engine(self.engine)  # an embedding resized (TRL's clone_chat_template)
         if isinstance(getattr(self, "reward_funcs", None), list):  # those TRL loaded too
             self.reward_funcs = self._shard_reward_models(self.reward_funcs)
         for callback in self.callback_handler.callbacks:  # those given to the constructor
@@ -351,9 +352,8 @@ class ZeroTrainer(Trainer):
         """``--torch_compile``, and TRL's ``ds3_gather_for_generation`` (default True): the
         whole model gathered once per generate call."""
         self._compile(engine)
-        gathering = engine.config.stage == 3 and getattr(
-            self.args, "ds3_gather_for_generation", True
-        )
+        asked = getattr(self.args, "ds3_gather_for_generation", True)
+        gathering = engine.config.stage == 3 and asked
         gather_for_generation(engine.module, gathering)
 
     def _compile(self, engine: ZeroEngine) -> None:

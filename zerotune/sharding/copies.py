@@ -19,15 +19,22 @@ rank's slices filled from the source's (``unit_state``), so the model is never w
 
 [Note: resizing a sharded model's embeddings]
 transformers' ``resize_token_embeddings`` builds a new embedding (and output head) from the
-old weights and swaps the modules in; TRL's ``clone_chat_template`` calls it, padding the
-vocabulary to a multiple of 64. A unit's sizes, swap extents and optimizer state are fixed
-when the engine is built, so a sharded model cannot change shape; the class's method would
-also read weights that are not there and leave the model half changed. The engine
-therefore gives a transformers model an instance attribute ``resize_token_embeddings``
-(``FixedEmbeddings``): a call that keeps the row count (TRL's padding when the vocabulary
-is already a multiple) does what transformers does then, sets ``vocab_size`` and returns
-the input embedding; one that changes it is refused with one line, before anything
-changes, naming what works: resizing before the model is sharded.
+old weights; TRL's ``clone_chat_template`` calls it, padding the vocabulary to a multiple
+of 64. The class's method would read weights that are not there, and a unit's sizes,
+extents and optimizer state are fixed when it is built. So the engine gives a transformers
+model an instance attribute ``resize_token_embeddings`` (``FixedEmbeddings``). A call that
+keeps the row count does what transformers does then: sets ``vocab_size``, returns the
+embedding. Another (``init/resize.py``) gathers the fp32 masters of the units holding the
+embedding and head, runs transformers' own ``_get_resized_embeddings`` and
+``_get_resized_lm_head`` on plain copies of them (a tied head shares the copy's weight), so
+the new rows are transformers' (rank 0's, broadcast), and ``ZeroEngine.reshard`` shards the
+same model object again, in place, by the same config: every parameter becomes a new
+placeholder of its shape, unchanged units copy their slices from the old ones, the others
+are cut from the resized tensors, and the old units' files go. It needs the model and the
+engine as they were built: no optimizer yet (as before ``train()``), no tiled linears; the
+caller's references to the old parameter objects go stale, as with transformers' resize,
+and compiled blocks or hand-registered external parameters are the caller's to set again
+(ZeroTrainer compiles again).
 """
 
 from __future__ import annotations
@@ -72,7 +79,8 @@ class CopiedAsSource(NotPickled):
 
 class FixedEmbeddings:
     """``resize_token_embeddings`` of a sharded transformers model (see [Note: resizing a
-    sharded model's embeddings]); held by the model, so a deep copy gets its own."""
+    sharded model's embeddings]); held by the model, so a deep copy gets its own, which
+    refuses as a copy does."""
 
     def __init__(self, model, engine) -> None:
         self.model, self.engine = model, engine  # a deep copy's: a CopyOf
@@ -82,7 +90,7 @@ class FixedEmbeddings:
         embeddings = model.get_input_embeddings()
         if new_num_tokens is None and pad_to_multiple_of is None:
             return embeddings
-        rows = _rows(self.engine, embeddings.weight)
+        rows = _rows(self.engine, embeddings._parameters["weight"])
         target = rows if new_num_tokens is None else new_num_tokens
         if pad_to_multiple_of is not None:
             if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int):
@@ -91,13 +99,10 @@ class FixedEmbeddings:
                 )
             target = -(-target // pad_to_multiple_of) * pad_to_multiple_of
         if target != rows:
-            raise RuntimeError(
-                f"resize_token_embeddings: this model is sharded by zerotune, and its "
-                f"embedding cannot grow or shrink from {rows} to {target} rows; resize it "
-                "before it is sharded (load the model, call resize_token_embeddings, or TRL's "
-                "clone_chat_template, then give the module to ZeroTrainer), or give TRL's "
-                "chat_template_path a .jinja file"
-            )
+            from ..init.resize import resize_sharded
+
+            resize_sharded(self.engine, new_num_tokens, pad_to_multiple_of, mean_resizing)
+            return model.get_input_embeddings()
         model.config.get_text_config().vocab_size = rows
         model.vocab_size = rows
         return embeddings

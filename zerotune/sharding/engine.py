@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import dist as zdist
-from ..config import ConfigError, ZeroConfig, load_config
+from ..config import ZeroConfig, load_config
 from ..memory.host import (
     host_cache_report,
     host_cache_used,
@@ -46,7 +46,14 @@ from .copies import CopiedAsSource, guard_resize
 from .external import ExternalParams, ShardedParameterError
 from .grads import GradReducer
 from .hooks import Prefetcher, in_backward, install_hooks, unit_built
-from .plan import UnitPlan, assign_params, plan_swap, size_unit, unit_deps
+from .plan import (
+    UnitPlan,
+    assign_params,
+    plan_swap,
+    refuse_embeddings_it_would_break,
+    size_unit,
+    unit_deps,
+)
 from .tiling import apply_tiling, merge_tiles, tiled_weights
 from .unit import Unit, UnitState
 
@@ -76,36 +83,6 @@ def _unit_modules(root: nn.Module, other_units: set[int]) -> list[nn.Module]:
 
     visit(root)
     return order
-
-
-def _refuse_embeddings_it_would_break(model: nn.Module, config: ZeroConfig, world: int) -> None:
-    """Embeddings whose contract the sharded engine cannot keep, refused in one sentence:
-    sparse gradients (the gradient shards are dense), and ``max_norm``, which rescales the
-    rows it looks up in place during forward: that change would land in a gathered,
-    offloaded or low-precision copy of the weight and be lost, or differ between ranks."""
-    weights_are_the_master = (
-        world == 1
-        and config.dtype == "fp32"
-        and config.offload_param == "none"
-        and config.offload_optimizer == "none"
-    )
-    for name, m in model.named_modules():
-        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            continue
-        kind = type(m).__name__
-        if m.sparse:
-            raise ConfigError(
-                f"{name or 'the model'}: {kind}(sparse=True) makes sparse gradients, which "
-                "zerotune's gradient shards cannot hold; build it with sparse=False"
-            )
-        if m.max_norm is not None and not weights_are_the_master:
-            raise ConfigError(
-                f"{name or 'the model'}: {kind}(max_norm={m.max_norm}) rescales its weight's "
-                "rows in place during forward, and zerotune would lose that change (the "
-                "forward sees a gathered, offloaded or low-precision copy, or each rank "
-                "rescales other rows); set max_norm=None and renormalize explicitly, or train "
-                "in one process, fp32, without offload"
-            )
 
 
 class ZeroEngine(CopiedAsSource, nn.Module):
@@ -142,7 +119,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         # Large linears become tiles before units are formed (see [Note: tiling]); the map
         # lets optimizer groups built from the untiled model find the tiles.
         itemsize = torch.finfo(config.torch_dtype).bits // 8
-        _refuse_embeddings_it_would_break(model, config, self.world)
+        refuse_embeddings_it_would_break(model, config, self.world)
         self.tiled_from = apply_tiling(model, config.tile_linear_bytes, itemsize)
         if "cpu" in (config.offload_param, config.offload_optimizer):
             # Host memory holds the offloaded state: keep its RSS honest (memory/host.py;
@@ -481,6 +458,27 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         if any(m is module for m in self.module.modules()):
             return self.units[0]
         raise ValueError("this module is not part of the sharded model")
+
+    def reshard(self, prepare_model, prepare_unit) -> None:
+        """Shard the model again by the same config after ``prepare_model()`` changed shapes
+        ([Note: resizing a sharded model's embeddings] in copies.py); ``prepare_unit`` as for
+        the constructor. The old units stay readable (``unit_state``) until it returns."""
+        if self.optimizer is not None:
+            raise RuntimeError("reshard: the engine has an optimizer already")
+        units, swap, activations = self.units, self.swap, self.activations
+        release = self._release_host_cache
+        self.remove_hooks()
+        prepare_model()
+        model, config, group, device = self.module, self.config, self.group, self.device
+        object.__delattr__(model, "_zerotune_engine")
+        ZeroEngine.__init__(self, model, config, group, device=device, prepare_unit=prepare_unit)
+        for unit in units:
+            unit.wait_writes()
+        for old in (activations, swap):
+            if old is not None:
+                old.close()
+        if release is not None:
+            release()
 
     def remove_hooks(self) -> None:
         """Take every hook and class swap off the model (the parameters stay sharded)."""

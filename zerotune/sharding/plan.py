@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import ZeroConfig
+from ..config import ConfigError, ZeroConfig
 from ..memory.tiers import master_in_param_file, placement
 from ..optim.quant8 import quantized, state_bytes
 from ..optim.state_store import OptimLayout
@@ -413,3 +413,33 @@ def resident_bytes(
         else:
             add("optimizer", master_tier, 2 * unit.shard * _F32)  # exp_avg, exp_avg_sq
     return out
+
+
+def refuse_embeddings_it_would_break(model: nn.Module, config: ZeroConfig, world: int) -> None:
+    """Embeddings whose contract the sharded engine cannot keep, refused in one sentence:
+    sparse gradients (the gradient shards are dense), and ``max_norm``, which rescales the
+    rows it looks up in place during forward: that change would land in a gathered,
+    offloaded or low-precision copy of the weight and be lost, or differ between ranks."""
+    weights_are_the_master = (
+        world == 1
+        and config.dtype == "fp32"
+        and config.offload_param == "none"
+        and config.offload_optimizer == "none"
+    )
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        kind = type(m).__name__
+        if m.sparse:
+            raise ConfigError(
+                f"{name or 'the model'}: {kind}(sparse=True) makes sparse gradients, which "
+                "zerotune's gradient shards cannot hold; build it with sparse=False"
+            )
+        if m.max_norm is not None and not weights_are_the_master:
+            raise ConfigError(
+                f"{name or 'the model'}: {kind}(max_norm={m.max_norm}) rescales its weight's "
+                "rows in place during forward, and zerotune would lose that change (the "
+                "forward sees a gathered, offloaded or low-precision copy, or each rank "
+                "rescales other rows); set max_norm=None and renormalize explicitly, or train "
+                "in one process, fp32, without offload"
+            )
