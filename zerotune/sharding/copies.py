@@ -32,8 +32,8 @@ same model object again, in place, by the same config: every parameter becomes a
 placeholder of its shape, unchanged units copy their slices from the old ones, the others
 are cut from the resized tensors, and the old units' files go. It needs the model and the
 engine as they were built: no optimizer yet (as before ``train()``), no tiled linears; the
-caller's references to the old parameter objects go stale, as with transformers' resize,
-and compiled blocks or hand-registered external parameters are the caller's to set again
+caller's references to parameter objects go stale (transformers keeps the objects), and
+compiled blocks or hand-registered external parameters are the caller's to set up again
 (ZeroTrainer compiles again).
 """
 
