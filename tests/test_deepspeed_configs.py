@@ -46,6 +46,8 @@ def deepspeed_reference(tmp_path, kind: str, params: dict, decay_all: bool):
     plain.create_optimizer()
     resolved = {k: AUTO[k] if v == "auto" else v for k, v in params.items()}
     plain.lr_scheduler = getattr(lr_schedules, kind)(plain.optimizer, **resolved)
+    if kind == "OneCycle":  # the rate its constructor set, logged as ZeroTrainer logs it
+        plain.lr_scheduler._last_lr = [g["lr"] for g in plain.optimizer.param_groups]
     plain.train()
     return plain
 
@@ -61,7 +63,19 @@ CASES = {
                                 "warmup_max_lr": "auto", "warmup_num_steps": "auto"}),
     "cosine": ("WarmupCosineLR", {"total_num_steps": "auto", "warmup_num_steps": "auto",
                                   "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01}),
+    # Up for 2 steps, down for 1, then decaying; Adam's betas cycle (beta2 0.99).
+    "onecycle": ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 2e-3,
+                              "cycle_first_step_size": 2, "cycle_second_step_size": 1,
+                              "decay_step_size": 1, "decay_lr_rate": 0.5,
+                              "decay_mom_rate": 0.02, "cycle_min_mom": 0.85}),
+    "onecycle-stairs": ("OneCycle", {"cycle_min_lr": [1e-4, 2e-4], "cycle_max_lr": 2e-3,
+                                     "cycle_first_step_size": 4, "cycle_first_stair_count": 2,
+                                     "cycle_momentum": False}),
+    "range-test": ("LRRangeTest", {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 2,
+                                   "lr_range_test_step_rate": 0.5,
+                                   "lr_range_test_staircase": True}),
 }  # fmt: skip
+FIRST_LR = {"warmup-linear": 1e-4, "onecycle": 1e-4, "onecycle-stairs": 1e-4, "range-test": 1e-4}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -77,7 +91,7 @@ def test_deepspeed_schedules_step_as_deepspeed_does(tmp_path, case):
     trainer = zero_run(str(tmp_path / "out"), deepspeed=ds)
     lrs = logged(trainer, "learning_rate")
     assert lrs == logged(plain, "learning_rate")  # exactly: the same float operations
-    assert len(set(lrs)) >= 2 and lrs[0] == (1e-4 if case == "warmup-linear" else 0.0)
+    assert len(set(lrs)) >= 2 and lrs[0] == FIRST_LR.get(case, 0.0)
     torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
     weights = trainer.engine.full_state_dict()
     for name, p in plain.model.named_parameters():
@@ -85,15 +99,16 @@ def test_deepspeed_schedules_step_as_deepspeed_does(tmp_path, case):
     trainer.close()
 
 
-def test_a_deepspeed_schedule_resumes(tmp_path):
+@pytest.mark.parametrize("case", ["decay", "onecycle"])
+def test_a_deepspeed_schedule_resumes(tmp_path, case):
     """The schedule's state goes into zerotune's checkpoint (JSON): resumed at step 3, the
-    run logs the uninterrupted run's learning rates and losses."""
-    kind, params = CASES["decay"]
+    run logs the uninterrupted run's learning rates and losses (OneCycle's betas too)."""
+    kind, params = CASES[case]
     ds = {**DS_BASE, "scheduler": {"type": kind, "params": params}}
     saving = dict(save_strategy="steps", save_steps=3, deepspeed=ds)
     full = zero_run(str(tmp_path / "full"), **saving)
     state = json.loads((tmp_path / "full/checkpoint-3/zero/manifest.json").read_text())
-    assert state["scheduler"]["last_epoch"] == 3 and state["scheduler"]["kind"] == "WarmupDecayLR"
+    assert state["scheduler"]["last_epoch"] == 3 and state["scheduler"]["kind"] == kind
     resumed = zero_run(str(tmp_path / "full"), train=False, **saving)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full/checkpoint-3"))
     assert logged(resumed, "learning_rate")[-3:] == logged(full, "learning_rate")[-3:]
@@ -115,7 +130,33 @@ def test_deepspeed_scheduler_without_a_config_file(tmp_path):
 @pytest.mark.parametrize(
     "section, message",
     [
-        ({"type": "OneCycle"}, "scheduler type 'OneCycle' is not supported"),
+        ({"type": "OneCycleLR"}, "scheduler type 'OneCycleLR' is not supported"),
+        (
+            {"type": "OneCycle", "params": {"cycle_min_lr": 0.1}},
+            "OneCycle needs scheduler.params.cycle_max_lr",
+        ),
+        (
+            {
+                "type": "OneCycle",
+                "params": {"cycle_min_lr": 0, "cycle_max_lr": 1, "cycle_momentum": "yes"},
+            },
+            "cycle_momentum must be true or false",
+        ),
+        (
+            {
+                "type": "OneCycle",
+                "params": {"cycle_min_lr": 0, "cycle_max_lr": 1, "cycle_first_step_size": 0},
+            },
+            "cycle_first_step_size must be positive",
+        ),
+        (
+            {"type": "LRRangeTest", "params": {"lr_range_test_step_size": 2.5}},
+            "lr_range_test_step_size must be an integer of at least 1",
+        ),
+        (
+            {"type": "LRRangeTest", "params": {"lr_range_test_step_rate": [1, 2]}},
+            "lr_range_test_step_rate must be one number",
+        ),
         ({"type": "WarmupDecayLR"}, "WarmupDecayLR needs scheduler.params.total_num_steps"),
         (
             {"type": "WarmupLR", "params": {"warmup_max_lr": 0.1}},
@@ -144,6 +185,19 @@ def test_deepspeed_scheduler_refusals(section, message):
     ds = {**DS_BASE, "scheduler": section}
     with pytest.raises(zerotune.ConfigError, match=message):
         ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed=ds)
+
+
+def test_a_one_cycle_momentum_past_one_is_refused_before_training(tmp_path):
+    """DeepSpeed would hand Adam a beta1 of 1.08 at the last step; refused when the
+    schedule is built, before the first step."""
+    params = {"cycle_min_lr": 1e-4, "cycle_max_lr": 2e-3, "cycle_first_step_size": 2,
+              "decay_step_size": 1, "decay_mom_rate": 0.2}  # fmt: skip
+    section = {"type": "OneCycle", "params": params}
+    trainer = zero_run(str(tmp_path), train=False, deepspeed={**DS_BASE, "scheduler": section})
+    with pytest.raises(zerotune.ConfigError, match=r"momentum \(Adam's beta1\) leaves \[0, 1\)"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    trainer.close()
 
 
 def test_deepspeed_step_counts_must_match_the_run(tmp_path):

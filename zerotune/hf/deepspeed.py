@@ -19,8 +19,8 @@ DeepSpeed:
 - Bucket, communication and monitoring knobs have no counterpart and are named in the log.
   Features zerotune cannot run as DeepSpeed does are refused by name: ZeRO++, MiCS,
   ZenFlow, AutoTP, autocast, Apex AMP, bf16 master weights, summed gradients, optimizers
-  other than Adam/AdamW, a static fp16 loss scale, the OneCycle and LRRangeTest schedules.
-  An unknown key is refused with the nearest known one, where DeepSpeed would ignore a typo.
+  other than Adam/AdamW, a static fp16 loss scale. An unknown key is refused with the
+  nearest known one, where DeepSpeed would ignore a typo.
 - `accelerate launch` with a DeepSpeed config sets ACCELERATE_USE_DEEPSPEED for its
   processes, and the Trainer would start DeepSpeed around the engine: the config accelerate's
   own `DeepSpeedPlugin` builds (its mixed_precision set) is read as `--deepspeed`'s, and the
@@ -28,7 +28,8 @@ DeepSpeed:
 
 [Note: DeepSpeed schedules]
 Under transformers a DeepSpeed scheduler section is built and stepped by DeepSpeed's engine,
-not the Trainer; `DeepSpeedSchedule` gives the same learning rate at every step:
+not the Trainer; `DeepSpeedSchedule` (warmups) and `DeepSpeedCycle` (OneCycle, LRRangeTest)
+give the same learning rate at every step:
 - Its constructor already sets the rate, to `warmup_min_lr` (0 for "auto"; a ratio of 0 for
   WarmupCosineLR), and each step's `step()` moves it to the value for iteration
   `step - 1`: the first update runs at the minimum, and with the log warmup (the default)
@@ -38,6 +39,9 @@ not the Trainer; `DeepSpeedSchedule` gives the same learning rate at every step:
   total_num_steps the run's steps, warmup_num_steps max(1, the Trainer's warmup steps).
   Given values of the last three must equal those (checked when the schedule is built,
   as transformers does); a key left out takes DeepSpeed's default (1000 warmup steps).
+- OneCycle with `cycle_momentum` sets each group's betas to (momentum, 0.99) too, as
+  DeepSpeed does, for an optimizer that has betas; a momentum that would leave [0, 1)
+  within the run is refused when the schedule is built. Its keys have no "auto".
 - The rate is a torch `LRScheduler`'s, so the Trainer steps it after each update (not
   after a skipped fp16 step, as DeepSpeed), logs it, and zerotune's checkpoints keep it.
 - `--lr_scheduler_type` and warmup's shape are then DeepSpeed's, as under transformers.
@@ -143,7 +147,18 @@ _SCHEDULES: dict[str, dict[str, Any]] = {
                       "warmup_num_steps": 1000, "warmup_type": "log"},
     "WarmupCosineLR": {"total_num_steps": None, "warmup_min_ratio": 0.0,
                        "warmup_num_steps": 1000, "cos_min_ratio": 0.0001, "warmup_type": "log"},
+    "OneCycle": {"cycle_min_lr": None, "cycle_max_lr": None, "decay_lr_rate": 0.0,
+                 "cycle_first_step_size": 2000, "cycle_second_step_size": None,
+                 "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
+                 "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8,
+                 "cycle_max_mom": 0.9, "decay_mom_rate": 0.0},
+    "LRRangeTest": {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 2000,
+                    "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False},
 }  # fmt: skip
+# Keys whose value is a count of steps (an integer), a switch, or may be left null.
+_COUNTS = {"cycle_first_stair_count", "cycle_second_stair_count", "lr_range_test_step_size"}
+_SWITCHES = {"cycle_momentum", "lr_range_test_staircase"}
+_NULLABLE = {"cycle_second_step_size", "cycle_second_stair_count"}
 # zero_optimization key counted in parameters -> zerotune key in bytes.
 _ELEMENTS = {
     "stage3_prefetch_bucket_size": "prefetch_bytes",
@@ -441,6 +456,9 @@ def _scheduler(section: dict, args, match: _Matcher) -> dict[str, Any]:
     _unknown(given, set(_SCHEDULES[kind]), "scheduler.params.")
     if "total_num_steps" in _SCHEDULES[kind] and "total_num_steps" not in given:
         raise ConfigError(f'--deepspeed: {kind} needs scheduler.params.total_num_steps ("auto")')
+    for key in ("cycle_min_lr", "cycle_max_lr"):
+        if kind == "OneCycle" and key not in given:
+            raise ConfigError(f"--deepspeed: OneCycle needs scheduler.params.{key}")
     if given.get("warmup_min_lr") == "auto":
         given["warmup_min_lr"] = 0.0
     if given.get("warmup_max_lr") == "auto":
@@ -456,10 +474,21 @@ def _scheduler(section: dict, args, match: _Matcher) -> dict[str, Any]:
         elif key == "warmup_type":
             if value not in ("log", "linear"):
                 raise ConfigError(f'{where} must be "log" or "linear", got {value!r}')
+        elif key in _SWITCHES:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where} must be true or false, got {value!r}")
+        elif value is None and key in _NULLABLE:
+            continue
+        elif key in _COUNTS:
+            least = 1 if key == "lr_range_test_step_size" else 0
+            if type(value) is not int or value < least:
+                raise ConfigError(f"{where} must be an integer of at least {least}, got {value!r}")
         elif not all(_is_number(v) for v in (value if isinstance(value, list) else [value])):
             raise ConfigError(f"{where} must be a number, got {value!r}")
-        elif isinstance(value, list) and key.endswith("_ratio"):
+        elif isinstance(value, list) and not key.endswith(("_lr", "_mom")):
             raise ConfigError(f"{where} must be one number, got {value!r}")
+        elif key.endswith("step_size") and value <= (0 if key.startswith("cycle_first") else -1):
+            raise ConfigError(f"{where} must be positive, got {value!r}")
     if args.max_steps > 0:  # the run's length is known: check the step counts now
         _step_counts(given, args.max_steps, args.get_warmup_steps(args.max_steps))
     return {"type": kind, "params": given}
@@ -473,6 +502,10 @@ def deepspeed_schedule(section: dict, optimizer, num_training_steps: int, warmup
     """The ``DeepSpeedSchedule`` of a checked scheduler section for a run of
     ``num_training_steps`` updates whose Trainer counts ``warmup_steps`` warmup steps."""
     params = _step_counts(section["params"], num_training_steps, warmup_steps)
+    if section["type"] in ("OneCycle", "LRRangeTest"):
+        schedule = DeepSpeedCycle(optimizer, section["type"], params)
+        schedule.check_betas(num_training_steps)
+        return schedule
     return DeepSpeedSchedule(optimizer, section["type"], params)
 
 
@@ -543,6 +576,107 @@ class DeepSpeedSchedule(LRScheduler):
         progress = min(1.0, (step - self.warmup_num_steps + 1) / span)
         ratio = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * ratio)
+
+
+class DeepSpeedCycle(LRScheduler):
+    """DeepSpeed's OneCycle (learning rate and, with ``cycle_momentum``, Adam's betas) or
+    LRRangeTest, stepped as its engine steps them under the Trainer ([Note: DeepSpeed
+    schedules]); ``params`` as DeepSpeed takes them."""
+
+    def __init__(self, optimizer, kind: str, params: dict[str, Any]):
+        p = {**_SCHEDULES[kind], **params}
+        groups = optimizer.param_groups
+        self.kind = kind
+        if kind == "LRRangeTest":
+            self.min_lrs = _per_group(p["lr_range_test_min_lr"], groups, "lr_range_test_min_lr")
+            self.step_size: int = p["lr_range_test_step_size"]
+            self.step_rate: float = p["lr_range_test_step_rate"]
+            self.staircase: bool = p["lr_range_test_staircase"]
+            self.momentum = False
+        else:
+            first, second = p["cycle_first_step_size"], p["cycle_second_step_size"]
+            first, second = float(first), float(first if second is None else second)
+            self.first_size, self.second_size, self.total_size = first, second, first + second
+            self.first_stairs: int = p["cycle_first_stair_count"]
+            self.second_stairs: int = (self.first_stairs if p["cycle_second_stair_count"] is None
+                                       else p["cycle_second_stair_count"])  # fmt: skip
+            self.decay_size: float = p["decay_step_size"]
+            self.min_lrs = _per_group(p["cycle_min_lr"], groups, "cycle_min_lr")
+            self.max_lrs = _per_group(p["cycle_max_lr"], groups, "cycle_max_lr")
+            self.lr_decay: float = p["decay_lr_rate"]
+            self.mom_decay: float = p["decay_mom_rate"]
+            # As DeepSpeed: betas cycle only for an optimizer that has them; beta2 is 0.99.
+            self.momentum = bool(p["cycle_momentum"]) and "betas" in optimizer.defaults
+            self.min_moms = _per_group(p["cycle_min_mom"], groups, "cycle_min_mom")
+            self.max_moms = _per_group(p["cycle_max_mom"], groups, "cycle_max_mom")
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        step = self.last_epoch - 1  # DeepSpeed's last_batch_iteration
+        if step < 0:
+            return list(self.min_lrs)
+        if self.kind == "LRRangeTest":
+            interval = (step + 1) / self.step_size
+            rise = 1 + self.step_rate * (math.floor(interval) if self.staircase else interval)
+            return [lr * rise for lr in self.min_lrs]
+        if step < self.total_size:
+            scale = self._scale(step)
+            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        if math.isclose(self.decay_size, 0) or math.isclose(self.lr_decay, 0):
+            return list(self.min_lrs)
+        factor = 1 + self.lr_decay * (step - self.total_size + 1) / self.decay_size
+        return [lr / factor for lr in self.min_lrs]
+
+    def _betas(self, step: int) -> list[tuple[float, float]]:
+        if step < 0:
+            moms = self.min_moms
+        elif step < self.total_size:
+            scale = self._scale(step)
+            moms = [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
+        elif math.isclose(self.decay_size, 0) or math.isclose(self.mom_decay, 0):
+            moms = self.max_moms
+        else:
+            factor = 1 + self.mom_decay * (step - self.total_size + 1) / self.decay_size
+            moms = [m * factor for m in self.max_moms]
+        return [(m, 0.99) for m in moms]
+
+    def check_betas(self, num_training_steps: int) -> None:
+        """Refuse a momentum that leaves [0, 1) within the run (DeepSpeed would hand it to
+        the optimizer): the cycle stays between its bounds, the decay moves one way."""
+        if not self.momentum:
+            return
+        for step in (-1, 0, self.total_size - 1, num_training_steps - 2):
+            if not all(0 <= beta1 < 1 for beta1, _ in self._betas(int(step))):
+                raise ConfigError(
+                    "--deepspeed: OneCycle's momentum (Adam's beta1) leaves [0, 1) within the "
+                    f"run's {num_training_steps} steps (cycle_min_mom, cycle_max_mom, "
+                    "decay_mom_rate and decay_step_size)"
+                )
+
+    def _scale(self, step: int) -> float:
+        """Where iteration ``step`` is in its cycle: 0 at the bottom, 1 at the top."""
+        at = step + 1
+        x = 1.0 + at / self.total_size - math.floor(1 + at / self.total_size)
+        ratio = self.first_size / self.total_size
+        if x <= ratio:
+            scale, stairs = x / ratio, self.first_stairs
+        else:
+            scale, stairs = (x - 1) / (ratio - 1), self.second_stairs
+        if stairs > 0:
+            inside = at % self.total_size
+            if inside <= self.first_size:
+                position = inside * stairs / self.first_size
+            else:
+                position = (self.total_size - inside) * stairs / self.second_size
+            scale = math.floor(position) / stairs
+        return scale
+
+    def step(self, epoch=None) -> None:
+        """The rate, then the betas (a checkpoint restores both with the groups)."""
+        super().step(epoch)
+        if self.momentum:
+            for group, betas in zip(self.optimizer.param_groups, self._betas(self.last_epoch - 1)):
+                group["betas"] = betas
 
 
 def _per_group(value, groups, name: str) -> list[float]:
