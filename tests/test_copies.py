@@ -182,3 +182,63 @@ def test_resize_token_embeddings_of_a_sharded_model_is_transformers_resize(
         for plain, sharded in losses:
             assert sharded == pytest.approx(plain, rel=1e-5), losses
         assert trained < 1e-5, trained
+
+
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(vocab_size=90, hidden_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, intermediate_size=64))  # fmt: skip
+
+
+def _llama_padded():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=90, hidden_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1,
+                                        intermediate_size=64, pad_token_id=88))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "build,size",
+    [
+        (_bert, (100,)),  # a tied head with its own bias: padded with zeros, as tie_weights
+        (_bert, (80,)),
+        (_llama_padded, (80,)),  # the padding row 88 goes with the rows past 80
+        (_llama_padded, (97, 8)),
+    ],
+)
+def test_resize_keeps_a_tied_heads_bias_and_the_padding_row_as_transformers(build, size):
+    torch.manual_seed(1)
+    plain = build()
+    torch.manual_seed(1)
+    engine = zerotune.shard(build(), {"stage": 3})
+    torch.manual_seed(5)
+    plain.resize_token_embeddings(*size)
+    torch.manual_seed(5)
+    engine.module.resize_token_embeddings(*size)
+    got, expected = engine.full_state_dict(), plain.state_dict()
+    assert max(float((got[k] - expected[k]).abs().max()) for k in got) == 0.0
+    pad = plain.get_input_embeddings().padding_idx
+    assert engine.module.get_input_embeddings().padding_idx == pad
+    ids = torch.tensor([[1, 2, plain.config.vocab_size - 1, 3]])
+    plain.eval(), engine.module.eval()  # BERT's dropout
+    with torch.no_grad():
+        assert torch.equal(engine.module(input_ids=ids).logits, plain(input_ids=ids).logits)
+    engine.close()
+
+
+def test_a_model_with_its_own_resize_is_refused_before_anything_changes():
+    """BART resizes its final_logits_bias buffer in its own resize_token_embeddings."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(vocab_size=90, d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                        decoder_ffn_dim=64, max_position_embeddings=32)  # fmt: skip
+    engine = zerotune.shard(BartForConditionalGeneration(config), {"stage": 3})
+    units = engine.units
+    assert engine.module.resize_token_embeddings(90) is engine.module.get_input_embeddings()
+    with pytest.raises(RuntimeError, match="BartForConditionalGeneration has its own resize_token"):
+        engine.module.resize_token_embeddings(100)
+    assert engine.units is units and engine.module.config.vocab_size == 90
+    engine.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as tdist
+import torch.nn.functional as F
 from torch import nn
 
 from .. import dist as zdist
@@ -36,18 +37,31 @@ def resize_sharded(engine: ZeroEngine, new_num_tokens, pad_to_multiple_of, mean_
             values[id(s.param)] = flat[s.offset : s.offset + s.numel].view(s.shape)
     new_in, new_out = _resized(model, inp, out, values, new_num_tokens, pad_to_multiple_of,
                                mean_resizing)  # fmt: skip
+    rows = new_in.weight.shape[0]
     for m, new in ((inp, new_in), (out, new_out)):
-        if m is not None and (m is inp or _weight(m) is not _weight(inp)):
+        if m is None:
+            continue
+        if m is inp or _weight(m) is not _weight(inp):
             for name, p in m.named_parameters(recurse=False):
                 values[id(p)] = _same_on_every_rank(getattr(new, name).detach(), engine)
-    rows = new_in.weight.shape[0]
+        elif m._parameters.get("bias") is not None:  # a tied head's own bias, as tie_weights
+            bias = values[id(m._parameters["bias"])]
+            values[id(m._parameters["bias"])] = F.pad(bias, (0, rows - bias.shape[0]))
+        if isinstance(m, nn.Embedding):  # a padding row past the new end is gone
+            m.padding_idx = new.padding_idx if new is not None else new_in.padding_idx
     _rebuild(engine, values, {id(inp): rows, id(out): rows})
     model.config.get_text_config().vocab_size = rows
     model.vocab_size = rows
 
 
 def _refusal(engine: ZeroEngine) -> str:
+    from transformers import PreTrainedModel
+
     model = engine.module
+    for name in ("resize_token_embeddings", "_resize_token_embeddings"):
+        if getattr(type(model), name) is not getattr(PreTrainedModel, name):
+            return (f"{type(model).__name__} has its own {name} (it resizes more than the "
+                    "embedding and head); resize it before it is sharded")  # fmt: skip
     if engine.optimizer is not None:
         return "its optimizer exists already; resize before building it (before train())"
     if engine.tiled_from:

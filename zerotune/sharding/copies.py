@@ -30,8 +30,10 @@ embedding and head, runs transformers' own ``_get_resized_embeddings`` and
 the new rows are transformers' (rank 0's, broadcast), and ``ZeroEngine.reshard`` shards the
 same model object again, in place, by the same config: every parameter becomes a new
 placeholder of its shape, unchanged units copy their slices from the old ones, the others
-are cut from the resized tensors, and the old units' files go. It needs the model and the
-engine as they were built: no optimizer yet (as before ``train()``), no tiled linears; the
+are cut from the resized tensors, and the old units' files go. A tied head's own bias is
+padded and the padding row dropped past the end, as ``tie_weights`` and transformers do. It
+needs the model and engine as built: no optimizer yet (as before ``train()``), no tiled
+linears, no class resizing more than these (BART's own ``resize_token_embeddings``); the
 caller's references to parameter objects go stale (transformers keeps the objects), and
 compiled blocks or hand-registered external parameters are the caller's to set up again
 (ZeroTrainer compiles again).
