@@ -758,7 +758,7 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
         ),
         "deepspeed and config": (["--deepspeed", ds_clip, "--config", "zero3"], "keep one"),
         "deepspeed not json": (["--deepspeed", ds_broken], "cannot read"),
-        "deepspeed one cycle": (["--deepspeed", ds_cycle], "scheduler type 'OneCycle' is not"),
+        "deepspeed one cycle without its rates": (["--deepspeed", ds_cycle], "OneCycle needs "),
         "fsdp no shard": (["--fsdp", "no_shard"], "--fsdp no_shard (plain data parallelism"),
         "fsdp and deepspeed": (["--fsdp", "full_shard", "--deepspeed", ds_clip], "keep one"),
         "deepspeed schedule steps": (
