@@ -436,3 +436,79 @@ def test_a_parallelism_config_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     with pytest.raises(zerotune.ConfigError, match="a parallelism config .* cannot be combined"):
         ZeroTrainingArguments(output_dir="unused")
+
+
+TORCH_OPTIMIZERS = {
+    # DeepSpeed builds a type it does not run itself from torch.optim by its name.
+    "sgd": ("SGD", {"lr": "auto", "momentum": 0.9, "nesterov": True, "weight_decay": "auto"},
+            torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
+    "adagrad-nvme": ("adagrad", {"lr": "auto", "eps": "auto", "weight_decay": "auto",
+                                 "lr_decay": 0.01}, torch.optim.Adagrad, {"lr_decay": 0.01}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(TORCH_OPTIMIZERS))
+def test_a_torch_optimizer_section_trains_as_the_plain_trainer_with_it(tmp_path, case):
+    """Every parameter in one group (weight decay on biases and norms too), "auto" values
+    from the Trainer's arguments, the class's own keys passed on."""
+    from transformers import Trainer, TrainingArguments
+
+    kind, params, cls, extra = TORCH_OPTIMIZERS[case]
+
+    class Plain(Trainer):
+        def get_decay_parameter_names(self, model):
+            return [n for n, _ in model.named_parameters()]
+
+    kwargs = {"lr": COMMON["learning_rate"], **extra}
+    if cls is torch.optim.Adagrad:
+        kwargs["eps"] = 1e-8  # --adam_epsilon, for "auto"
+    plain = Plain(model=model(), args=TrainingArguments(output_dir=str(tmp_path / "p"), **COMMON),
+                  train_dataset=dataset(), optimizer_cls_and_kwargs=(cls, kwargs))  # fmt: skip
+    plain.train()
+    ds = {**DS_BASE, "optimizer": {"type": kind, "params": params}}
+    if case.endswith("nvme"):
+        nvme = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
+        ds["zero_optimization"] = {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme}
+    trainer = zero_run(str(tmp_path / "out"), deepspeed=ds)
+    assert trainer.args.weight_decay_all
+    torch.testing.assert_close(logged(trainer), logged(plain), rtol=RTOL, atol=0)
+    weights = trainer.engine.full_state_dict()
+    for name, p in plain.model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=RTOL, atol=RTOL, msg=name)
+    trainer.close()
+
+
+@pytest.mark.parametrize(
+    "optimizer, message",
+    [
+        ({"type": "Lamb"}, "optimizer 'Lamb' is DeepSpeed's own and not supported"),
+        ({"type": "sgd"}, "optimizer 'sgd' is neither Adam/AdamW nor a torch.optim class"),
+        (
+            {"type": "SGD", "params": {"momentun": 0.9}},
+            "'momentun' is not a DeepSpeed setting zerotune knows .did you mean 'momentum'",
+        ),
+        (
+            {"type": "SGD", "params": {"lr": 0.1}},
+            "optimizer.params.lr=0.1 but --learning_rate is 0.002",
+        ),
+        (
+            {"type": "SGD", "params": {"lr": "auto"}},
+            r"optimizer.params.weight_decay \(absent: 0\)=0 but --weight_decay is 0.1",
+        ),
+    ],
+)
+def test_optimizer_section_refusals(optimizer, message):
+    ds = {**DS_BASE, "optimizer": optimizer}
+    with pytest.raises(zerotune.ConfigError, match=message):
+        ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed=ds)
+
+
+def test_deepspeed_optimizer_without_a_config_file():
+    args = ZeroTrainingArguments(
+        output_dir="unused", **COMMON,
+        deepspeed_optimizer='{"type": "SGD", "params": {"lr": "auto", "weight_decay": "auto"}}',
+    )  # fmt: skip
+    assert args.deepspeed_optimizer == {"type": "SGD", "params": {"lr": 2e-3, "weight_decay": 0.1}}
+    assert args.weight_decay_all
+    with pytest.raises(zerotune.ConfigError, match="--deepspeed_optimizer: not JSON"):
+        ZeroTrainingArguments(output_dir="unused", deepspeed_optimizer="{SGD")

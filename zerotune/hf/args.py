@@ -136,18 +136,32 @@ class ZeroTrainingArguments(TrainingArguments):
     deepspeed_scheduler: dict | str | None = field(
         default=None,
         metadata={"help": "A DeepSpeed scheduler section as JSON (WarmupLR, WarmupDecayLR, "
-                  "WarmupCosineLR) run instead of --lr_scheduler_type, as DeepSpeed steps "
-                  "it; --deepspeed sets it from its config."},
+                  "WarmupCosineLR, OneCycle, LRRangeTest) run instead of --lr_scheduler_type, "
+                  "as DeepSpeed steps it; --deepspeed sets it from its config."},
+    )  # fmt: skip
+    deepspeed_optimizer: dict | str | None = field(
+        default=None,
+        metadata={"help": "A DeepSpeed optimizer section of a torch optimizer as JSON (e.g. "
+                  '{"type": "SGD", "params": {"lr": "auto", "momentum": 0.9}}), over every '
+                  "parameter in one group; --deepspeed sets it from its config."},
     )  # fmt: skip
 
     def __post_init__(self) -> None:
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # plain data: saved as JSON
-        from .deepspeed import LAUNCHER, check_deepspeed_scheduler, launcher_deepspeed_config
+        from .deepspeed import (
+            LAUNCHER,
+            check_deepspeed_optimizer,
+            check_deepspeed_scheduler,
+            launcher_deepspeed_config,
+        )
         from .fsdp import launcher_fsdp_settings
 
         if self.deepspeed_scheduler:  # given alone; one from --deepspeed is checked there
             self.deepspeed_scheduler = check_deepspeed_scheduler(self.deepspeed_scheduler, self)
+        if self.deepspeed_optimizer:
+            self.deepspeed_optimizer = check_deepspeed_optimizer(self.deepspeed_optimizer, self)
+            self.weight_decay_all = True  # one group, as DeepSpeed's
         self._launched_dtype()
         launched = launcher_deepspeed_config()  # always: the launchers' flags go
         launched_fsdp = launcher_fsdp_settings()
@@ -228,6 +242,7 @@ class ZeroTrainingArguments(TrainingArguments):
         except ConfigError as exc:
             raise ConfigError(str(exc).replace("--deepspeed", where, 1)) from None
         self.deepspeed_scheduler = trainer.get("deepspeed_scheduler", self.deepspeed_scheduler)
+        self.deepspeed_optimizer = trainer.get("deepspeed_optimizer", self.deepspeed_optimizer)
         if self.gather_weights_on_save is None:
             self.gather_weights_on_save = trainer.get("gather_weights_on_save")
         self.weight_decay_all = self.weight_decay_all or trainer.get("weight_decay_all", False)

@@ -14,60 +14,43 @@ DeepSpeed:
   requires; all mismatches are listed in one message. The Trainer leaves clipping to
   DeepSpeed, which clips at 1.0 when the key is missing: another --max_grad_norm is then a
   mismatch. An optimizer section gets every parameter in one group, so weight decay reaches
-  biases and norms too (`weight_decay_all`).
-- A `scheduler` section replaces the Trainer's schedule: [Note: DeepSpeed schedules].
+  biases and norms too (`weight_decay_all`). Adam/AdamW is ZeroAdamW; another type is the
+  torch.optim class of that name, as DeepSpeed takes it ("adagrad" too), run by
+  ZeroOptimizer with the class's own keys (`deepspeed_optimizer`); without a weight_decay
+  key DeepSpeed uses the class's default, so another --weight_decay is a mismatch.
+- A `scheduler` section replaces the Trainer's schedule: [Note: DeepSpeed schedules] in
+  ds_schedules.py.
 - Bucket, communication and monitoring knobs have no counterpart and are named in the log.
   Features zerotune cannot run as DeepSpeed does are refused by name: ZeRO++, MiCS,
-  ZenFlow, AutoTP, autocast, Apex AMP, bf16 master weights, summed gradients, optimizers
-  other than Adam/AdamW, a static fp16 loss scale. An unknown key is refused with the
-  nearest known one, where DeepSpeed would ignore a typo.
+  ZenFlow, AutoTP, autocast, Apex AMP, bf16 master weights, summed gradients, DeepSpeed's
+  own optimizers (Lamb, Lion, 1-bit, MuP, Muon), a static fp16 loss scale. An unknown key is
+  refused with the nearest known one, where DeepSpeed would ignore a typo.
 - `accelerate launch` with a DeepSpeed config sets ACCELERATE_USE_DEEPSPEED for its
   processes, and the Trainer would start DeepSpeed around the engine: the config accelerate's
   own `DeepSpeedPlugin` builds (its mixed_precision set) is read as `--deepspeed`'s, and the
   variable is removed from the process.
-
-[Note: DeepSpeed schedules]
-Under transformers a DeepSpeed scheduler section is built and stepped by DeepSpeed's engine,
-not the Trainer; `DeepSpeedSchedule` (warmups) and `DeepSpeedCycle` (OneCycle, LRRangeTest)
-give the same learning rate at every step:
-- Its constructor already sets the rate, to `warmup_min_lr` (0 for "auto"; a ratio of 0 for
-  WarmupCosineLR), and each step's `step()` moves it to the value for iteration
-  `step - 1`: the first update runs at the minimum, and with the log warmup (the default)
-  the second does too. Iteration i of the warmup is `log(i + 1) / log(N)` of the way up
-  (`i / N` for "linear"), N = max(2, warmup_num_steps).
-- "auto" values are transformers': warmup_min_lr 0, warmup_max_lr the learning rate,
-  total_num_steps the run's steps, warmup_num_steps max(1, the Trainer's warmup steps).
-  Given values of the last three must equal those (checked when the schedule is built,
-  as transformers does); a key left out takes DeepSpeed's default (1000 warmup steps).
-- OneCycle with `cycle_momentum` sets each group's betas to (momentum, 0.99) too, as
-  DeepSpeed does, for an optimizer that has betas; a momentum that would leave [0, 1)
-  within the run is refused when the schedule is built. Its keys have no "auto".
-- The rate is a torch `LRScheduler`'s, so the Trainer steps it after each update (not
-  after a skipped fp16 step, as DeepSpeed), logs it, and zerotune's checkpoints keep it.
-- `--lr_scheduler_type` and warmup's shape are then DeepSpeed's, as under transformers.
-  The rate logged is the one the step used; under DeepSpeed transformers logs the next.
-`tests/test_deepspeed_configs.py` runs DeepSpeed's own classes in a plain Trainer as the
-reference.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import json
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Any
 
-from torch.optim.lr_scheduler import LRScheduler
+import torch
 
 from ..config import ConfigError, did_you_mean, first_line
+from .ds_schedules import SCHEDULES, DeepSpeedCycle, DeepSpeedSchedule
 
 __all__ = [
-    "DeepSpeedSchedule",
+    "check_deepspeed_optimizer",
     "check_deepspeed_scheduler",
+    "deepspeed_optimizer",
     "deepspeed_schedule",
     "deepspeed_zero_base",
     "launcher_deepspeed_config",
@@ -138,27 +121,14 @@ _AIO_IGNORED = {"single_submit", "overlap_events", "use_gds"}
 _FP16 = {"loss_scale_window": "loss_scale_window", "min_loss_scale": "loss_scale_min",
          "hysteresis": "loss_scale_hysteresis",
          "consecutive_hysteresis": "loss_scale_consecutive_hysteresis"}  # fmt: skip
-# DeepSpeed's schedules zerotune runs: the keys each takes, with DeepSpeed's defaults
-# (deepspeed.runtime.lr_schedules; None: required, or the optimizer's learning rate).
-_SCHEDULES: dict[str, dict[str, Any]] = {
-    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
-                 "warmup_type": "log"},
-    "WarmupDecayLR": {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
-                      "warmup_num_steps": 1000, "warmup_type": "log"},
-    "WarmupCosineLR": {"total_num_steps": None, "warmup_min_ratio": 0.0,
-                       "warmup_num_steps": 1000, "cos_min_ratio": 0.0001, "warmup_type": "log"},
-    "OneCycle": {"cycle_min_lr": None, "cycle_max_lr": None, "decay_lr_rate": 0.0,
-                 "cycle_first_step_size": 2000, "cycle_second_step_size": None,
-                 "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
-                 "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8,
-                 "cycle_max_mom": 0.9, "decay_mom_rate": 0.0},
-    "LRRangeTest": {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 2000,
-                    "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False},
-}  # fmt: skip
-# Keys whose value is a count of steps (an integer), a switch, or may be left null.
+# Schedule keys (ds_schedules.SCHEDULES) that take a count of steps (an integer), a switch,
+# or may be null.
 _COUNTS = {"cycle_first_stair_count", "cycle_second_stair_count", "lr_range_test_step_size"}
 _SWITCHES = {"cycle_momentum", "lr_range_test_staircase"}
 _NULLABLE = {"cycle_second_step_size", "cycle_second_stair_count"}
+# DeepSpeed's own optimizers (the others it takes from torch.optim by name).
+_DEEPSPEED_OWN = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam", "muadamw",
+                  "musgd", "muon"}  # fmt: skip
 # zero_optimization key counted in parameters -> zerotune key in bytes.
 _ELEMENTS = {
     "stage3_prefetch_bucket_size": "prefetch_bytes",
@@ -338,9 +308,12 @@ def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, An
         if fp16.get(ds_key) not in (None, "auto"):
             out[key] = fp16[ds_key]
     out["loss_scale_rule"] = "deepspeed"  # [Note: two loss-scale rules]
-    if _optimizer(_section(data, "optimizer"), args, match):
+    optimizer = _optimizer(_section(data, "optimizer"), args, match)
+    if optimizer:
         # transformers hands DeepSpeed's optimizer every parameter in one group.
         trainer["weight_decay_all"] = True
+    if isinstance(optimizer, dict):  # a torch optimizer's section
+        trainer["deepspeed_optimizer"] = optimizer
     if data.get("scheduler"):
         trainer["deepspeed_scheduler"] = _scheduler(_section(data, "scheduler"), args, match)
     zero = _zero(data, 2 if args.bf16 or args.fp16 else 4, out, trainer)
@@ -384,13 +357,19 @@ def _features_off(data: dict) -> None:
                           "supported; use --bf16 or --fp16")  # fmt: skip
 
 
-def _optimizer(section: dict, args, match: _Matcher) -> bool:
-    """Check an optimizer section against ``args``; whether there is one."""
+def _optimizer(section: dict, args, match: _Matcher) -> bool | dict:
+    """Check an optimizer section against ``args``; whether there is one (a torch
+    optimizer's: the section, resolved)."""
     if not section:
         return False
     _unknown(section, {"type", "params"}, "optimizer.")
     kind = str(section.get("type", ""))
     params = section.get("params") or {}
+    if kind.lower() in _DEEPSPEED_OWN:
+        raise ConfigError(f"--deepspeed: optimizer {kind!r} is DeepSpeed's own and not supported: "
+                          "remove the optimizer section and choose --optim")  # fmt: skip
+    if kind.lower() not in ("adam", "adamw"):
+        return _torch_section(kind, params, args, match)
     # DeepSpeed runs AdamW for "AdamW" whatever adam_w_mode says, and for "Adam" unless it
     # is false.
     if kind.lower() not in ("adam", "adamw") or (
@@ -425,6 +404,67 @@ def _optimizer(section: dict, args, match: _Matcher) -> bool:
     return True
 
 
+def _torch_class(kind: str):
+    """The torch optimizer DeepSpeed builds for a type it does not run itself: torch.optim's
+    class of that exact name (its "adagrad" is torch's Adagrad too), or None."""
+    cls = torch.optim.Adagrad if kind.lower() == "adagrad" else getattr(torch.optim, kind, None)
+    return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
+
+
+def _torch_section(kind: str, params: dict, args, match: _Matcher) -> dict:
+    """A torch optimizer's section ([Note: DeepSpeed configs]): its keys are the class's,
+    "auto" and matching values as transformers fills and checks them."""
+    cls = _torch_class(kind)
+    if cls is None:
+        raise ConfigError(f"--deepspeed: optimizer {kind!r} is neither Adam/AdamW nor a torch."
+                          "optim class (DeepSpeed takes those by their exact name)")  # fmt: skip
+    signature = inspect.signature(cls.__init__).parameters
+    _unknown(params, set(signature) - {"self", "params"}, "optimizer.params.")
+    resolved = dict(params)
+    for key, value, flag in (("lr", args.learning_rate, "--learning_rate"),
+                             ("eps", args.adam_epsilon, "--adam_epsilon"),
+                             ("betas", [args.adam_beta1, args.adam_beta2], "--adam_beta1/2"),
+                             ("weight_decay", args.weight_decay, "--weight_decay")):  # fmt: skip
+        if resolved.get(key) == "auto":
+            resolved[key] = value
+        elif key in resolved:
+            match(resolved[key], value, f"optimizer.params.{key}", flag)
+    default = signature["weight_decay"].default if "weight_decay" in signature else 0.0
+    if "weight_decay" not in resolved and args.weight_decay != default:
+        # DeepSpeed builds it with the class's own; the Trainer's groups carry --weight_decay.
+        match(default, args.weight_decay, f"optimizer.params.weight_decay (absent: {default})",
+              "--weight_decay")  # fmt: skip
+    return {"type": kind, "params": resolved}
+
+
+def check_deepspeed_optimizer(value: str | dict, args) -> dict[str, Any]:
+    """``--deepspeed_optimizer`` (a DeepSpeed optimizer section of a torch optimizer, a dict
+    or JSON) checked against ``args`` as ``--deepspeed``'s; raises ConfigError in one line."""
+    section = value
+    if isinstance(value, str):
+        try:
+            section = json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(f"--deepspeed_optimizer: not JSON: {exc}") from None
+    if not isinstance(section, dict) or not isinstance(section.get("type"), str):
+        raise ConfigError(f'--deepspeed_optimizer must be a JSON object with a "type": {value!r}')
+    _unknown(section, {"type", "params"}, "optimizer.")
+    match = _Matcher()
+    checked = _torch_section(section["type"], dict(section.get("params") or {}), args, match)
+    if match.mismatches:
+        raise ConfigError(f'--deepspeed: {"; ".join(match.mismatches)} (use "auto")')
+    return checked
+
+
+def deepspeed_optimizer(section: dict) -> tuple[type, dict[str, Any]]:
+    """``(class, keyword arguments)`` of a checked torch optimizer section, for the Trainer's
+    ``optimizer_cls_and_kwargs``."""
+    cls = _torch_class(section["type"])
+    if cls is None:
+        raise ConfigError(f"deepspeed_optimizer: {section['type']!r} is not a torch optimizer")
+    return cls, dict(section["params"])
+
+
 def check_deepspeed_scheduler(value: str | dict, args) -> dict[str, Any]:
     """``--deepspeed_scheduler`` (a DeepSpeed scheduler section, a dict or JSON) checked
     against ``args``, as ``_scheduler`` leaves it; raises ConfigError in one line."""
@@ -444,17 +484,18 @@ def check_deepspeed_scheduler(value: str | dict, args) -> dict[str, Any]:
 
 def _scheduler(section: dict, args, match: _Matcher) -> dict[str, Any]:
     """A scheduler section checked, with "auto" learning rates resolved from ``args``;
-    step counts stay "auto" until the run's length is known ([Note: DeepSpeed schedules])."""
+    step counts stay "auto" until the run's length is known ([Note: DeepSpeed schedules] in
+    ds_schedules.py)."""
     _unknown(section, {"type", "params"}, "scheduler.")
     kind = section.get("type")
-    if kind not in _SCHEDULES:
+    if kind not in SCHEDULES:
         raise ConfigError(
             f"--deepspeed: scheduler type {kind!r} is not supported (zerotune runs "
-            f"{', '.join(_SCHEDULES)}; or remove the section for --lr_scheduler_type)"
+            f"{', '.join(SCHEDULES)}; or remove the section for --lr_scheduler_type)"
         )
     given = dict(section.get("params") or {})
-    _unknown(given, set(_SCHEDULES[kind]), "scheduler.params.")
-    if "total_num_steps" in _SCHEDULES[kind] and "total_num_steps" not in given:
+    _unknown(given, set(SCHEDULES[kind]), "scheduler.params.")
+    if "total_num_steps" in SCHEDULES[kind] and "total_num_steps" not in given:
         raise ConfigError(f'--deepspeed: {kind} needs scheduler.params.total_num_steps ("auto")')
     for key in ("cycle_min_lr", "cycle_max_lr"):
         if kind == "OneCycle" and key not in given:
@@ -523,171 +564,6 @@ def _step_counts(params: dict, num_training_steps: int, warmup_steps: int) -> di
     if mismatches:
         raise ConfigError(f'--deepspeed: {"; ".join(mismatches)} (use "auto")')
     return params
-
-
-class DeepSpeedSchedule(LRScheduler):
-    """DeepSpeed's WarmupLR, WarmupDecayLR or WarmupCosineLR, stepped as its engine steps
-    them under the Trainer ([Note: DeepSpeed schedules]). ``params`` as DeepSpeed takes them
-    (no "auto" left)."""
-
-    def __init__(self, optimizer, kind: str, params: dict[str, Any]):
-        p = {**_SCHEDULES[kind], **params}
-        self.kind = kind
-        self.warmup_type: str = p["warmup_type"]
-        self.warmup_num_steps: int = max(2, p["warmup_num_steps"])
-        self.inverse_log_warmup = 1.0 / math.log(self.warmup_num_steps)
-        self.total_num_steps: int | None = p.get("total_num_steps")
-        groups = optimizer.param_groups
-        self.min_lrs = _per_group(p.get("warmup_min_lr", 0.0), groups, "warmup_min_lr")
-        top = p.get("warmup_max_lr")
-        self.max_lrs = _per_group([g["lr"] for g in groups] if top is None else top, groups,
-                                  "warmup_max_lr")  # fmt: skip
-        self.warmup_min_ratio: float = p.get("warmup_min_ratio", 0.0)
-        self.cos_min_ratio: float = p.get("cos_min_ratio", 0.0)
-        super().__init__(optimizer)
-
-    def get_lr(self) -> list[float]:
-        step = self.last_epoch - 1  # DeepSpeed's last_batch_iteration
-        if self.kind == "WarmupCosineLR":
-            ratio = 0.0 if step < 0 else self._cosine_ratio(step)
-            return [lr * ratio for lr in self.base_lrs]
-        if step < 0:
-            return list(self.min_lrs)
-        gamma = self._gamma(step)
-        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
-
-    def _warmup(self, step: int) -> float:
-        if self.warmup_type == "log":
-            return self.inverse_log_warmup * math.log(step + 1)
-        return step / self.warmup_num_steps
-
-    def _gamma(self, step: int) -> float:
-        if step < self.warmup_num_steps:
-            return self._warmup(step)
-        if self.kind == "WarmupDecayLR":
-            left = float(self.total_num_steps - step)
-            return max(0.0, left / float(max(1.0, self.total_num_steps - self.warmup_num_steps)))
-        return 1.0
-
-    def _cosine_ratio(self, step: int) -> float:
-        if step < self.warmup_num_steps:
-            return self.warmup_min_ratio + self._warmup(step) * (1.0 - self.warmup_min_ratio)
-        span = max(1, self.total_num_steps - self.warmup_num_steps)
-        progress = min(1.0, (step - self.warmup_num_steps + 1) / span)
-        ratio = (1 + math.cos(math.pi * progress)) / 2
-        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * ratio)
-
-
-class DeepSpeedCycle(LRScheduler):
-    """DeepSpeed's OneCycle (learning rate and, with ``cycle_momentum``, Adam's betas) or
-    LRRangeTest, stepped as its engine steps them under the Trainer ([Note: DeepSpeed
-    schedules]); ``params`` as DeepSpeed takes them."""
-
-    def __init__(self, optimizer, kind: str, params: dict[str, Any]):
-        p = {**_SCHEDULES[kind], **params}
-        groups = optimizer.param_groups
-        self.kind = kind
-        if kind == "LRRangeTest":
-            self.min_lrs = _per_group(p["lr_range_test_min_lr"], groups, "lr_range_test_min_lr")
-            self.step_size: int = p["lr_range_test_step_size"]
-            self.step_rate: float = p["lr_range_test_step_rate"]
-            self.staircase: bool = p["lr_range_test_staircase"]
-            self.momentum = False
-        else:
-            first, second = p["cycle_first_step_size"], p["cycle_second_step_size"]
-            first, second = float(first), float(first if second is None else second)
-            self.first_size, self.second_size, self.total_size = first, second, first + second
-            self.first_stairs: int = p["cycle_first_stair_count"]
-            self.second_stairs: int = (self.first_stairs if p["cycle_second_stair_count"] is None
-                                       else p["cycle_second_stair_count"])  # fmt: skip
-            self.decay_size: float = p["decay_step_size"]
-            self.min_lrs = _per_group(p["cycle_min_lr"], groups, "cycle_min_lr")
-            self.max_lrs = _per_group(p["cycle_max_lr"], groups, "cycle_max_lr")
-            self.lr_decay: float = p["decay_lr_rate"]
-            self.mom_decay: float = p["decay_mom_rate"]
-            # As DeepSpeed: betas cycle only for an optimizer that has them; beta2 is 0.99.
-            self.momentum = bool(p["cycle_momentum"]) and "betas" in optimizer.defaults
-            self.min_moms = _per_group(p["cycle_min_mom"], groups, "cycle_min_mom")
-            self.max_moms = _per_group(p["cycle_max_mom"], groups, "cycle_max_mom")
-        super().__init__(optimizer)
-
-    def get_lr(self) -> list[float]:
-        step = self.last_epoch - 1  # DeepSpeed's last_batch_iteration
-        if step < 0:
-            return list(self.min_lrs)
-        if self.kind == "LRRangeTest":
-            interval = (step + 1) / self.step_size
-            rise = 1 + self.step_rate * (math.floor(interval) if self.staircase else interval)
-            return [lr * rise for lr in self.min_lrs]
-        if step < self.total_size:
-            scale = self._scale(step)
-            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
-        if math.isclose(self.decay_size, 0) or math.isclose(self.lr_decay, 0):
-            return list(self.min_lrs)
-        factor = 1 + self.lr_decay * (step - self.total_size + 1) / self.decay_size
-        return [lr / factor for lr in self.min_lrs]
-
-    def _betas(self, step: int) -> list[tuple[float, float]]:
-        if step < 0:
-            moms = self.min_moms
-        elif step < self.total_size:
-            scale = self._scale(step)
-            moms = [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
-        elif math.isclose(self.decay_size, 0) or math.isclose(self.mom_decay, 0):
-            moms = self.max_moms
-        else:
-            factor = 1 + self.mom_decay * (step - self.total_size + 1) / self.decay_size
-            moms = [m * factor for m in self.max_moms]
-        return [(m, 0.99) for m in moms]
-
-    def check_betas(self, num_training_steps: int) -> None:
-        """Refuse a momentum that leaves [0, 1) within the run (DeepSpeed would hand it to
-        the optimizer): the cycle stays between its bounds, the decay moves one way."""
-        if not self.momentum:
-            return
-        for step in (-1, 0, self.total_size - 1, num_training_steps - 2):
-            if not all(0 <= beta1 < 1 for beta1, _ in self._betas(int(step))):
-                raise ConfigError(
-                    "--deepspeed: OneCycle's momentum (Adam's beta1) leaves [0, 1) within the "
-                    f"run's {num_training_steps} steps (cycle_min_mom, cycle_max_mom, "
-                    "decay_mom_rate and decay_step_size)"
-                )
-
-    def _scale(self, step: int) -> float:
-        """Where iteration ``step`` is in its cycle: 0 at the bottom, 1 at the top."""
-        at = step + 1
-        x = 1.0 + at / self.total_size - math.floor(1 + at / self.total_size)
-        ratio = self.first_size / self.total_size
-        if x <= ratio:
-            scale, stairs = x / ratio, self.first_stairs
-        else:
-            scale, stairs = (x - 1) / (ratio - 1), self.second_stairs
-        if stairs > 0:
-            inside = at % self.total_size
-            if inside <= self.first_size:
-                position = inside * stairs / self.first_size
-            else:
-                position = (self.total_size - inside) * stairs / self.second_size
-            scale = math.floor(position) / stairs
-        return scale
-
-    def step(self, epoch=None) -> None:
-        """The rate, then the betas (a checkpoint restores both with the groups)."""
-        super().step(epoch)
-        if self.momentum:
-            for group, betas in zip(self.optimizer.param_groups, self._betas(self.last_epoch - 1)):
-                group["betas"] = betas
-
-
-def _per_group(value, groups, name: str) -> list[float]:
-    if isinstance(value, list):
-        if len(value) != len(groups):
-            raise ConfigError(
-                f"--deepspeed: scheduler.params.{name} lists {len(value)} values for "
-                f"{len(groups)} parameter groups"
-            )
-        return [float(v) for v in value]
-    return [float(value)] * len(groups)
 
 
 def deepspeed_zero_base(data: dict[str, Any]) -> dict[str, Any]:

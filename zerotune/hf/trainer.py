@@ -84,7 +84,7 @@ from .checkpoints import (
 )
 from .companions import TEACHER, Companions, adapt_callback, trl_class
 from .configs import describe_config
-from .deepspeed import deepspeed_schedule
+from .deepspeed import deepspeed_optimizer, deepspeed_schedule
 from .generation import gather_for_generation
 from .optimizers import (
     ModelGroup,
@@ -216,10 +216,10 @@ class ZeroTrainer(Trainer):
             driven_by_trainer(optimizer)  # built over this engine's shards already
         else:
             # Built over the model's parameters: the same class over the shards.
-            kwargs["optimizers"] = (
-                rebuild_over_shards(self.engine, optimizer, scheduler),
-                scheduler,
-            )
+            rebuilt = rebuild_over_shards(self.engine, optimizer, scheduler)
+            kwargs["optimizers"] = (rebuilt, scheduler)
+        if args.deepspeed_optimizer and not (optimizer or kwargs.get("optimizer_cls_and_kwargs")):
+            kwargs["optimizer_cls_and_kwargs"] = deepspeed_optimizer(args.deepspeed_optimizer)
         units = getattr(self.engine, "units", None)
         super().__init__(model=model, args=args, **kwargs)
         if units is not None and self.engine.units is not units:  # resharded by cls.__init__:
@@ -409,7 +409,7 @@ class ZeroTrainer(Trainer):
         return self.engine
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        section = self.args.deepspeed_scheduler  # [Note: DeepSpeed schedules]
+        section = self.args.deepspeed_scheduler  # [Note: DeepSpeed schedules] (ds_schedules)
         if self.lr_scheduler is None and section:
             warmup = self.args.get_warmup_steps(num_training_steps)
             opt = optimizer or self.optimizer
