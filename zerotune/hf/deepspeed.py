@@ -257,6 +257,11 @@ class _Matcher:
         if not same:
             self.mismatches.append(f"{ds_key}={value!r} but {flag} is {expected!r}")
 
+    def refuse_any(self) -> None:
+        """A section given alone: its mismatches in one line."""
+        if self.mismatches:
+            raise ConfigError(f'--deepspeed: {"; ".join(self.mismatches)} (use "auto")')
+
 
 def zero_config_from_deepspeed(data: dict[str, Any], args) -> tuple[dict[str, Any], dict]:
     """``(zerotune config mapping, Trainer argument values)`` from a DeepSpeed config, checked
@@ -372,13 +377,11 @@ def _optimizer(section: dict, args, match: _Matcher) -> bool | dict:
         return _torch_section(kind, params, args, match)
     # DeepSpeed runs AdamW for "AdamW" whatever adam_w_mode says, and for "Adam" unless it
     # is false.
-    if kind.lower() not in ("adam", "adamw") or (
-        kind.lower() == "adam" and params.get("adam_w_mode") is False
-    ):
-        what = f"{kind} with adam_w_mode false" if kind.lower() == "adam" else kind
+    if kind.lower() == "adam" and params.get("adam_w_mode") is False:
         raise ConfigError(
-            f"--deepspeed: optimizer {what!r} is not supported from a DeepSpeed config: "
-            "remove the optimizer section and choose --optim (AdamW is zerotune's own)"
+            f"--deepspeed: optimizer '{kind} with adam_w_mode false' is not supported from a "
+            "DeepSpeed config: remove the optimizer section and choose --optim (AdamW is "
+            "zerotune's own)"
         )
     if not args.uses_zero_adamw:
         raise ConfigError(
@@ -390,18 +393,30 @@ def _optimizer(section: dict, args, match: _Matcher) -> bool | dict:
     if params.get("bias_correction") is False or params.get("amsgrad"):
         raise ConfigError("--deepspeed: Adam without bias correction, or AMSGrad, is not "
                           "supported")  # fmt: skip
-    match(params.get("lr"), args.learning_rate, "optimizer.params.lr", "--learning_rate")
-    betas = params.get("betas")
+    _trainer_values(params, args, match)
+    return True
+
+
+def _trainer_values(params: dict, args, match: _Matcher) -> dict:
+    """``params`` with the values the Trainer's arguments also set (lr, betas, eps,
+    weight_decay) "auto"-filled from ``args``; given ones must equal them, as transformers
+    checks an optimizer section of any type."""
+    resolved = dict(params)
+    betas = resolved.get("betas")
     if betas not in (None, "auto"):
         if not (isinstance(betas, list) and len(betas) == 2 and all(map(_is_number, betas))):
             raise ConfigError(f"--deepspeed: optimizer.params.betas must be two numbers or "
                               f'"auto", got {betas!r}')  # fmt: skip
-        match(betas, [args.adam_beta1, args.adam_beta2], "optimizer.params.betas",
-              "--adam_beta1/--adam_beta2")  # fmt: skip
-    match(params.get("eps"), args.adam_epsilon, "optimizer.params.eps", "--adam_epsilon")
-    match(params.get("weight_decay"), args.weight_decay, "optimizer.params.weight_decay",
-          "--weight_decay")  # fmt: skip
-    return True
+    for key, value, flag in (("lr", args.learning_rate, "--learning_rate"),
+                             ("betas", [args.adam_beta1, args.adam_beta2],
+                              "--adam_beta1/--adam_beta2"),
+                             ("eps", args.adam_epsilon, "--adam_epsilon"),
+                             ("weight_decay", args.weight_decay, "--weight_decay")):  # fmt: skip
+        if resolved.get(key) == "auto":
+            resolved[key] = value
+        elif key in resolved:
+            match(resolved[key], value, f"optimizer.params.{key}", flag)
+    return resolved
 
 
 def _torch_class(kind: str):
@@ -420,15 +435,7 @@ def _torch_section(kind: str, params: dict, args, match: _Matcher) -> dict:
                           "optim class (DeepSpeed takes those by their exact name)")  # fmt: skip
     signature = inspect.signature(cls.__init__).parameters
     _unknown(params, set(signature) - {"self", "params"}, "optimizer.params.")
-    resolved = dict(params)
-    for key, value, flag in (("lr", args.learning_rate, "--learning_rate"),
-                             ("eps", args.adam_epsilon, "--adam_epsilon"),
-                             ("betas", [args.adam_beta1, args.adam_beta2], "--adam_beta1/2"),
-                             ("weight_decay", args.weight_decay, "--weight_decay")):  # fmt: skip
-        if resolved.get(key) == "auto":
-            resolved[key] = value
-        elif key in resolved:
-            match(resolved[key], value, f"optimizer.params.{key}", flag)
+    resolved = _trainer_values(params, args, match)
     default = signature["weight_decay"].default if "weight_decay" in signature else 0.0
     if "weight_decay" not in resolved and args.weight_decay != default:
         # DeepSpeed builds it with the class's own; the Trainer's groups carry --weight_decay.
@@ -440,46 +447,41 @@ def _torch_section(kind: str, params: dict, args, match: _Matcher) -> dict:
 def check_deepspeed_optimizer(value: str | dict, args) -> dict[str, Any]:
     """``--deepspeed_optimizer`` (a DeepSpeed optimizer section of a torch optimizer, a dict
     or JSON) checked against ``args`` as ``--deepspeed``'s; raises ConfigError in one line."""
-    section = value
-    if isinstance(value, str):
-        try:
-            section = json.loads(value)
-        except ValueError as exc:
-            raise ConfigError(f"--deepspeed_optimizer: not JSON: {exc}") from None
-    if not isinstance(section, dict) or not isinstance(section.get("type"), str):
-        raise ConfigError(f'--deepspeed_optimizer must be a JSON object with a "type": {value!r}')
+    section = _json_object(value, "--deepspeed_optimizer")
+    if not isinstance(section.get("type"), str):
+        raise ConfigError(f'--deepspeed_optimizer needs a "type" (a torch optimizer): {value!r}')
     _unknown(section, {"type", "params"}, "optimizer.")
     match = _Matcher()
     checked = _torch_section(section["type"], dict(section.get("params") or {}), args, match)
-    if match.mismatches:
-        raise ConfigError(f'--deepspeed: {"; ".join(match.mismatches)} (use "auto")')
+    match.refuse_any()
     return checked
 
 
 def deepspeed_optimizer(section: dict) -> tuple[type, dict[str, Any]]:
     """``(class, keyword arguments)`` of a checked torch optimizer section, for the Trainer's
     ``optimizer_cls_and_kwargs``."""
-    cls = _torch_class(section["type"])
-    if cls is None:
-        raise ConfigError(f"deepspeed_optimizer: {section['type']!r} is not a torch optimizer")
-    return cls, dict(section["params"])
+    return _torch_class(section["type"]), dict(section["params"])
 
 
 def check_deepspeed_scheduler(value: str | dict, args) -> dict[str, Any]:
     """``--deepspeed_scheduler`` (a DeepSpeed scheduler section, a dict or JSON) checked
     against ``args``, as ``_scheduler`` leaves it; raises ConfigError in one line."""
+    match = _Matcher()
+    section = _scheduler(_json_object(value, "--deepspeed_scheduler"), args, match)
+    match.refuse_any()
+    return section
+
+
+def _json_object(value: str | dict, flag: str) -> dict:
+    """A section given alone to ``flag``: a dict, or its JSON."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError as exc:
-            raise ConfigError(f"--deepspeed_scheduler: not JSON: {exc}") from None
+            raise ConfigError(f"{flag}: not JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"--deepspeed_scheduler must be a JSON object, got {value!r}")
-    match = _Matcher()
-    section = _scheduler(value, args, match)
-    if match.mismatches:
-        raise ConfigError(f'--deepspeed: {"; ".join(match.mismatches)} (use "auto")')
-    return section
+        raise ConfigError(f"{flag} must be a JSON object, got {value!r}")
+    return value
 
 
 def _scheduler(section: dict, args, match: _Matcher) -> dict[str, Any]:

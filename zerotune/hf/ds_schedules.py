@@ -153,9 +153,7 @@ class DeepSpeedCycle(LRScheduler):
         if step < self.total_size:
             scale = self._scale(step)
             return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
-        if math.isclose(self.decay_size, 0) or math.isclose(self.lr_decay, 0):
-            return list(self.min_lrs)
-        factor = 1 + self.lr_decay * (step - self.total_size + 1) / self.decay_size
+        factor = self._decay(self.lr_decay, step)
         return [lr / factor for lr in self.min_lrs]
 
     def _betas(self, step: int) -> list[tuple[float, float]]:
@@ -164,12 +162,16 @@ class DeepSpeedCycle(LRScheduler):
         elif step < self.total_size:
             scale = self._scale(step)
             moms = [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
-        elif math.isclose(self.decay_size, 0) or math.isclose(self.mom_decay, 0):
-            moms = self.max_moms
         else:
-            factor = 1 + self.mom_decay * (step - self.total_size + 1) / self.decay_size
+            factor = self._decay(self.mom_decay, step)
             moms = [m * factor for m in self.max_moms]
         return [(m, 0.99) for m in moms]
+
+    def _decay(self, rate: float, step: int) -> float:
+        """The factor after the cycle (1 where DeepSpeed skips the decay)."""
+        if math.isclose(self.decay_size, 0) or math.isclose(rate, 0):
+            return 1.0
+        return 1 + rate * (step - self.total_size + 1) / self.decay_size
 
     def check_betas(self, num_training_steps: int) -> None:
         """Refuse a momentum that leaves [0, 1) within the run (DeepSpeed would hand it to

@@ -229,20 +229,27 @@ class _Materializer:
         self.written.clear()
 
 
-def realize_placeholders(model: nn.Module, device: torch.device) -> None:
+def realize_placeholders(
+    model: nn.Module, device: torch.device, shape_of=None
+) -> dict[int, nn.Parameter]:
     """Swap every meta parameter for a parameter on ``device`` whose data is a zero-stride
-    placeholder of the right shape (one element of memory). Tied parameters stay tied.
-    Done once, before any reference to the parameters is taken: the engine keeps these
-    objects for good."""
+    placeholder of the right shape (one element of memory); with ``shape_of``, every
+    parameter, for one of the shape it gives (a sharded model shaped anew). Tied parameters
+    stay tied. Done before any reference to the parameters is taken: the engine keeps these
+    objects for good. Returns each new parameter's id -> the parameter it replaced."""
     swapped: dict[int, nn.Parameter] = {}
+    replaced: dict[int, nn.Parameter] = {}
     for m in model.modules():
         for name, p in m._parameters.items():
-            if p is None or not p.is_meta:
+            if p is None or (shape_of is None and not p.is_meta):
                 continue
             if id(p) not in swapped:
-                placeholder = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape)
+                shape = p.shape if shape_of is None else shape_of(p)
+                placeholder = torch.empty(1, dtype=p.dtype, device=device).expand(shape)
                 swapped[id(p)] = nn.Parameter(placeholder, requires_grad=p.requires_grad)
+                replaced[id(swapped[id(p)])] = p
             m._parameters[name] = swapped[id(p)]
+    return replaced
 
 
 def materialize_buffers(modules: list[nn.Module], device: torch.device) -> list[nn.Module]:

@@ -11,6 +11,7 @@ from torch import nn
 
 from .. import dist as zdist
 from ..sharding.engine import ZeroEngine
+from .construct import realize_placeholders
 
 __all__ = ["resize_sharded"]
 
@@ -48,7 +49,7 @@ def resize_sharded(engine: ZeroEngine, new_num_tokens, pad_to_multiple_of, mean_
             bias = values[id(m._parameters["bias"])]
             values[id(m._parameters["bias"])] = F.pad(bias, (0, rows - bias.shape[0]))
         if isinstance(m, nn.Embedding):  # a padding row past the new end is gone
-            m.padding_idx = new.padding_idx if new is not None else new_in.padding_idx
+            m.padding_idx = new.padding_idx
     _rebuild(engine, values, {id(inp): rows, id(out): rows})
     model.config.get_text_config().vocab_size = rows
     model.vocab_size = rows
@@ -133,18 +134,12 @@ def _rebuild(engine: ZeroEngine, values: dict[int, torch.Tensor], rows: dict[int
     old_units = {u.name: u for u in engine.units}
     old_of: dict[int, nn.Parameter] = {}  # new parameter's id -> the one it replaces
 
+    def shape_of(p: nn.Parameter) -> torch.Size:
+        return values[id(p)].shape if id(p) in values else shapes.get(id(p), p.shape)
+
     def placeholders() -> None:
-        new_of: dict[int, nn.Parameter] = {}
+        old_of.update(realize_placeholders(model, device, shape_of))
         for m in model.modules():
-            for name, p in m._parameters.items():
-                if p is None:
-                    continue
-                if id(p) not in new_of:
-                    shape = values[id(p)].shape if id(p) in values else shapes.get(id(p), p.shape)
-                    placeholder = torch.empty(1, dtype=p.dtype, device=device).expand(shape)
-                    new_of[id(p)] = nn.Parameter(placeholder, requires_grad=p.requires_grad)
-                    old_of[id(new_of[id(p)])] = p
-                m._parameters[name] = new_of[id(p)]
             if id(m) in rows:
                 attr = "num_embeddings" if isinstance(m, nn.Embedding) else "out_features"
                 setattr(m, attr, rows[id(m)])
