@@ -300,7 +300,17 @@ def test_low_precision_tracks_fp32(reference, tmp_path, dtype, rtol):
                 deepspeed={"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupLR"}},
                 deepspeed_scheduler={"type": "WarmupLR"},
             ),
-            "--deepspeed has a scheduler section and --deepspeed_scheduler gives one",
+            "--deepspeed has its own scheduler section and --deepspeed_scheduler gives one",
+        ),
+        (
+            dict(
+                deepspeed={
+                    "zero_optimization": {"stage": 3},
+                    "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                },
+                deepspeed_optimizer={"type": "SGD", "params": {"lr": "auto"}},
+            ),
+            "--deepspeed has its own optimizer section and --deepspeed_optimizer gives one",
         ),
         (
             dict(

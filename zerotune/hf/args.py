@@ -233,11 +233,12 @@ class ZeroTrainingArguments(TrainingArguments):
             )
         try:
             data = read_deepspeed_config(source)
-            if self.deepspeed_scheduler and data.get("scheduler"):
-                raise ConfigError(
-                    f"{where} has a scheduler section and --deepspeed_scheduler gives one; "
-                    "keep one."
-                )
+            for section in ("scheduler", "optimizer"):
+                if getattr(self, f"deepspeed_{section}") and data.get(section):
+                    raise ConfigError(
+                        f"{where} has its own {section} section and --deepspeed_{section} gives "
+                        "one; keep one."
+                    )
             self.zero_config, trainer = zero_config_from_deepspeed(data, self)
         except ConfigError as exc:
             raise ConfigError(str(exc).replace("--deepspeed", where, 1)) from None
