@@ -32,7 +32,7 @@ class _OneLineErrors(click.Command):
 
 
 @click.command(cls=_OneLineErrors)
-@click.option("--model", help="Preset name (gpt2-xl), config.json path or model folder.")
+@click.option("--model", help="Preset name (gpt2-xl), config.json path, model folder or hub id.")
 @click.option("--params", help="A bare parameter count instead of a model (7.5e9).")
 @click.option("--world-size", type=int, default=1, show_default=True, help="Data-parallel ranks.")
 @click.option("--gpus-per-node", type=int, help="Ranks per host [default: min(world size, 8)].")

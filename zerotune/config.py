@@ -126,8 +126,8 @@ class ZeroConfig:
         spare ones read ahead of backward), three with 8-bit moments; more bytes make
         larger chunks and read further ahead. 384 MiB by default: with fp32 moments and
         the master updated in place, the master's room in each slot is never touched (256
-        of the 384 MiB count in RSS while gradients stay in memory); gpt2-medium with both
-        tiers on NVMe took 3.96 s a step against 4.6-5.5 s with 128 MiB (session 16).
+        of the 384 MiB count in RSS while gradients stay in memory); smaller pools step
+        slower (benchmarks/RESULTS.md).
     aio_threads / aio_block_bytes / aio_queue_depth: the asynchronous I/O engine (buffered
         files, the parameter and gradient files, take blocks of at least 4 MiB: see [Note:
         huge page-cache pages] in memory/swap.py).

@@ -36,16 +36,16 @@
 // step holds exactly for the values whose such rank is above some t of the bucket. One
 // 32-bit entry per bucket holds start | t << 8 (`pack_bucket`, which finds t by bisecting
 // the bucket with the scalar compare, so the two paths cannot disagree). One lookup in a
-// 256 KiB table instead of two independent ones (start, and mid[start]) from 320 KiB:
-// ~1.3x faster here on 1 and 2 cores (a dependent lookup of mid[start] was slower still).
-// The lookup is eight scalar loads assembled into a vector, not a vpgatherdd: on this
-// AMD EPYC (Zen 3) the gather made the fused 8-bit update ~10% slower; a table cut down to
-// fit L1 (exponents clamped to the range that matters) gained nothing either.
+// 256 KiB table instead of two independent ones (start, and mid[start]) from 320 KiB,
+// which measured faster (a dependent lookup of mid[start] was slower still). The lookup is
+// eight scalar loads assembled into a vector, not a vpgatherdd: on AMD EPYC (Zen 3) the
+// gather made the fused 8-bit update slower; a table cut down to fit L1 (exponents clamped
+// to the range that matters) gained nothing either.
 // When no bucket holds more than one midpoint (`one_step`, true for the dynamic maps) that
 // is the whole answer; otherwise a gather checks whether the scan would go on, and if it
 // would in any lane the eight values take the scalar path. The absmax pass is vectorized
 // too, and so is dequantizing (eight scalar loads of code[q], one multiplication by the
-// absmax: ~10% off the fused update; a gather of code[q] was slower than plain scalar code).
+// absmax; a gather of code[q] was slower than plain scalar code).
 // Every step is the same IEEE operation as the scalar code's, so both give the same bytes
 // (tests compare them); `set_simd_level("scalar")` selects the scalar path.
 

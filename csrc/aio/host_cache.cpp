@@ -5,17 +5,16 @@
 // freed memory goes back to the system and RSS stays what the plan says (memory/host.py).
 // The price is paid again every step: each fresh buffer is page-faulted and zeroed by the
 // kernel on first touch. On a CPU device that is most of a step's tensors: every weight
-// gradient, the larger activations and backward's temporaries, ~2 GB a step for gpt2-medium
-// (~550K faults, ~0.9 s of a 6 s step on 2 cores).
+// gradient, the larger activations and backward's temporaries (gigabytes a step for
+// gpt2-medium; benchmarks/RESULTS.md).
 //
 // Installed as c10's CPU allocator, this one serves allocations of at least `min_bytes`
 // itself: page-aligned anonymous mappings, kept when freed while the kept bytes stay within
 // `budget`, the oldest given back to the system first (LRU). A request is served from a kept
 // buffer of the same page-rounded size, the most recently freed one. A step asks for the
 // same sizes in the same order each time (a block's weight gradients, the next block's
-// after them), so a budget of about one block's worth turns most of the churn into reuse:
-// a 128 MiB budget took gpt2-medium's faults from ~550K to ~300K a step and its step time
-// by ~15%, at no higher peak RSS. Smaller requests go to the allocator found at install
+// after them), so a budget of about one block's worth turns most of the churn into reuse,
+// at no higher peak RSS. Smaller requests go to the allocator found at install
 // time (glibc's heap, which reuses them anyway). Freed buffers keep their old bytes, as
 // malloc's do: torch.empty promises nothing about them.
 //

@@ -46,11 +46,10 @@ BUFFERED_BLOCK = 4 << 20  # the least block size of buffered files' requests
 # create them (where the filesystem supports large folios, e.g. ext4 on Linux 6.16 and
 # later, XFS): a 1 MiB pwrite makes pages that a mapping maps one 4 KiB page per fault,
 # while a write covering an aligned 2 MiB range makes one folio that a fault maps whole
-# (one page-table entry at the PMD level). Measured on this VM (Linux 6.18, ext4), writing
-# every page of gpt2-medium's 196 MiB embedding through a shared mapping took 50,257 faults
-# with the old layout and 179 with this one. So each extent of 2 MiB or more in that file
-# starts on a 2 MiB boundary (up to 2 MiB of padding before it; smaller ones are packed as
-# before), and buffered requests are cut into blocks of at least 4 MiB. Where folios stay
+# (one page-table entry at the PMD level): far fewer faults for the same pages
+# (benchmarks/RESULTS.md). So each extent of 2 MiB or more in that file starts on a 2 MiB
+# boundary (up to 2 MiB of padding before it; smaller ones are packed at 4 KiB), and
+# buffered requests are cut into blocks of at least 4 MiB. Where folios stay
 # small everything works the same, with one fault per folio instead.
 
 

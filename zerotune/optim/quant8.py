@@ -7,13 +7,11 @@ The scheme is bitsandbytes' ``AdamW8bit``: blocks of 256 elements, one fp32 absm
 and moment, ``exp_avg`` in the signed dynamic code and ``exp_avg_sq`` in the unsigned one
 (``bitsandbytes.functional.create_dynamic_map``). On the CPU zerotune's own kernel
 (csrc/adam/quant8.cpp) quantizes to the nearest code and dequantizes, several times faster
-than bitsandbytes' CPU ``quantize_blockwise`` / ``dequantize_blockwise`` (~8 against 48 ms
-to quantize 7M elements on 2 cores with AVX2) and exact where bitsandbytes' search is
-approximate (a few % of its codes are one off, some tiny exp_avg_sq values several codes
-up), except that a positive ``exp_avg_sq`` never becomes code 0 (see [Note: no positive
-value becomes zero] there: an untied embedding row without gradient took steps of
-thousands of lr); elsewhere (CUDA), or when the op is not built, bitsandbytes' functions
-run. Blocks
+than bitsandbytes' CPU ``quantize_blockwise`` / ``dequantize_blockwise`` (benchmarks/
+RESULTS.md) and exact where bitsandbytes' search is approximate (a few % of its codes are
+one off, some tiny exp_avg_sq values several codes up), except that a positive
+``exp_avg_sq`` never becomes code 0 (see [Note: no positive value becomes zero] there);
+elsewhere (CUDA), or when the op is not built, bitsandbytes' functions run. Blocks
 count from the start of this rank's shard of the unit, so a block may span two parameters
 of the unit (bitsandbytes quantizes each tensor on its own).
 

@@ -18,7 +18,8 @@ moments), and the step reads and writes the master chunk in the parameter file. 
 is buffered (the gathers of forward and backward read it through the page cache), so the
 master read is a copy from the page cache instead of a disk read, and the new parameters
 need no second write: per parameter and step the optimizer moves 8 bytes each way through
-O_DIRECT plus 4 each way through the page cache, against 12 + 12 + 4 before. With fp32
+O_DIRECT plus 4 each way through the page cache, against 12 + 12 + 4 with the master in
+the optim extent. With fp32
 moments the master is not even copied: the update runs on the page-cache pages themselves
 (see [Note: the master updated in the page cache]). Otherwise (8-bit moments,
 ``map_param_file: false``, or where that note says) the master chunk is read into staging
@@ -446,7 +447,7 @@ class NvmeStore:
         self.swap, self.staging, self.layout = swap, staging, layout
         self.bytes_read = 0
         self.bytes_written = 0
-        # [Note: the master updated in the page cache]
+        # See [Note: the master updated in the page cache].
         self.in_place = in_place
         if layout.bits == 8:
             require_bitsandbytes()

@@ -69,7 +69,7 @@ The launched units feed one pipeline for the whole backward (``state_store.Feed`
 next unit's first chunk is read while the last chunk of the one before is updated, and
 with NVMe the chunks of the units the last overlapped step launched next are read before
 their gradients exist, from the moment ``overlapped()`` is entered (see [Note: reading
-ahead of backward] in state_store.py). A
+ahead of backward] in pipeline.py). A
 gradient shard bound for NVMe is not written and read back when its update follows:
 the engine keeps it in memory (``GradAccumulator.held``) when no other shard is held, or when
 it is a one-parameter unit's (an embedding's) own ``.grad``, and the update reads it
@@ -101,8 +101,8 @@ ZeroAdamW and for a ZeroOptimizer that can overlap (the same base-class machiner
 [Note: carrying the step into the next forward]
 The updates still queued when backward ends are those of the units backward finished last:
 at stage 3 the first blocks and the input embedding, the units the next forward needs first.
-With NVMe they are the disk's backlog from backward, and ``step()`` used to wait for all of
-it (the "tail") while the disk then idles through the whole next forward. With
+With NVMe they are the disk's backlog from backward; a ``step()`` that waited for all of
+it (the "tail") would leave the disk idle through the whole next forward. With
 ``overlapped(carry=True)`` (the default) ``step()`` returns once the parameters that stay
 gathered (persistent units) are updated, and the rest of the pipeline runs on in the next
 forward: the engine's pre-forward hooks resume it between layers, a unit about to be
@@ -160,10 +160,10 @@ the device). A failing chunk fails the step as on the calling thread, after the 
 queued behind it is finished.
 
 [Note: one fused step over a device's units]
-On an accelerator the chunk-by-chunk step launched, per unit, a step-count fill and one
-fused AdamW call per hyper-parameter group, and prepared a view per segment between them:
-with the model's work on the device done, the step's time was that of the launches, not
-of the kernels. With the shards, the moments and the gradients all on the device (no
+On an accelerator a chunk-by-chunk step launches, per unit, a step-count fill and one
+fused AdamW call per hyper-parameter group, and prepares a view per segment between them:
+with the model's work on the device done, the launches, not the kernels, would take the
+step's time. With the shards, the moments and the gradients all on the device (no
 offload, fp32 moments), ``step()`` prepares every chunk first and then runs one fused call
 per group over the segments of all units (``multi_tensor_adam_update_shards``), the
 clipping factor as one ``_foreach_mul_`` and the compute-dtype copies as one
@@ -181,7 +181,7 @@ gathers the embedding without waiting and ``preview_rows`` computes those rows' 
 values: their master (the mapping, for chunks the update has not reached), gradient (held
 in memory) and moments (read from the optim file, whole pages, which nothing writes until
 the update reaches them; urgent reads, ahead of the pipeline's queued chunk reads, which
-made the lookup wait 0.15-0.2 s a step on gpt2-medium) go through the same Adam kernel
+would otherwise make the lookup wait) go through the same Adam kernel
 with the same arguments; every element's arithmetic is independent of its position in a
 call (the kernel pads its ragged tail through the vector body), so the values are those the
 update will write, bit for bit.

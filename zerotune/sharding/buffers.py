@@ -51,7 +51,7 @@ PoolKey = tuple[int, int, str]
 
 
 def prefetch_budget(config: ZeroConfig) -> int:
-    """Bytes of units gathered ahead of use (see [Note: prefetch] in hooks.py): stage 3
+    """Bytes of units gathered ahead of use (see [Note: prefetching units] in hooks.py): stage 3
     only; stages 1-2 keep every unit gathered."""
     return config.prefetch_bytes if config.stage == 3 else 0
 

@@ -33,7 +33,7 @@ Activation checkpointing re-runs forward inside backward. A forward that runs du
 turns its pin into U's backward pin instead of releasing, so the recomputed graph keeps its
 parameters until U's gradients are reduced.
 
-[Note: prefetch]
+[Note: prefetching units]
 The first forward (and the first backward) of a run records the order in which units are
 used. Later passes follow that order: when a unit is used, the units after it are gathered
 asynchronously while its compute runs, as long as the bytes gathered ahead stay within
