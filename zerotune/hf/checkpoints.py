@@ -2,7 +2,7 @@
 complete one, refusing one that cannot resume, moving a saved model's files into place, and
 the RNG states kept between loading a checkpoint and the Trainer's restoring them.
 
-See [Note: how ZeroTrainer plugs into Trainer] in hf/trainer.py for what a checkpoint holds.
+See [Note: ZeroTrainer's checkpoints] in hf/trainer.py for what a checkpoint holds.
 """
 
 from __future__ import annotations

@@ -19,34 +19,34 @@ engine replaces what DDP/DeepSpeed would do, through the Trainer's override poin
   The optimizer is marked as prepared, so accelerate's wrapper (which round-trips the state
   dict to move it to the device) leaves it alone; it reports skipped fp16 steps itself.
 - ``_clip_grad_norm`` / ``_get_grad_norm`` use the optimizer's global-norm clipping.
-- ``training_step``: with the optimizer state on NVMe (no fp16, stage 2-3;
-  ``overlap_step``), the last micro-batch of each step runs its backward inside
-  ``optimizer.overlapped(track_norm=True)``. Without clipping (``--max_grad_norm 0``, and
-  no ``--auto_find_batch_size``) units are updated while backward goes on, and
-  ``_get_grad_norm`` returns a 0-dim tensor that ``step()`` fills with the norm summed from
-  the gradients the updates read (the Trainer logs it after the step, with ``.item()``).
-  With clipping (the default), ``clipping=True``: the norm is summed as backward finishes
-  each unit, ``_clip_grad_norm`` returns it at once, and the updates run after ``step()``
-  into the next forward.
-- Gradients are averaged over ranks, like DDP's, so ``average_tokens_across_devices`` (which
-  scales each rank's loss by the world size) gives DDP's numbers.
+- ``training_step``: with the optimizer state on NVMe (no fp16, stage 2-3; ``overlap_step``),
+  the last micro-batch of each step runs its backward inside
+  ``optimizer.overlapped(track_norm=True)``. Without clipping (``--max_grad_norm 0``, and no
+  ``--auto_find_batch_size``) units are updated while backward goes on, and ``_get_grad_norm``
+  returns a 0-dim tensor that ``step()`` fills with the norm summed from the gradients the
+  updates read (the Trainer logs it after the step, with ``.item()``). With clipping (the
+  default), ``clipping=True``: the norm is summed as backward finishes each unit,
+  ``_clip_grad_norm`` returns it at once, and the updates run after ``step()`` into the next
+  forward.
+- Gradients are averaged over ranks as DDP's are, so ``average_tokens_across_devices``
+  (each rank's loss scaled by the world size) gives DDP's numbers.
 - fp16: the engine's loss scaler multiplies the loss before accelerate's ``backward`` (a
   wrapper set on this trainer's accelerator only); accelerate's own mixed precision is off.
-- Checkpoints: ``checkpoint-N/`` holds the Trainer's ``trainer_state.json`` and, in
-  ``checkpoint-N/zero/``, a zerotune checkpoint (master weights, Adam moments, step counts,
-  scheduler, loss scaler, RNG states; safetensors and JSON, no pickle), written by
-  ``_save_optimizer_and_scheduler``. Inside a checkpoint ``save_model`` writes the
-  consolidated model only with ``gather_weights_on_save`` (by default for models up to 1 GiB)
-  or ``save_only_model``; otherwise the zerotune checkpoint alone holds the weights
-  (``zerotune export checkpoint-N out`` consolidates them). ``TRAINER_COMPLETE``, written
-  last (after the fsynced ``trainer_state.json``, before older checkpoints are rotated
-  out), holds the checksums of ``trainer_state.json`` and of ``zero/COMPLETE``: a folder
-  without it, or whose files no longer match it, is skipped by ``--resume`` /
-  ``resume_from_checkpoint=True`` (the one before is taken) and refused when named. A save
-  that fails leaves no folder. Resuming loads everything in ``_load_optimizer_and_scheduler``,
-  once the optimizer and scheduler exist, at any world size.
-- ``save_model`` writes a consolidated HF folder (config.json + safetensors) with
-  ``save_hf``: every rank takes part, rank 0 writes.
+- ``save_model`` writes a consolidated HF folder with ``save_hf`` (all ranks; rank 0 writes).
+
+[Note: ZeroTrainer's checkpoints]
+``checkpoint-N/`` holds the Trainer's ``trainer_state.json`` and, in ``checkpoint-N/zero/``, a
+zerotune checkpoint (master weights, Adam moments, step counts, scheduler, loss scaler, RNG
+states; safetensors and JSON, no pickle), written by ``_save_optimizer_and_scheduler``. Inside a
+checkpoint ``save_model`` writes the consolidated model only with ``gather_weights_on_save`` (by
+default for models up to 1 GiB) or ``save_only_model``; otherwise the zerotune checkpoint alone
+holds the weights (``zerotune export checkpoint-N out`` consolidates them). ``TRAINER_COMPLETE``,
+written last (after the fsynced ``trainer_state.json``, before older checkpoints are rotated
+out), holds the checksums of ``trainer_state.json`` and of ``zero/COMPLETE``: a folder without
+it, or whose files no longer match it, is skipped by ``--resume`` /
+``resume_from_checkpoint=True`` (the one before is taken) and refused when named. A save that
+fails leaves no folder. Resuming loads everything, at any world size, in
+``_load_optimizer_and_scheduler`` once the optimizer and scheduler exist.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ logged once; ``map_param_file: false`` chooses it from the start. Unlike the cop
 that fails halfway leaves the segments before it updated in the file while their moments are
 not written; a failed step is not one to go on from either way.
 
+[Note: 8-bit moments in the state stores]
 With 8-bit moments (see [Note: 8-bit optimizer states] in quant8.py) a quantized unit's
 moments are codes and absmax values. ``ResidentStore`` then works in chunks of
 ``_Q8_CHUNK`` elements.

@@ -19,14 +19,21 @@ break models that checkpoint ``module.__call__``: the hooks would then run insid
 checkpoint and take over every save of the block. Other models call
 ``engine.checkpoint(function, *args)``.
 
-Lifetime. ``pack`` returns a ``_Saved`` record that autograd keeps until it frees the graph
+[Note: checkpoint records and their swap file]
+``pack`` returns a ``_Saved`` record that autograd keeps until it frees the graph
 (after backward, or when the outputs are dropped without one) and unpacks in backward. A
 record frees its swap extent or host copy when it is collected, so nothing outlives its graph
 and the swap file is reused step after step. A tensor saved by several blocks (a shared
 mask) is moved once: while the same tensor object (same version) has a live record, later
 saves get that record.
 
-Tiers.
+Swap file: ``activations*.swap`` in this rank's swap folder (the engine's, or one made the
+same way: 0700, files 0600, removed at ``close()``). Extents are 4 KiB-aligned, from a
+first-fit free list. Its size is not known before the first forward: a full file gets another
+segment (at least the size of the ones before, after a free-space check), and at the next
+forward with no live record the segments are merged into one file of their total size.
+
+[Note: checkpoint tiers]
 * nvme: the tensor is copied into a 4 KiB-aligned host buffer (pinned, by the side stream, on
   an accelerator; the write starts once that copy is done) and written to the swap file
   asynchronously. At most ``WRITES_IN_FLIGHT`` writes are in flight (a new one first waits
@@ -42,12 +49,6 @@ stream), so the transfer for block k-1 overlaps block k's recompute and backward
 a training forward starts the newest. The accelerator paths use the device-agnostic
 stream API; on a CUDA GPU they give the same bits as keeping the checkpoints
 (tests/test_gpu.py).
-
-Swap file: ``activations*.swap`` in this rank's swap folder (the engine's, or one made the
-same way: 0700, files 0600, removed at ``close()``). Extents are 4 KiB-aligned, from a
-first-fit free list. Its size is not known before the first forward: a full file gets another
-segment (at least the size of the ones before, after a free-space check), and at the next
-forward with no live record the segments are merged into one file of their total size.
 """
 
 from __future__ import annotations
