@@ -515,8 +515,9 @@ def test_carried_bf16_updates_equal_the_step_after_backward(name, tmp_path):
     are those of a clipped step after backward. The norm, summed unit by unit, may differ
     in its last bit, and the weights by that; where a weight then rounds to the other
     bf16 neighbour, the next gradients differ by a bf16 step. Measured on an AMD CPU over
-    10 SGD steps: losses within 6e-6, norms 5e-4, weights 2.5e-4 (one bf16 step of the
-    largest); a copy left stale for one step moves the next loss by far more."""
+    10 SGD steps: losses within 6e-6, norms 5e-4, weights one bf16 step (2**-7 of the
+    value, a layer norm's weight near 1 included); a copy left stale for one step moves the
+    next loss by far more."""
     after = _bf16_run(0, 1, name, str(tmp_path), overlap=False)
     carried = _bf16_run(0, 1, name, str(tmp_path), overlap=True)
     assert carried["carried"] == STEPS
@@ -524,7 +525,7 @@ def test_carried_bf16_updates_equal_the_step_after_backward(name, tmp_path):
     np.testing.assert_allclose(carried["norms"], after["norms"], rtol=5e-3)
     for k, w in after["weights"].items():
         got = carried["weights"][k].float().numpy()
-        np.testing.assert_allclose(got, w.float().numpy(), rtol=0, atol=2e-3, err_msg=k)
+        np.testing.assert_allclose(got, w.float().numpy(), rtol=2**-7, atol=2e-3, err_msg=k)
 
 
 def _clipped_twice(tmp_path, overlap: bool):

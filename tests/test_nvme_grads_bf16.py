@@ -202,11 +202,18 @@ def test_a_lone_parameters_spilled_gradient_is_written(tmp_path):
     unit of one parameter (the embedding) holds the parameter's own gradient, which the
     file cannot take as it is (not aligned); it is staged, and training follows the
     clipped step after backward (the norms sum in another order: an ulp of the clip
-    factor apart)."""
+    factor apart). GPT-2's attention key bias, whose gradient is rounding noise (softmax
+    ignores a shift of every key's score), is held to what Adam moves it: lr a step."""
     import torch
 
     overlapped = _train_on_grad_file(tmp_path / "overlapped", "clipped", 0.05)
     sequential = _train_on_grad_file(tmp_path / "sequential", "sequential", 0.05)
     torch.testing.assert_close(overlapped[0], sequential[0], rtol=1e-6, atol=0)
     for name, w in sequential[1].items():
-        torch.testing.assert_close(overlapped[1][name], w, rtol=1e-5, atol=1e-6, msg=name)
+        atol = torch.full_like(w, 1e-6)
+        if name.endswith("attn.c_attn.bias"):
+            d = w.shape[0] // 3  # query, key, value
+            atol[d : 2 * d] = 3 * 1e-2  # three steps of lr 1e-2
+        diff = (overlapped[1][name] - w).abs()
+        bad = diff > atol + 1e-5 * w.abs()
+        assert not bad.any(), (name, diff.max().item())
