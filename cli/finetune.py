@@ -283,6 +283,10 @@ def finetune(**options) -> None:
         # so).
         click.echo(_stopped_line("SIGINT", options["output_dir"]), err=True)
         sys.exit(128 + signal.SIGINT)
+    except SystemExit as exc:  # SIGTERM (exit_on_sigterm): said as a launcher says it
+        if exc.code == 128 + signal.SIGTERM:
+            click.echo(_stopped_line("SIGTERM", options["output_dir"]), err=True)
+        raise
 
 
 def _own_flags() -> set[str]:
@@ -351,6 +355,9 @@ def _launch(nproc: int, options: dict) -> None:
     except RanksFailed as exc:
         for message in exc.messages:  # bad input: the same line from every rank, shown once
             click.echo(f"zerotune finetune: error: {message}", err=True)
+        if not exc.messages and exc.exit_code > 128:  # a rank killed by a signal
+            name = signal.Signals(exc.exit_code - 128).name
+            click.echo(_stopped_line(f"{name} of a rank", job.args.output_dir), err=True)
         sys.exit(exc.exit_code)
     finally:
         if job.temp_nvme is not None:

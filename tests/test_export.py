@@ -116,6 +116,24 @@ def test_a_failed_export_leaves_nothing(trained, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_what_a_killed_export_left_goes_at_the_next(trained, tmp_path):
+    """An export killed outright (SIGKILL, the OOM killer) leaves its hidden partial folder;
+    the next export to that output removes it (its process is gone), not another's."""
+    import os
+    import subprocess
+    import sys
+
+    tmp, _ = trained
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f".hf.partial-{dead.pid}"
+    (orphan / "x").mkdir(parents=True)
+    live = tmp_path / f".hf.partial-{os.getpid()}x"  # not a pid: left alone
+    live.mkdir()
+    export_hf(tmp / "ckpt", tmp_path / "hf")
+    assert not orphan.exists() and live.exists()
+
+
 def test_existing_output_needs_overwrite(trained, tmp_path):
     tmp, _ = trained
     out = tmp_path / "hf"

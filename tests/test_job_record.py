@@ -16,9 +16,11 @@ from zerotune.hf.job import JobError
 from zerotune.hf.record import (
     JOB_RECORD,
     RECORDED,
+    ZERO_OPTIONS,
     adopt_recorded_job,
     check_output_dir,
     check_recorded_dtype,
+    check_resume,
     clear_output_dir,
     is_inside,
     is_run_output,
@@ -64,7 +66,7 @@ def test_the_record_round_trip(tmp_path, monkeypatch):
     dtype flags); written whole, read back the same."""
     out, _ = _started(tmp_path, monkeypatch)
     record = read_job_record(out)
-    expected = {key: None for key in RECORDED}
+    expected = {key: None for key in (*RECORDED, *ZERO_OPTIONS, "seed")}
     expected.update(model="tiny-gpt2", init="random", dataset=str(tmp_path / "data.txt"),
                     block_size=32, train_on_prompt=False, eval_split=0.0, dtype="bf16",
                     trainer_args=["--learning_rate", "1e-3", "--per_device_train_batch_size=2",
@@ -111,6 +113,43 @@ def test_a_resume_that_would_train_another_job_is_refused(tmp_path, monkeypatch)
     check_recorded_dtype(_options(out), _args("bf16"))  # the run's own dtype
     with pytest.raises(JobError, match=re.escape("started with dtype bf16 (now fp16)")):
         check_recorded_dtype(_options(out), _args("fp16"))
+
+
+def test_a_resume_keeps_the_zero_flags_and_the_seed(tmp_path):
+    """--stage / --offload / --nvme-path / --config are the run's unless given anew (a
+    resume of an NVMe run used to train without offload); another --seed is refused (it
+    holds out other blocks with --eval-split)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    options = _options(out, model="tiny-gpt2", init="random", stage="2", offload="cpu",
+                       nvme_path=None, zero_config="zero3")  # fmt: skip
+    write_job_record(out, job_record(options, SimpleNamespace(
+        zero=SimpleNamespace(dtype="fp32"), seed=7)))  # fmt: skip
+    options = _options(out, resume=True, stage=None, offload=None, nvme_path=None)
+    adopt_recorded_job(options, given={"output_dir", "resume"})
+    assert (options["stage"], options["offload"], options["zero_config"]) == ("2", "cpu", "zero3")
+    options = _options(out, resume=True, stage=None, offload="nvme", nvme_path=None)
+    adopt_recorded_job(options, given={"output_dir", "resume", "offload"})
+    assert options["offload"] == "nvme"  # given anew: it wins
+    args = SimpleNamespace(zero=SimpleNamespace(dtype="fp32"), seed=7)
+    check_recorded_dtype(_options(out), args)
+    args.seed = 8
+    with pytest.raises(JobError, match=re.escape("started with --seed 7 (now 8)")):
+        check_recorded_dtype(_options(out), args)
+
+
+def test_a_resume_from_a_checkpoint_changed_after_its_save_is_one_line(tmp_path):
+    """The newest checkpoint's trainer_state.json edited (or damaged) after its save: a
+    JobError (one line, exit code 2), where it used to be a CheckpointError traceback."""
+    from zerotune.hf.checkpoints import TRAINER_MARKER
+
+    ckpt = tmp_path / "checkpoint-4"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text("{")
+    (ckpt / TRAINER_MARKER).write_text(json.dumps({"trainer_state_sha256": "0" * 64}))
+    args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(tmp_path))
+    with pytest.raises(JobError, match="was changed after its save"):
+        check_resume(args)
 
 
 @pytest.mark.parametrize(

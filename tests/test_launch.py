@@ -95,3 +95,38 @@ def test_stops_and_failures_carry_what_the_command_says():
     with pytest.raises(SystemExit) as leaving:
         launch.exit_on_sigterm(signal.SIGTERM, None)
     assert leaving.value.code == 128 + signal.SIGTERM
+
+
+def test_a_temporary_nvme_folder_of_a_killed_run_goes_at_the_next(monkeypatch, tmp_path):
+    """A run killed with SIGKILL leaves its temporary NVMe folder (swap files included);
+    the next run that makes one removes those whose process is gone."""
+    import subprocess
+    import sys
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"zerotune-nvme-{dead.pid}-abc"
+    (orphan / "run" / "rank0").mkdir(parents=True)
+    mine = launch.make_temp_nvme()
+    assert not orphan.exists()
+    assert os.path.basename(mine).startswith(f"zerotune-nvme-{os.getpid()}-")
+    again = launch.make_temp_nvme()  # this process's own is alive: kept
+    assert os.path.isdir(mine) and os.path.isdir(again)
+
+
+def test_a_rank_killed_by_a_signal_exits_as_a_shell_says_it(monkeypatch, tmp_path):
+    """torchrun reports a rank killed by signal N as exit code -N; the launcher exits with
+    the shell's 128 + N (137 for SIGKILL), not sys.exit(-9)'s 247."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def killed(argv):
+        failure = ProcessFailure(local_rank=1, pid=1234, exitcode=-signal.SIGKILL, error_file="")
+        raise ChildFailedError("rank", {1: failure})
+
+    monkeypatch.setattr(torch.distributed.run, "main", killed)
+    with pytest.raises(launch.RanksFailed) as failed:
+        launch.launch(2, ["finetune"], threads=1, temp_nvme=None)
+    assert failed.value.exit_code == 128 + signal.SIGKILL and failed.value.messages == []

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Other projects' fields: torch (nn.Module's registries, a tensor's version counter,
 # autograd's engine, the C extension, the fused multi-tensor ops torch.optim runs),
-# transformers (gradient checkpointing, init flag, generate's rank sync, resize helpers),
+# transformers (gradient checkpointing, init flag, generate's rank sync, resize helpers, the
+# chat-template compiler),
 # accelerate (prepared / scheduler flags), os._exit.
 FOREIGN = {
     "_parameters",
@@ -30,6 +31,7 @@ FOREIGN = {
     "_is_fsdp_managed_module",
     "_get_resized_embeddings",
     "_get_resized_lm_head",
+    "_compile_jinja_template",
     "_opt_called",
     "_wrapped_by_lr_sched",
     "_exit",

@@ -350,6 +350,26 @@ def test_chat_refusals(tmp_path):
     bad.write_text(json.dumps({"messages": "hi"}) + "\n")
     with pytest.raises(DataError, match="holds str values, not lists of messages"):
         prepare_datasets(bad, tok, 16)
+    # Content parts (a list) are not text: said as such, not "name the column".
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    bad.write_text(json.dumps({"messages": parts}) + "\n")
+    with pytest.raises(DataError, match="a message's content must be text"):
+        prepare_datasets(bad, tok, 16)
+    # A template that refuses a conversation (raise_exception, as Gemma's does for a
+    # system turn) or does not parse: a DataError, not jinja2's traceback.
+    strict = byte_tokenizer()
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    with_system = tmp_path / "system.jsonl"
+    with_system.write_text(json.dumps({"messages": CHAT}) + "\n")
+    with pytest.raises(DataError, match="cannot render a conversation \\(System role"):
+        prepare_datasets(with_system, strict, 64)
+    strict.chat_template = "{% for m in messages %}{{ m.content "
+    with pytest.raises(DataError, match="cannot render a conversation"):
+        prepare_datasets(with_system, strict, 64)
     # A template that renders the turns backwards cannot be split into turns.
     tok.chat_template = (
         "{% for m in messages|reverse %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -38,6 +38,7 @@ __all__ = [
     "exit_on_sigterm",
     "launch",
     "launched_rank",
+    "make_temp_nvme",
     "report_error",
     "shared_temp_nvme",
     "threads_per_process",
@@ -82,6 +83,29 @@ def launched_rank() -> bool:
 def shared_temp_nvme() -> str | None:
     """The temporary NVMe folder the launcher made for its ranks, if any."""
     return os.environ.get(TEMP_NVME_ENV)
+
+
+_TEMP_NVME_PREFIX = "zerotune-nvme-"
+
+
+def make_temp_nvme() -> str:
+    """A temporary NVMe folder for a run without --nvme-path, named after this process
+    (``zerotune-nvme-<pid>-...``); those of processes that are gone (a run killed with
+    SIGKILL never removes its own, swap files included) are removed first."""
+    import re
+
+    root = Path(tempfile.gettempdir())
+    for old in root.glob(f"{_TEMP_NVME_PREFIX}*"):
+        m = re.match(rf"{_TEMP_NVME_PREFIX}(\d+)-", old.name)
+        if m is None or not old.is_dir() or old.is_symlink():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:  # its process is gone
+            shutil.rmtree(old, ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass
+    return tempfile.mkdtemp(prefix=f"{_TEMP_NVME_PREFIX}{os.getpid()}-")
 
 
 def report_error(message: str) -> bool:
@@ -158,6 +182,8 @@ def launch(nproc: int, argv: Sequence[str], *, threads: int, temp_nvme: str | No
     except ChildFailedError as exc:
         codes = [f.exitcode for f in exc.failures.values()]
         code = BAD_INPUT_EXIT if BAD_INPUT_EXIT in codes else next((c for c in codes if c), 1)
+        if code < 0:  # torchrun's -N: the rank was killed by signal N; the shell's 128 + N
+            code = 128 - code
         # bad input: the same line from every rank, kept once
         messages = sorted({p.read_text() for p in Path(errors).glob("rank*.txt")})
         raise RanksFailed(code, messages) from None

@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
+from glob import escape as glob_escape
 from pathlib import Path
 
 import torch
@@ -113,6 +114,22 @@ def check_output(output: Path, overwrite: bool) -> None:
         raise ExportError(f"{output}: {why}")
 
 
+def _remove_orphans(output: Path) -> None:
+    """Remove the partial (and replaced) folders that an export to ``output`` killed
+    outright (SIGKILL, the OOM killer) left next to it: ``.NAME.partial-PID`` and
+    ``.NAME.old-PID`` whose process is gone."""
+    for entry in output.parent.glob(f".{glob_escape(output.name)}.*-*"):
+        kind, _, pid = entry.name[len(output.name) + 2 :].partition("-")
+        if kind not in ("partial", "old") or not pid.isdigit() or not entry.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass
+
+
 class HFFolderWriter:
     """Writes the weight files of an HF folder in a temporary folder, tensors in the order of
     ``specs`` (appended in pieces), then ``finish`` renames it to ``output``."""
@@ -141,6 +158,7 @@ class HFFolderWriter:
         self.total_numel = sum(s.nbytes // _itemsize(s.dtype) for s in specs)
         self.output.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.output.parent / f".{self.output.name}.partial-{os.getpid()}"
+        _remove_orphans(self.output)
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
         self.tmp.mkdir()

@@ -509,6 +509,12 @@ def _conversation(value, column: str, source: str) -> list[dict]:
     out = []
     for m in value:
         if "role" in m and "content" in m:
+            if isinstance(m["content"], (list, dict)):
+                raise DataError(
+                    f"{source}: column {column!r} has a message whose content is a "
+                    f"{type(m['content']).__name__} ({str(m['content'])[:60]}...); a message's "
+                    "content must be text (join the text of content parts into one string)"
+                )
             out.append({"role": m["role"], "content": _as_text(m["content"], column, source)})
         elif "from" in m and "value" in m and m["from"] in _SHAREGPT_ROLES:
             role = _SHAREGPT_ROLES[m["from"]]
@@ -529,7 +535,17 @@ def chat_loss_mask(tokenizer, messages: list[dict], train_on_prompt: bool = Fals
     completion's)."""
 
     def render(turns, prompt=False):
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=prompt
+            )
+        except TemplateError as exc:  # a syntax error, or the template's raise_exception
+            raise DataError(
+                f"the chat template cannot render a conversation ({_first_line(exc)}); fix "
+                "the data (roles, their order) or give another template with --chat-template"
+            ) from None
 
     full = render(messages)
     if train_on_prompt:

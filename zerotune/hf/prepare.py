@@ -95,7 +95,7 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
     first, without touching the output folder; ``options`` gets its ``~`` paths expanded.
     ``known_flags``: the caller's own flag names, for "did you mean" on an unknown one.
     Raises JobError."""
-    from ..launch import launched_rank, shared_temp_nvme
+    from ..launch import launched_rank, make_temp_nvme, shared_temp_nvme
     from .data import PACKABLE, DataError, choose_columns, load_raw_dataset
     from .deepspeed import planned_world
     from .models import context_length, resolve_model, resolve_tokenizer
@@ -135,7 +135,7 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
     if "nvme_path" in zero and nvme_path is None:
         temp_nvme = shared_temp_nvme()  # made by the launcher
         if temp_nvme is None:
-            temp_nvme = tempfile.mkdtemp(prefix="zerotune-nvme-")
+            temp_nvme = make_temp_nvme()
         nvme_path = temp_nvme
     try:
         name = options["model"] or DEFAULT_MODEL
@@ -156,6 +156,15 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
             if not template.is_file():
                 raise JobError(f"--chat-template {template}: no such file")
             tokenizer.chat_template = template.read_text()
+            import jinja2
+
+            try:  # a syntax error found now, before the model is loaded
+                _compile_chat_template(tokenizer.chat_template)
+            except jinja2.TemplateSyntaxError as exc:
+                raise JobError(
+                    f"--chat-template {template}: not a valid Jinja template (line "
+                    f"{exc.lineno}: {exc.message})"
+                ) from None
         if init == "random":  # the model's special tokens are the tokenizer's
             for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
                 if getattr(tokenizer, key, None) is not None:
@@ -200,6 +209,16 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
         packing=options["packing"],
         temp_nvme=temp_nvme,
     )
+
+
+def _compile_chat_template(template: str) -> None:
+    """Compile ``template`` as transformers does (its ``{% generation %}`` tag and loop
+    controls included); raises jinja2.TemplateSyntaxError."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: rendering finds it (a DataError then)
+        return
+    _compile_jinja_template(template)
 
 
 def tokenize(job: Job) -> None:

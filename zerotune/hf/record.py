@@ -82,6 +82,10 @@ RECORDED = (
     "block_size",
     "eval_split",
 )
+# zerotune finetune's own ZeRO flags (--stage, --offload, --nvme-path, --config): recorded,
+# and taken over by a resume that does not give them (a checkpoint loads at any stage or
+# tier, so one given anew wins, as a TrainingArguments flag does).
+ZERO_OPTIONS = ("stage", "offload", "nvme_path", "zero_config")
 # Flags a resume never takes over from the run it continues (the dtype is the record's own).
 NOT_RESUMED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir", "bf16", "fp16")
 _DTYPE_FLAGS = ("--bf16", "--fp16")
@@ -169,7 +173,10 @@ def job_record(options: dict[str, Any], args) -> dict[str, Any]:
     """The record of a run started with ``options`` and parsed TrainingArguments ``args``
     (see [Note: job record])."""
     record = {key: _as_recorded(options[key]) for key in RECORDED}
+    if options.get("job") is None:  # a job file's zero section is read again from the file
+        record.update({key: _as_recorded(options.get(key)) for key in ZERO_OPTIONS})
     record["dtype"] = args.zero.dtype  # from --bf16 / --fp16 or the config file
+    record["seed"] = getattr(args, "seed", None)  # it chose the held-out blocks and order
     # The TrainingArguments flags as given (batch size, accumulation, schedule, ...): a
     # resume that does not give them again trains with these.
     groups = flag_groups(options["hf_args"])
@@ -227,6 +234,9 @@ def adopt_recorded_job(options: dict[str, Any], given: set[str]) -> None:
             differ.append(f"--{key.replace('_', '-')} {was} (now {options[key]})")
     if differ:
         _refuse_resume(options["output_dir"], differ)
+    for key in ZERO_OPTIONS:
+        if key in record and key not in given:
+            options[key] = record[key]
     given_flags = {flag_name(g[0]) for g in flag_groups(options["hf_args"])}
     for group in flag_groups(record.get("trainer_args", [])):
         if flag_name(group[0]) not in given_flags:
@@ -243,6 +253,10 @@ def check_recorded_dtype(options: dict[str, Any], args) -> None:
     record = read_job_record(options["output_dir"])
     if record is not None and record.get("dtype", args.zero.dtype) != args.zero.dtype:
         _refuse_resume(options["output_dir"], [f"dtype {record['dtype']} (now {args.zero.dtype})"])
+    seed = getattr(args, "seed", None)
+    if record is not None and record.get("seed") not in (None, seed):
+        # another seed holds out other blocks: the evaluation data would have been trained on
+        _refuse_resume(options["output_dir"], [f"--seed {record['seed']} (now {args.seed})"])
 
 
 def check_resume(args) -> None:
@@ -251,8 +265,8 @@ def check_resume(args) -> None:
     from ..checkpoint import CheckpointError
     from .checkpoints import check_resumable, latest_complete_checkpoint
 
-    if args.resume_from_checkpoint:
-        with as_job_error(CheckpointError):
+    with as_job_error(CheckpointError):  # a damaged one: its line, not a traceback
+        if args.resume_from_checkpoint:
             check_resumable(Path(args.resume_from_checkpoint))
-    elif latest_complete_checkpoint(args.output_dir) is None:
-        raise JobError(f"--resume: no complete checkpoint in {args.output_dir}")
+        elif latest_complete_checkpoint(args.output_dir) is None:
+            raise JobError(f"--resume: no complete checkpoint in {args.output_dir}")
