@@ -88,6 +88,13 @@ def test_bad_hyper_parameters_and_groups_are_rejected():
     params = list(model.parameters())
     with pytest.raises(ValueError, match="more than one parameter group"):
         zerotune.ZeroAdamW(engine, [{"params": params}, {"params": params[:1]}])
+    # Groups from attribute reads at stage 3, world size 1: copies of the values, which no
+    # step would update (the real parameters would silently stop training).
+    head = model.transformer.h[0].mlp.c_fc
+    with pytest.raises(ValueError, match=r"group 1 holds a tensor of shape \(32, 128\) .*copy"):
+        zerotune.ZeroAdamW(engine, [{"params": params[:2]}, {"params": [head.weight]}])
+    with pytest.raises(ValueError, match="not a parameter of the sharded model; build"):
+        zerotune.ZeroOptimizer(engine, torch.optim.SGD, [torch.zeros(3)], lr=0.1)
 
 
 def _fused_run(dtype: str, batched: bool, monkeypatch) -> dict:

@@ -92,6 +92,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if id(p) in group_of:
                     raise ValueError("a parameter appears in more than one parameter group")
                 group_of[id(p)] = gi
+        self._refuse_foreign(engine, groups, group_of)
         for unit in engine.units:
             changed = [s.name for s in unit.slots if s.trainable != s.watched]
             if changed:
@@ -131,6 +132,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.norm_sq: torch.Tensor | None = None
         self.pending_grad_norm: torch.Tensor | None = None
         return groups
+
+    @staticmethod
+    def _refuse_foreign(engine, groups: list[dict], group_of: dict[int, int]) -> None:
+        """A tensor in a group that is none of the model's parameters would never be
+        updated: refused, instead of training without it."""
+        known = {id(s.param) for unit in engine.units for s in unit.slots}
+        for gi, g in enumerate(groups):
+            for p in g["params"]:
+                if id(p) in known:
+                    continue
+                hint = (
+                    " (at stage 3 a parameter read through its module outside forward is a "
+                    "copy of its value)"
+                    if isinstance(p, torch.Tensor) and p.is_inference()
+                    else ""
+                )
+                raise ValueError(
+                    f"parameter group {gi} holds a tensor of shape {tuple(p.shape)} that is "
+                    f"not a parameter of the sharded model{hint}; build the groups from "
+                    "model.named_parameters() (or before zerotune.shard())"
+                )
 
     @staticmethod
     def _model_groups(engine, params) -> list[dict]:
