@@ -71,7 +71,7 @@ def _say(message: str, err: bool = False) -> None:
 class _Command(click.Command):
     """Usage errors (a bad choice, a missing --output-dir) as one line and exit code 2. Each
     of this command's flags also takes the TrainingArguments spelling (``--output_dir`` for
-    ``--output-dir``), and is given once."""
+    ``--output-dir``), and is given once; so is each TrainingArguments flag."""
 
     def parse_args(self, ctx, args):
         args = self._own_spelling(ctx, list(args))
@@ -87,13 +87,14 @@ class _Command(click.Command):
         for arg in args:
             flag, eq, value = arg.partition("=")
             dashed = flag.replace("_", "-") if flag.startswith("--") else flag
-            if dashed in own:
-                if dashed in seen and dashed not in ("--help",):
-                    raise BadInput(
-                        f"{dashed} is given more than once ({seen[dashed]}, then {flag}); "
-                        "give it once"
-                    )
+            if dashed in seen and dashed not in ("--help", "--"):
+                # argparse would keep the last of a TrainingArguments flag given twice
+                raise BadInput(
+                    f"{dashed} is given more than once ({seen[dashed]}, then {flag}); give it once"
+                )
+            if dashed.startswith("--"):
                 seen[dashed] = flag
+            if dashed in own:
                 arg = dashed + eq + value
             out.append(arg)
         return out

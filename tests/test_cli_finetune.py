@@ -748,6 +748,10 @@ def test_bad_input_is_one_line_and_exit_code_2(env, cli, tmp_path):
         ),
         "missing model folder": (["--model", tmp_path / "nope"], "no such file or folder"),
         "two output folders": (["--output_dir", tmp_path / "b"], "--output-dir is given more"),
+        "a Trainer flag twice": (
+            ["--learning_rate", "1e-3", "--learning-rate=2e-3"],
+            "--learning-rate is given more than once (--learning_rate, then --learning-rate)",
+        ),
         "abbreviated flag": (["--learning_rat", "0.1"], "did you mean --learning_rate?"),
         "job file key": (["--job", job], "'training.stage' is not a known key; did you mean"),
         "missing job file": (["--job", tmp_path / "nope.yaml"], "nope.yaml: No such file"),
