@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Other projects' fields: torch (nn.Module's registries, a tensor's version counter,
+# Other projects' fields: torch (nn.Module's registries, a tensor's version counter and view base,
 # autograd's engine, the C extension, the fused multi-tensor ops torch.optim runs),
 # transformers (gradient checkpointing, init flag, generate's rank sync, resize helpers, the
 # chat-template compiler),
@@ -22,6 +22,8 @@ FOREIGN = {
     "_modules",
     "_non_persistent_buffers_set",
     "_version",
+    "_base",
+    "_is_view",
     "_C",
     "_current_graph_task_id",
     "_execution_engine",

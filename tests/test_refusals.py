@@ -108,6 +108,21 @@ def _penalty_run(rank, world, stage):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_parameters_the_fp32_master_would_change_are_refused(dtype):
+    """A float64 model would be cast to fp32 silently (and then fail on float64 inputs);
+    an integer parameter would lose its values above 2**24."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].register_parameter(
+        "extra", nn.Parameter(torch.ones(3, dtype=dtype), requires_grad=dtype.is_floating_point)
+    )
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(zerotune.ConfigError, match=f"parameter '1.extra' is {name}: zerotune"):
+        zerotune.shard(model, {"stage": 3})
+    model[1].extra = nn.Parameter(torch.ones(3))
+    zerotune.shard(model, {"stage": 3}).close()  # fp32: accepted
+
+
 def test_double_backward_is_refused_at_stage_3_and_trains_at_stage_2():
     def reference(penalty: bool):
         model = _mlp()

@@ -51,6 +51,7 @@ from .plan import (
     assign_params,
     plan_swap,
     refuse_embeddings_it_would_break,
+    refuse_parameter_dtypes,
     size_unit,
     unit_deps,
 )
@@ -104,9 +105,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         super().__init__()
         if isinstance(model, ZeroEngine) or getattr(model, "_zerotune_engine", None) is not None:
             raise ValueError("this model is already sharded by zerotune")
-        self.module = model
-        self.config = config
-        self.group = group
+        self.module, self.config, self.group = model, config, group
         self.rank, self.world = zdist.get_rank(group), zdist.get_world_size(group)
         if device is None:
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -120,6 +119,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         # lets optimizer groups built from the untiled model find the tiles.
         itemsize = torch.finfo(config.torch_dtype).bits // 8
         refuse_embeddings_it_would_break(model, config, self.world)
+        refuse_parameter_dtypes(model)
         self.tiled_from = apply_tiling(model, config.tile_linear_bytes, itemsize)
         if "cpu" in (config.offload_param, config.offload_optimizer):
             # Host memory holds the offloaded state: keep its RSS honest (memory/host.py;
@@ -132,9 +132,8 @@ class ZeroEngine(CopiedAsSource, nn.Module):
             if self._release_host_cache is not None:
                 weakref.finalize(self, self._release_host_cache)
         self.pool = BufferPool(self.device)
-        # Buffers that meet the host (NVMe reads and writes, gradients copied out for an
-        # offloaded optimizer): the same pool on a CPU device, pinned host memory otherwise,
-        # kept for the run at every size (pinning is slow; one buffer per unit size).
+        # Buffers that meet the host (NVMe I/O, gradients for an offloaded optimizer): the
+        # same pool on a CPU device, else pinned, kept for the run (pinning is slow).
         self.host_pool = self.pool if self.device.type == "cpu" else BufferPool("cpu", pin=True)
         self.prefetcher = Prefetcher(prefetch_budget(config))
         self.scaler = None
@@ -144,8 +143,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
                                             c.loss_scale_min, c.loss_scale_rule,
                                             c.loss_scale_hysteresis,
                                             c.loss_scale_consecutive_hysteresis)  # fmt: skip
-        self.swap = None
-        self.staging = None
+        self.swap = self.staging = None
         self._grads_on_disk = False
         self._lowp_buffers: dict[int, torch.Tensor] = {}
         self.units = self._build_units(model)
@@ -175,6 +173,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         # carrying the step into the next forward] in optim/zero_adam.py).
         self._carrying = False
         self._final_callback_queued = False
+        self._outer_task = -1  # autograd's graph task of the backward pass running
         self._handles = install_hooks(self)
         self.external = ExternalParams(self)
         self.compiled: CompiledUnits | None = None  # see compile()
@@ -577,8 +576,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
                 if self.world == 1:
                     self.optimizer.promote(nxt)  # gathered once updated, when it is needed
                     continue
-                # Every rank must issue the same gathers, whatever its own disk's progress:
-                # its update first, then the gather ahead.
+                # Every rank issues the same gathers, whatever its disk: update, then gather.
                 self.settle_optimizer(nxt)
             nxt.gather(async_op=True)
 
@@ -589,7 +587,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         if self._carrying:
             self.optimizer.pump()  # the last step's updates, between this forward's layers
         self._use("forward", unit)
-        unit.begin_forward()
+        unit.begin_forward(recomputed=in_backward())
         lookup = None
         if unit.update_pending and args and isinstance(args[0], torch.Tensor):
             lookup = args[0]  # an embedding's indices (see can_preview)
@@ -617,6 +615,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
             return False
         self.check_backward()
         self._final_callback_queued = True
+        self._outer_task = torch._C._current_graph_task_id()
         return True
 
     def check_backward(self) -> None:
@@ -655,12 +654,16 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         """Every trainable parameter of ``unit`` has its gradient (``Unit.count_grad_ready``):
         reduce them into its gradient shard (``GradReducer.reduce``), let go of the unit,
         and hand its final shard to an overlapped step."""
-        final = self.reducer.reduce(unit)
+        # A unit run in several reentrant checkpoints (a cell in a loop) completes its
+        # gradients in each one's inner backward: final only once the outer one ends.
+        task = torch._C._current_graph_task_id()
+        more = unit.pass_state.forward_calls > 1 and task != self._outer_task
+        final = self.reducer.reduce(unit, more_to_come=more)
         unit.grads_done()
         # Released first, when nothing else holds it: an update writing the parameter file
         # under a gathered unit that maps it would make it copy its weights (keep_private).
         self._end_backward_if_done(unit)
-        if final:
+        if final and not more:
             self.reducer.launch(unit)  # its gradient shard is final: update it now
 
     def inputs_backward_done(self, unit: Unit) -> None:
@@ -704,10 +707,9 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         for unit in self.units:
             unit.refresh()
         if self.device.type == "cpu" and self.config.offloads:
-            # With offload host memory is the budget, and the heap also holds activations and
-            # gradients: give back what the step freed, so fragments do not pile up from step
-            # to step (memory/host.py). Without offload, as in plain PyTorch, glibc keeps it
-            # for the next step (a trim makes every step fault its memory in again).
+            # With offload host memory is the budget: give back what the step freed, so
+            # fragments do not pile up (memory/host.py). Without offload glibc keeps it, as
+            # in plain PyTorch (a trim makes every step fault its memory in again).
             release_free_memory()
 
     def zero_grad(self) -> None:

@@ -65,11 +65,22 @@ def _watching_class(cls: type) -> type:
                     return watcher.on_access(self, name, value)
             return value
 
+        base_zero_grad = cls.zero_grad
+
+        def zero_grad(self, set_to_none: bool = True):
+            # nn.Module.zero_grad clears param.grad only; gradients already reduced into
+            # the units' shards would survive it and reach the next step().
+            base_zero_grad(self, set_to_none)
+            watcher = self.__dict__.get("_zerotune_watcher")
+            if watcher is not None:
+                watcher.zero_grads_of(self)
+
         sub = type(
             cls.__name__,
             (cls,),
             {
                 "__getattr__": __getattr__,
+                "zero_grad": zero_grad,
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
             },
@@ -86,8 +97,11 @@ class ExternalParams:
         self.active: list[Unit] = []  # units whose forward is running, innermost last
         self.registered: list[tuple[str, str, str]] = []  # (parameter, owner unit, user unit)
         self._swapped: list[tuple[nn.Module, type]] = []
+        unit_modules = {id(engine.module)} | {id(u.module) for u in engine.units}
         for module in engine.module.modules():
-            if any(p is not None for p in module._parameters.values()):
+            if id(module) in unit_modules or any(
+                p is not None for p in module._parameters.values()
+            ):
                 self._swapped.append((module, type(module)))
                 module.__class__ = _watching_class(type(module))
                 module.__dict__["_zerotune_watcher"] = self
@@ -100,6 +114,21 @@ class ExternalParams:
             module.__class__ = cls
             module.__dict__.pop("_zerotune_watcher", None)
         self._swapped.clear()
+
+    def zero_grads_of(self, module: nn.Module) -> None:
+        """``module.zero_grad()``: forget the gradients the units it holds have accumulated
+        in their shards too (as ``optimizer.zero_grad()`` does), all of a unit or none."""
+        params = {id(p) for p in module.parameters()}
+        for unit in self.engine.units:
+            mine = [id(s.param) in params for s in unit.slots]
+            if all(mine) and mine:
+                unit.accumulator.zero()
+            elif any(mine) and not unit.accumulator.is_zero:
+                raise RuntimeError(
+                    f"zero_grad() on {type(module).__name__} clears part of unit {unit.name}, "
+                    "whose gradients are reduced into one shard; call zero_grad() on the "
+                    "model or optimizer.zero_grad()"
+                )
 
     # ----------------------------------------------------------------------------- events
     def on_access(

@@ -525,16 +525,17 @@ class GradReducer:
         self._gathered_in_forward = _fingerprint(self._gathered_in_forward, unit)
 
     # --------------------------------------------------------------------- the backward
-    def reduce(self, unit: Unit) -> bool:
+    def reduce(self, unit: Unit, more_to_come: bool = False) -> bool:
         """Every trainable parameter of ``unit`` has its gradient (``Unit.count_grad_ready``):
         reduce them into its gradient shard. False when the unit waits for the end of
-        backward instead (its gradients kept in full meanwhile)."""
+        backward instead (its gradients kept in full meanwhile). ``more_to_come``: this
+        backward may still add to them (not held for an overlapped update)."""
         if self._sync and unit.index in self._deferred:
             # Not complete on every rank: kept here and reduced at the end of backward,
             # with the ranks that never complete it (see [Note: find unused parameters]).
             unit.accumulator.reduce(sync=False)
             return False
-        unit.accumulator.reduce(sync=self._sync, hold=self._hold_grads(unit))
+        unit.accumulator.reduce(sync=self._sync, hold=not more_to_come and self._hold_grads(unit))
         if self._sync and self.world > 1:
             self._reduced_during_backward = _fingerprint(self._reduced_during_backward, unit)
         if unit.accumulator.copying_to_host:

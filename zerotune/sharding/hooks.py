@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -72,7 +73,8 @@ __all__ = [
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside nested tuples, lists and dicts (HF ModelOutput is a dict)."""
+    """Every tensor inside nested tuples, lists, dicts (HF ModelOutput is a dict) and
+    dataclass instances (a user's output records)."""
     found: list[torch.Tensor] = []
     stack = [obj]
     while stack:
@@ -83,6 +85,8 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
             stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(item.values())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name, None) for f in dataclasses.fields(item))
     return found
 
 
@@ -135,10 +139,23 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
         try:
             if torch.is_grad_enabled():
                 hooked = False
+                inputs = None
                 for t in outputs:
                     if t.requires_grad:
                         t.register_hook(_pre_backward_hook(engine, unit))
                         hooked = True
+                        # An output that is a view (nn.Linear on a 3-D input returns
+                        # addmm(...).view(...)) modified in place later (ReLU(inplace=True),
+                        # h += r) gets a new history, and its old node, which holds the hook
+                        # above, leaves the graph. Its base's node stays (under the
+                        # CopySlices of the in-place op): hook the base too, unless the base
+                        # is not this unit's (a view of an input).
+                        base = t._base if t._is_view() else None
+                        if base is not None and base.requires_grad and base.grad_fn is not None:
+                            if inputs is None:
+                                inputs = {id(x) for x in tensors_in((args, kwargs))}
+                            if id(base) not in inputs:
+                                base.register_hook(_pre_backward_hook(engine, unit))
                 if hooked and unit.waits_for_inputs:
                     _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
                 reducer = engine.reducer

@@ -415,6 +415,18 @@ def resident_bytes(
     return out
 
 
+def refuse_parameter_dtypes(model: nn.Module) -> None:
+    """Parameters the fp32 master would change, refused in one sentence: float64 ones (the
+    model would then compute in another dtype than its inputs) and integer ones."""
+    for name, p in model.named_parameters():
+        if p.dtype == torch.float64 or not p.is_floating_point():
+            raise ConfigError(
+                f"parameter {name!r} is {str(p.dtype).removeprefix('torch.')}: zerotune keeps "
+                "fp32 masters and computes in fp32, bf16 or fp16; cast the model (model.float())"
+                " or keep integer values in a buffer"
+            )
+
+
 def refuse_embeddings_it_would_break(model: nn.Module, config: ZeroConfig, world: int) -> None:
     """Embeddings whose contract the sharded engine cannot keep, refused in one sentence:
     sparse gradients (the gradient shards are dense), and ``max_norm``, which rescales the

@@ -83,11 +83,12 @@ class PassState:
 
     grads_ready: int = 0  # trainable parameters whose gradient has accumulated
     input_waits: int = 0  # gradients of forward inputs still to come (waits_for_inputs)
+    forward_calls: int = 0  # forwards run outside backward since the last pass ended
     grads_final: bool = False  # its gradient shard is final for this pass
     inputs_final: bool = False  # the gradients of its forward inputs all exist
 
     def reset(self) -> None:
-        self.grads_ready = self.input_waits = 0
+        self.grads_ready = self.input_waits = self.forward_calls = 0
         self.grads_final = self.inputs_final = False
 
 
@@ -251,8 +252,11 @@ class Unit(NotPickled):
 
     # ------------------------------------------------------------------------- life cycle
     # See [Note: unit life cycle].
-    def begin_forward(self) -> None:
-        """Its forward starts (a forward re-run inside its backward leaves it BACKWARD)."""
+    def begin_forward(self, recomputed: bool = False) -> None:
+        """Its forward starts (a forward re-run inside its backward leaves it BACKWARD);
+        ``recomputed``: inside a backward (a checkpoint's recompute), not counted."""
+        if not recomputed:
+            self.pass_state.forward_calls += 1
         if self.training_state is not TrainingState.BACKWARD:
             self.training_state = TrainingState.FORWARD
 
@@ -337,8 +341,13 @@ class Unit(NotPickled):
         self.update_pending = False
 
     def add_dep(self, owner: Unit) -> None:
-        """Its modules use parameters ``owner`` owns: gather ``owner`` with it."""
+        """Its modules use parameters ``owner`` owns: gather ``owner`` with it. It then also
+        waits for its inputs' gradients before letting go of its pins: its own trainable
+        gradients may be complete (a parameter it uses last in forward) while the backward
+        of its use of ``owner``'s parameters (``x @ other.weight``, which saves the
+        parameter itself) has still to run."""
         self.deps.append(owner)
+        self.waits_for_inputs = True
 
     def report_gathers_to(self, callback) -> None:
         """Call ``callback(unit)`` as each all-gather of it is issued (world size > 1)."""
