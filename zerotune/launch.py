@@ -94,17 +94,14 @@ def make_temp_nvme() -> str:
     SIGKILL never removes its own, swap files included) are removed first."""
     import re
 
+    from .memory.swap import pid_alive
+
     root = Path(tempfile.gettempdir())
     for old in root.glob(f"{_TEMP_NVME_PREFIX}*"):
         m = re.match(rf"{_TEMP_NVME_PREFIX}(\d+)-", old.name)
-        if m is None or not old.is_dir() or old.is_symlink():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:  # its process is gone
-            shutil.rmtree(old, ignore_errors=True)
-        except (PermissionError, OverflowError):
-            pass
+        if m is not None and old.is_dir() and not old.is_symlink():
+            if not pid_alive(int(m.group(1))):
+                shutil.rmtree(old, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{_TEMP_NVME_PREFIX}{os.getpid()}-")
 
 

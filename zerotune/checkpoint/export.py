@@ -43,6 +43,7 @@ import torch
 
 from .. import dist as zdist
 from ..config import ConfigError, parse_bytes
+from ..memory.swap import pid_alive
 from ..sharding.tiling import TiledWeight, iter_row_bands, tiled_weights
 from .files import (
     TensorFileReader,
@@ -120,14 +121,9 @@ def _remove_orphans(output: Path) -> None:
     ``.NAME.old-PID`` whose process is gone."""
     for entry in output.parent.glob(f".{glob_escape(output.name)}.*-*"):
         kind, _, pid = entry.name[len(output.name) + 2 :].partition("-")
-        if kind not in ("partial", "old") or not pid.isdigit() or not entry.is_dir():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(entry, ignore_errors=True)
-        except (PermissionError, OverflowError):
-            pass
+        if kind in ("partial", "old") and pid.isdigit() and entry.is_dir():
+            if not pid_alive(int(pid)):
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 class HFFolderWriter:

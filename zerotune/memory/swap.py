@@ -32,7 +32,7 @@ import torch
 from .. import dist as zdist
 from ..config import ConfigError
 
-__all__ = ["Extent", "StagingPool", "SwapSpace", "round_up"]
+__all__ = ["Extent", "StagingPool", "SwapSpace", "pid_alive", "round_up"]
 
 log = logging.getLogger(__name__)
 ALIGN = 4096
@@ -250,18 +250,20 @@ def _remove_stale_runs(root: Path, keep: str) -> None:
             except (OSError, ValueError):
                 alive = True
                 break
-            if owner_host != host or _pid_alive(pid):
+            if owner_host != host or pid_alive(pid):
                 alive = True
         if owners and not alive:
             log.warning("zerotune: removing stale swap folder %s (its run is gone)", run)
             shutil.rmtree(run, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` may still run on this host (another user's counts; a number
+    no process can have does too, so that nothing of it is removed)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True
