@@ -587,7 +587,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         if self._carrying:
             self.optimizer.pump()  # the last step's updates, between this forward's layers
         self._use("forward", unit)
-        unit.begin_forward(recomputed=in_backward())
+        unit.begin_forward(in_backward())  # recomputed inside a backward: not counted
         lookup = None
         if unit.update_pending and args and isinstance(args[0], torch.Tensor):
             lookup = args[0]  # an embedding's indices (see can_preview)

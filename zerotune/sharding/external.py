@@ -5,11 +5,12 @@ Tied weights shared by two units' modules are found at wrap time (engine.py). Ot
 show while forward runs: a parent calling ``F.linear(x, self.embed.weight)``, or a module
 returning one of its parameters for another to use. Two mechanisms catch them:
 
-* Parameter access. Every module that holds parameters gets, for its own instance only, a
-  subclass of its class whose ``__getattr__`` reports parameter reads (``nn.Module`` serves
-  parameters through ``__getattr__``). A read inside the forward of unit U of a parameter
-  that another, non-persistent unit owns registers that unit as U's dependency: it is
-  gathered now, and from then on with U, in forward and backward. Logged once.
+* Parameter access. Every module that holds parameters (and each unit's root) gets, for its
+  own instance only, a subclass of its class whose ``__getattr__`` reports parameter reads
+  (``nn.Module`` serves parameters through ``__getattr__``). A read inside the forward of
+  unit U of a parameter that another, non-persistent unit owns registers that unit as U's
+  dependency: it is gathered now, and from then on with U, in forward and backward. Logged
+  once. Its ``zero_grad`` also clears the shards of the units under it.
 * Output inspection. A unit whose forward returns (a view of) its own gathered parameters is
   registered as a dependency of the enclosing unit, which keeps it gathered.
 
