@@ -19,7 +19,7 @@ from zerotune.hf.record import (
     ZERO_OPTIONS,
     adopt_recorded_job,
     check_output_dir,
-    check_recorded_dtype,
+    check_recorded_arguments,
     check_resume,
     clear_output_dir,
     is_inside,
@@ -110,9 +110,9 @@ def test_a_resume_that_would_train_another_job_is_refused(tmp_path, monkeypatch)
         "reuse them), or train on from one of its checkpoints into another folder: "
         f"--resume_from_checkpoint {out}/checkpoint-N --output-dir NEW"
     )
-    check_recorded_dtype(_options(out), _args("bf16"))  # the run's own dtype
+    check_recorded_arguments(_options(out), _args("bf16"))  # the run's own dtype
     with pytest.raises(JobError, match=re.escape("started with dtype bf16 (now fp16)")):
-        check_recorded_dtype(_options(out), _args("fp16"))
+        check_recorded_arguments(_options(out), _args("fp16"))
 
 
 def test_a_resume_keeps_the_zero_flags_and_the_seed(tmp_path):
@@ -132,10 +132,10 @@ def test_a_resume_keeps_the_zero_flags_and_the_seed(tmp_path):
     adopt_recorded_job(options, given={"output_dir", "resume", "offload"})
     assert options["offload"] == "nvme"  # given anew: it wins
     args = SimpleNamespace(zero=SimpleNamespace(dtype="fp32"), seed=7)
-    check_recorded_dtype(_options(out), args)
+    check_recorded_arguments(_options(out), args)
     args.seed = 8
     with pytest.raises(JobError, match=re.escape("started with --seed 7 (now 8)")):
-        check_recorded_dtype(_options(out), args)
+        check_recorded_arguments(_options(out), args)
 
 
 def test_a_resume_from_a_checkpoint_changed_after_its_save_is_one_line(tmp_path):

@@ -99,7 +99,7 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
     from .data import PACKABLE, DataError, choose_columns, load_raw_dataset
     from .deepspeed import planned_world
     from .models import context_length, resolve_model, resolve_tokenizer
-    from .record import check_output_dir, check_recorded_dtype, check_resume
+    from .record import check_output_dir, check_recorded_arguments, check_resume
 
     for key in (
         "model",
@@ -146,7 +146,7 @@ def prepare_job(options: dict[str, Any], world: int = 1, known_flags: Iterable[s
         if options["resume"] or args.resume_from_checkpoint:
             check_resume(args)
         if options["resume"]:
-            check_recorded_dtype(options, args)
+            check_recorded_arguments(options, args)
         check_output_dir(Path(args.output_dir), options, args, source)
         tokenizer, tok_kind = resolve_tokenizer(
             options["tokenizer"], options["model"], source, config

@@ -7,8 +7,8 @@ just before training: the options that define its model and data (``RECORDED``),
 and the TrainingArguments flags it was given (``trainer_args``, less those a resume never
 takes over: ``NOT_RESUMED``). ``--resume`` continues the run as it was started:
 ``adopt_recorded_job`` fills the options it is not given from the record and refuses ones
-that differ (they would silently train another job from the checkpoint); the dtype the
-resumed arguments give is compared once they are parsed (``check_recorded_dtype``). A
+that differ (they would silently train another job from the checkpoint); the dtype and seed
+the resumed arguments give are compared once they are parsed (``check_recorded_arguments``). A
 folder without a record (an older zerotune, checkpoints copied in) has nothing to compare.
 A folder holding an earlier run is refused unless the run continues it or ``--overwrite``
 replaces it (``check_output_dir``); its files are deleted only once the input has been
@@ -32,7 +32,7 @@ __all__ = [
     "RUN_FILES",
     "adopt_recorded_job",
     "check_output_dir",
-    "check_recorded_dtype",
+    "check_recorded_arguments",
     "check_resume",
     "clear_output_dir",
     "is_inside",
@@ -247,16 +247,21 @@ def adopt_recorded_job(options: dict[str, Any], given: set[str]) -> None:
         options["hf_args"] = (*options["hf_args"], f"--{dtype}")
 
 
-def check_recorded_dtype(options: dict[str, Any], args) -> None:
-    """--resume: the dtype the arguments give (flags or config file) is the run's. Raises
-    JobError."""
+def check_recorded_arguments(options: dict[str, Any], args) -> None:
+    """--resume: the dtype the parsed arguments give (flags or config file) and their seed
+    (another one holds out other blocks: evaluation data would be trained on) are the run's.
+    Raises JobError."""
     record = read_job_record(options["output_dir"])
-    if record is not None and record.get("dtype", args.zero.dtype) != args.zero.dtype:
-        _refuse_resume(options["output_dir"], [f"dtype {record['dtype']} (now {args.zero.dtype})"])
+    if record is None:
+        return
+    differ = []
+    if record.get("dtype", args.zero.dtype) != args.zero.dtype:
+        differ.append(f"dtype {record['dtype']} (now {args.zero.dtype})")
     seed = getattr(args, "seed", None)
-    if record is not None and record.get("seed") not in (None, seed):
-        # another seed holds out other blocks: the evaluation data would have been trained on
-        _refuse_resume(options["output_dir"], [f"--seed {record['seed']} (now {args.seed})"])
+    if record.get("seed") not in (None, seed):
+        differ.append(f"--seed {record['seed']} (now {seed})")
+    if differ:
+        _refuse_resume(options["output_dir"], differ)
 
 
 def check_resume(args) -> None:

@@ -139,7 +139,7 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
         try:
             if torch.is_grad_enabled():
                 hooked = False
-                inputs = None
+                inputs: list[torch.Tensor] | None = None  # this call's tensor arguments
                 for t in outputs:
                     if t.requires_grad:
                         t.register_hook(_pre_backward_hook(engine, unit))
@@ -153,11 +153,13 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
                         base = t._base if t._is_view() else None
                         if base is not None and base.requires_grad and base.grad_fn is not None:
                             if inputs is None:
-                                inputs = {id(x) for x in tensors_in((args, kwargs))}
-                            if id(base) not in inputs:
+                                inputs = tensors_in((args, kwargs))
+                            if all(base is not x for x in inputs):
                                 base.register_hook(_pre_backward_hook(engine, unit))
                 if hooked and unit.waits_for_inputs:
-                    _wait_for_input_grads(engine, unit, tensors_in((args, kwargs)))
+                    if inputs is None:
+                        inputs = tensors_in((args, kwargs))
+                    _wait_for_input_grads(engine, unit, inputs)
                 reducer = engine.reducer
                 if reducer.finds_unused:
                     if any(is_reentrant_checkpoint(t.grad_fn) for t in outputs):
