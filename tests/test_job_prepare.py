@@ -139,6 +139,8 @@ def test_training_arguments_over_the_commands_defaults():
     assert parsed("--zero_stage", "1").zero.stage == 1  # the flag given wins
     with pytest.raises(JobError, match=re.escape("did you mean --block_size?")):
         parsed("--blok_size", "3", known={"block_size"})
+    with pytest.raises(JobError, match=re.escape("did you mean --block-size?")):
+        parsed("--blok-size", "3", known={"block_size"})  # in the spelling given
     with pytest.raises(JobError, match=re.escape("fraction in --warmup_steps")):
         parsed("--warmup_ratio", "0.1")
     with pytest.raises(JobError, match="needs held-out data: add --eval-split"):

@@ -169,6 +169,9 @@ def test_bad_data(tok, tmp_path):
         load_raw_dataset(odd)
     with pytest.raises(DataError, match="no such file"):
         load_raw_dataset(tmp_path / "missing.jsonl")
+    expected = r"could not be loaded from the local cache \(HF_HUB_OFFLINE is set\): it is not in"
+    with pytest.raises(DataError, match=expected):
+        load_raw_dataset("someone/no-such-dataset")  # a hub id, offline: datasets' None dropped
     short = tmp_path / "short.txt"
     short.write_text("tiny")
     with pytest.raises(DataError, match="no block of 64 tokens"):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -300,8 +301,16 @@ def _load_hub_dataset(name: str):
         where = "the local cache (HF_HUB_OFFLINE is set)" if offline else "the hub"
         raise DataError(
             f"dataset {name!r} is not a local file and could not be loaded from {where}: "
-            f"{_first_line(exc)}"
+            f"{_dataset_reason(exc, name)}"
         ) from None
+
+
+def _dataset_reason(exc: Exception, name: str) -> str:
+    """datasets' own reason, without its "not cached in None" (no cache folder was given)."""
+    reason = _first_line(exc)
+    if re.fullmatch(rf"Dataset '?{re.escape(name)}'? is not cached in None\.?", reason):
+        return "it is not in the datasets cache"
+    return reason
 
 
 @contextlib.contextmanager

@@ -417,14 +417,17 @@ def parse_training_args(
     with as_job_error(ValueError):
         args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
-        names = [f.split("=")[0].lstrip("-").replace("-", "_") for f in rest if f[:2] == "--"]
+        given = [f.split("=")[0].lstrip("-") for f in rest if f[:2] == "--"]
+        names = [g.replace("-", "_") for g in given]
         hints = [_RENAMED[n] for n in names if n in _RENAMED]
         names_known = training_fields() | set(known_flags)
         known = sorted(n for n in names_known if n not in ("h", "help"))
-        for name in names:
+        for raw, name in zip(given, names):
             if name not in _RENAMED:
                 close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-                hints += [f"did you mean --{close[0]}?"] if close else []
+                if close:  # in the spelling the user wrote: both are accepted
+                    sep = "-" if "-" in raw else "_"
+                    hints.append(f"did you mean --{close[0].replace('_', sep)}?")
         hint = f"; {'; '.join(hints)}" if hints else ""
         raise JobError(
             f"unknown option(s): {' '.join(rest)} (neither a zerotune finetune nor a "
