@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +29,8 @@ from torch import nn
 
 from ..config import ZeroConfig, load_config
 from ..sharding.engine import ZeroEngine
-from ..sharding.tiling import TileBlock, TiledWeight, apply_tiling, read_block, tiled_weights
+from ..sharding.state_dict import WeightSources, fill_shard
+from ..sharding.tiling import TileBlock, TiledWeight, apply_tiling, tiled_weights
 from .construct import (
     InitFunctions,
     build_from_config,
@@ -288,22 +288,9 @@ def _candidates(name: str, prefix: str) -> list[str]:
     return names + legacy
 
 
-@dataclass
-class _Sources:
-    """Where each parameter of a model is read from: ``readers`` maps id(parameter) to
-    ``read(start, stop, out)`` over its flattened elements, ``blocks`` id(tile) to (its
-    block, columns of the untiled weight) (sharding/tiling.py), ``used`` the checkpoint keys
-    read, and ``converted`` the parameters transformers' conversions build (or None)."""
-
-    readers: dict[int, Callable[[int, int, torch.Tensor], None]]
-    blocks: dict[int, tuple[TileBlock, int]]
-    used: set[str]
-    converted: ConvertedCheckpoint | None
-
-
 def _checkpoint_sources(
     model: nn.Module, ckpt: SafetensorsCheckpoint, shapes: dict[int, tuple] | None = None
-) -> _Sources:
+) -> WeightSources:
     """Each parameter's source in ``ckpt``: its own name (with or without the base model
     prefix, legacy norm names), else transformers' conversions for the model
     ([Note: converted checkpoints]); raises listing every missing one. ``shapes``:
@@ -320,7 +307,7 @@ def _checkpoint_sources(
     for tw in tiled_weights(model):
         for t in tw.tiles:
             tiles[id(by_name[t.name])] = (t, tw)
-    sources = _Sources({}, {}, set(), None)
+    sources = WeightSources()
     missing: dict[int, tuple[str, tuple]] = {}
     mismatched: dict[int, str] = {}
     full_shapes: dict[str, tuple] = {}
@@ -389,25 +376,7 @@ class _StreamingLoader:
         return self.fill
 
     def fill(self, unit, master: torch.Tensor) -> None:
-        _fill_shard(self.sources, unit, master)
-
-
-def _fill_shard(sources: _Sources, unit, master: torch.Tensor) -> None:
-    """This rank's slice of ``unit``'s parameters, read from their sources into ``master``."""
-    lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
-    for slot in unit.slots:
-        a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-        if a < b:
-            read = sources.readers[id(slot.param)]
-            out = master[a - lo : b - lo]
-            tile = sources.blocks.get(id(slot.param))
-            if tile is None:
-                read(a - slot.offset, b - slot.offset, out)
-            else:
-                block, cols = tile
-                read_block(read, cols, block, a - slot.offset, b - slot.offset, out)
-    if sources.converted is not None:
-        sources.converted.release()
+        fill_shard(self.sources, unit, master)
 
 
 def load_weights(engine: ZeroEngine, folder: str | os.PathLike) -> None:
@@ -421,7 +390,7 @@ def load_weights(engine: ZeroEngine, folder: str | os.PathLike) -> None:
         sources = _checkpoint_sources(engine.module, ckpt, shapes)
         for unit in engine.units:
             master = torch.zeros(unit.shard_numel, dtype=torch.float32)
-            _fill_shard(sources, unit, master)
+            fill_shard(sources, unit, master)
             engine.load_unit_state(unit, {"master": master})
     finally:
         ckpt.close()

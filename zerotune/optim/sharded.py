@@ -283,6 +283,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         see ``ZeroOptimizer.can_overlap``)."""
         return True
 
+    @property
+    def step_open(self) -> bool:
+        """Whether an overlapped backward has run and its ``step()`` has not: some units may
+        be updated already, the others wait for ``step()``."""
+        return self._overlap is not None
+
     _detached = False  # another optimizer took the engine's shards over
 
     def detach(self) -> None:

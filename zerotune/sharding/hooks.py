@@ -57,6 +57,7 @@ from torch.autograd import Variable
 
 from .copies import COPIED
 from .grads import is_reentrant_checkpoint
+from .state_dict import state_dict_hooks
 from .unit import Unit, UnitState
 
 if TYPE_CHECKING:
@@ -96,8 +97,9 @@ def in_backward() -> bool:
 
 
 def install_hooks(engine: ZeroEngine) -> list:
-    """Register the hooks of every unit; returns the handles (to remove them)."""
-    handles = []
+    """Register the hooks of every unit, and the model's state-dict hooks ([Note: state
+    dicts of a sharded model] in state_dict.py); returns the handles (to remove them)."""
+    handles = state_dict_hooks(engine)
     for unit in engine.units:
         handles.append(unit.module.register_forward_pre_hook(_pre_forward_hook(engine, unit)))
         handles.append(
