@@ -512,3 +512,10 @@ def test_deepspeed_optimizer_without_a_config_file():
     assert args.weight_decay_all
     with pytest.raises(zerotune.ConfigError, match="--deepspeed_optimizer: not JSON"):
         ZeroTrainingArguments(output_dir="unused", deepspeed_optimizer="{SGD")
+    # A section given alone: its refusals name the flag given, not --deepspeed.
+    sgd = {"type": "SGD", "params": {"lr": 1.0}}
+    with pytest.raises(zerotune.ConfigError, match=r"^--deepspeed_optimizer: optimizer.params"):
+        ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed_optimizer=sgd)
+    section = {"type": "WarmupLR", "params": {"warmup_num_steps": 7}}
+    with pytest.raises(zerotune.ConfigError, match=r"^--deepspeed_scheduler: scheduler.params"):
+        ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed_scheduler=section)

@@ -450,10 +450,11 @@ def check_deepspeed_optimizer(value: str | dict, args) -> dict[str, Any]:
     section = _json_object(value, "--deepspeed_optimizer")
     if not isinstance(section.get("type"), str):
         raise ConfigError(f'--deepspeed_optimizer needs a "type" (a torch optimizer): {value!r}')
-    _unknown(section, {"type", "params"}, "optimizer.")
-    match = _Matcher()
-    checked = _torch_section(section["type"], dict(section.get("params") or {}), args, match)
-    match.refuse_any()
+    with _refusals_name("--deepspeed_optimizer"):
+        _unknown(section, {"type", "params"}, "optimizer.")
+        match = _Matcher()
+        checked = _torch_section(section["type"], dict(section.get("params") or {}), args, match)
+        match.refuse_any()
     return checked
 
 
@@ -467,9 +468,23 @@ def check_deepspeed_scheduler(value: str | dict, args) -> dict[str, Any]:
     """``--deepspeed_scheduler`` (a DeepSpeed scheduler section, a dict or JSON) checked
     against ``args``, as ``_scheduler`` leaves it; raises ConfigError in one line."""
     match = _Matcher()
-    section = _scheduler(_json_object(value, "--deepspeed_scheduler"), args, match)
-    match.refuse_any()
+    with _refusals_name("--deepspeed_scheduler"):
+        section = _scheduler(_json_object(value, "--deepspeed_scheduler"), args, match)
+        match.refuse_any()
     return section
+
+
+@contextlib.contextmanager
+def _refusals_name(flag: str):
+    """A section given alone: its refusals name ``flag``, not the ``--deepspeed`` of a
+    whole config."""
+    try:
+        yield
+    except ConfigError as exc:
+        text = str(exc)
+        if not text.startswith("--deepspeed: "):
+            raise
+        raise ConfigError(f"{flag}: {text.removeprefix('--deepspeed: ')}") from None
 
 
 def _json_object(value: str | dict, flag: str) -> dict:
