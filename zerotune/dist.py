@@ -21,6 +21,7 @@ __all__ = [
     "all_gather_into",
     "reduce_scatter_avg",
     "all_reduce_sum",
+    "broadcast",
     "barrier",
     "RankFilter",
 ]
@@ -131,6 +132,14 @@ def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
 def all_reduce_max(tensor: torch.Tensor, group=None) -> torch.Tensor:
     if get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """``tensor`` as rank ``src`` of ``group`` holds it, on every rank of the group."""
+    if get_world_size(group) > 1:
+        root = src if group is None else dist.get_global_rank(group, src)
+        dist.broadcast(tensor, root, group=group)
     return tensor
 
 

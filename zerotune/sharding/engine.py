@@ -55,6 +55,7 @@ from .plan import (
     size_unit,
     unit_deps,
 )
+from .state_dict import check_modifier, units_of, write_gathered
 from .tiling import apply_tiling, merge_tiles, tiled_weights
 from .unit import Unit, UnitState
 
@@ -406,17 +407,21 @@ class ZeroEngine(CopiedAsSource, nn.Module):
             yield
 
     @contextlib.contextmanager
-    def gathered(self, units: list[Unit] | None = None) -> Iterator[None]:
-        """Gather parameters for reading (or writing) outside forward; every rank must enter.
-        On leaving, units that nothing else holds are released.
-
-        Changes made to gathered parameters are not written back to the shards.
-        """
-        chosen = self.units if units is None else units
+    def gathered(self, what=None, modifier_rank: int | None = None) -> Iterator[None]:
+        """Gather parameters (of ``what``: units, modules, parameters, or an iterable of
+        them; all by default) for reading or writing outside forward; every rank enters. On
+        leaving, units that nothing else holds are released. Changes made to gathered
+        parameters reach the shards only with ``modifier_rank=r``: when the block ends without
+        an exception, rank r's values go into every rank's masters and compute copies (see
+        [Note: writes inside gathered()] in state_dict.py; refused in one line at entry inside
+        forward or backward, or between an overlapped backward and its ``step()``)."""
+        check_modifier(self, modifier_rank)
+        chosen = units_of(self, what)
         for unit in chosen:
             self._pin(unit)
         try:
             yield
+            write_gathered(self, chosen, modifier_rank)  # none without a modifier rank
         finally:
             for unit in chosen:
                 unit.unpin()
@@ -435,7 +440,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
                 raise ValueError(f"the model has no parameter named {owner!r}")
             owner = params[owner]
         if isinstance(owner, nn.Parameter):
-            owner = self._unit_of_param(owner)
+            owner = units_of(self, owner)[0]
         if isinstance(user, nn.Module):
             user = self._unit_of_module(user)
         if owner is user or owner in user.deps:
@@ -443,12 +448,6 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         user.add_dep(owner)
         if pin:
             self._pin(owner)
-
-    def _unit_of_param(self, param: nn.Parameter) -> Unit:
-        for unit in self.units:
-            if any(s.param is param for s in unit.slots):
-                return unit
-        raise ValueError("this parameter is not part of the sharded model")
 
     def _unit_of_module(self, module: nn.Module) -> Unit:
         for unit in self.units[1:]:

@@ -1,5 +1,6 @@
-"""``state_dict()`` and ``load_state_dict()`` of a sharded model, and ``fill_shard``: this
-rank's slice of a unit written from whole weights (streaming loads use it too).
+"""``state_dict()`` and ``load_state_dict()`` of a sharded model, the writes of
+``engine.gathered(modifier_rank=...)``, and ``fill_shard``: this rank's slice of a unit
+written from whole weights (streaming loads use it too).
 
 [Note: state dicts of a sharded model]
 At stage 3 a released parameter is empty, and a value written into a parameter reaches a
@@ -20,6 +21,27 @@ module of a call (the model, or its root under a wrapper such as the engine) do 
   torch's own. At the end the values go through ``fill_shard`` and ``load_unit_state``, as in
   ``load_weights``: masters and compute copies on every tier, optimizer state untouched, a
   unit's parameters not given keeping their values.
+
+[Note: writes inside gathered()]
+An in-place write to a gathered parameter (``p.clamp_()``, a re-init) reaches the gathered
+buffer, the shard itself only in fp32 at world size 1 without offload: elsewhere the release
+at stage 3, or the next step (compute copies from the fp32 masters), undoes it.
+``engine.gathered(what, modifier_rank=r)`` writes it back, as DeepSpeed's
+``GatheredParameters(params, modifier_rank=r)`` does: when the block ends without an
+exception, every rank takes each gathered unit in turn:
+* rank r's values of its parameters are broadcast: the ranks' writes may differ (a re-init
+  seeded per rank), and rank r's are the ones kept;
+* they go into this rank's fp32 master slice through ``fill_shard``, as loads do. In
+  bf16/fp16 an element whose value is still its master rounded (one nobody wrote) keeps its
+  fp32 master: a block over the whole model rounds only what was written;
+* a unit whose master changed on some rank (one all-reduce) goes through
+  ``load_unit_state`` (masters and compute copies on every tier, gathered buffers again,
+  optimizer state untouched); otherwise the other ranks copy rank r's values into their
+  gathered parameters, so that their own writes go too.
+Refused where a load is (``refuse_now``): at entry, before anything is gathered, and before
+the first write. After an exception nothing is written back: the edits stay only where a
+write without ``modifier_rank`` stays. Cost: a broadcast of each unit and a read of its
+master; writes only where something changed.
 """
 
 from __future__ import annotations
@@ -33,8 +55,17 @@ from torch import nn
 
 from .. import dist as zdist
 from .tiling import TileBlock, TiledLinear, TiledWeight, merge_tiles, read_block, tiled_weights
+from .unit import Unit
 
-__all__ = ["WeightSources", "fill_shard", "state_dict_hooks"]
+__all__ = [
+    "WeightSources",
+    "check_modifier",
+    "fill_shard",
+    "refuse_now",
+    "state_dict_hooks",
+    "units_of",
+    "write_gathered",
+]
 
 Read = Callable[[int, int, torch.Tensor], None]  # (start, stop, out): flattened elements
 
@@ -128,7 +159,7 @@ class _StateDictHooks:
                 keys.setdefault(id(p), []).append(prefix + name)
         units = sorted({self.owner[pid][0] for pid in keys}, key=lambda u: u.index)
         if units:
-            self._refuse("state_dict()")
+            refuse_now(self.engine, "state_dict()")
         self._check_room(sum(self.owner[pid][1].numel for pid in keys), units)
         for unit in units:
             with self.engine.gathered([unit]):
@@ -178,7 +209,7 @@ class _StateDictHooks:
     def pre_load(self, module, sd, prefix, metadata, strict, missing, unexpected, errors):
         call = self.load
         if call is None or call.missing is not missing:
-            self._refuse("load_state_dict()", metadata)
+            refuse_now(self.engine, "load_state_dict()", metadata)
             call = self.load = _Load(module, missing)
         try:
             if isinstance(module, TiledLinear):
@@ -220,27 +251,6 @@ class _StateDictHooks:
             call.stand_ins[id(stand_in)] = stand_in
             sd[name] = stand_in
 
-    def _refuse(self, what: str, metadata: dict | None = None) -> None:
-        """What cannot be done now, in one line: a forward or backward runs, or an
-        overlapped step is open (some units are updated, the others wait for step());
-        for a load, replacing the parameters."""
-        from .hooks import in_backward
-
-        engine = self.engine
-        why = None
-        if in_backward() or engine.external.active:
-            why = "inside a forward or backward of the model"
-        elif engine.reducer.overlapping or (
-            engine.optimizer is not None and engine.optimizer.step_open
-        ):
-            why = "between an overlapped backward and its step(): call step() first"
-        elif metadata is not None and metadata.get("assign_to_params_buffers"):
-            why = "with assign=True (it would replace the sharded parameters): use assign=False"
-        elif metadata is not None and torch.__future__.get_swap_module_params_on_conversion():
-            why = "with torch.__future__.set_swap_module_params_on_conversion(True)"
-        if why is not None:
-            raise RuntimeError(f"{what} of a model sharded by zerotune, {why}")
-
     def post_load(self, module: nn.Module, incompatible) -> None:
         call, missing = self.load, incompatible.missing_keys
         if call is None or call.opener is not module or call.missing is not missing:
@@ -255,6 +265,27 @@ class _StateDictHooks:
                 master = master.to("cpu", torch.float32, copy=True)
             fill_shard(call.sources, unit, master)
             engine.load_unit_state(unit, {"master": master})
+
+
+def refuse_now(engine, what: str, metadata: dict | None = None) -> None:
+    """What cannot be done now, in one line: a forward or backward runs, or an
+    overlapped step is open (some units are updated, the others wait for step());
+    for a load, replacing the parameters."""
+    from .hooks import in_backward
+
+    why = None
+    if in_backward() or engine.external.active:
+        why = "inside a forward or backward of the model"
+    elif engine.reducer.overlapping or (
+        engine.optimizer is not None and engine.optimizer.step_open
+    ):
+        why = "between an overlapped backward and its step(): call step() first"
+    elif metadata is not None and metadata.get("assign_to_params_buffers"):
+        why = "with assign=True (it would replace the sharded parameters): use assign=False"
+    elif metadata is not None and torch.__future__.get_swap_module_params_on_conversion():
+        why = "with torch.__future__.set_swap_module_params_on_conversion(True)"
+    if why is not None:
+        raise RuntimeError(f"{what} of a model sharded by zerotune, {why}")
 
 
 def _check_shape(key: str, given: torch.Size, expected) -> None:
@@ -294,3 +325,77 @@ def state_dict_hooks(engine) -> list:
         handles.append(module.register_load_state_dict_pre_hook(pre_load))
         handles.append(module.register_load_state_dict_post_hook(post_load))
     return handles
+
+
+# ------------------------------------------------------------------ gathered() and writes
+def units_of(engine, what) -> list:
+    """The units ``engine.gathered(what)`` gathers: all of them for None, else each unit,
+    module (the units owning its parameters) and parameter given, alone or in an iterable;
+    in unit order, each once."""
+    if what is None:
+        return list(engine.units)
+    owner: dict = {}  # id(parameter) -> unit, built when a module or parameter is given
+    found = {}
+    for item in [what] if isinstance(what, (Unit, nn.Module, torch.Tensor)) else what:
+        if isinstance(item, Unit):
+            found[id(item)] = item
+            continue
+        if not isinstance(item, (nn.Module, torch.Tensor)):
+            raise TypeError(f"units, modules or parameters, not {type(item).__name__}")
+        owner = owner or {id(s.param): u for u in engine.units for s in u.slots}
+        params = list(item.parameters()) if isinstance(item, nn.Module) else [item]
+        for p in params:
+            if id(p) in owner:
+                found[id(owner[id(p)])] = owner[id(p)]
+            elif isinstance(item, nn.Module):
+                raise ValueError("this module is not part of the sharded model")
+            else:  # a parameter read through its module outside gathered() is a copy
+                raise ValueError(
+                    "this parameter is not part of the sharded model (read through its module "
+                    "outside gathered(), a sharded parameter is a copy: pass the module)"
+                )
+    return sorted(found.values(), key=lambda u: u.index)
+
+
+def check_modifier(engine, modifier_rank) -> None:
+    """Refuse, in one line, a write-back that cannot be done (before anything is gathered
+    or written); none is asked for without a modifier rank."""
+    if modifier_rank is None:
+        return
+    what = f"engine.gathered(modifier_rank={modifier_rank!r})"
+    if type(modifier_rank) is not int or not 0 <= modifier_rank < engine.world:
+        raise ValueError(f"{what}: a rank of the engine's group, 0 to {engine.world - 1}")
+    refuse_now(engine, what)
+
+
+@torch.no_grad()
+def write_gathered(engine, units: list, modifier_rank: int) -> None:
+    """The values of ``units``' gathered parameters on rank ``modifier_rank`` into every
+    rank's shards (see [Note: writes inside gathered()]); every rank calls it. Nothing
+    without a modifier rank."""
+    if modifier_rank is None:
+        return
+    check_modifier(engine, modifier_rank)
+    mine = engine.rank == modifier_rank
+    for unit in units:
+        if unit.numel == 0:
+            continue  # no parameters (a tied head: its weight is the embedding's)
+        whole = torch.empty(unit.padded_numel, dtype=unit.dtype, device=engine.device)
+        if mine:
+            whole[unit.numel :].zero_()
+            for s in unit.slots:
+                whole[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        zdist.broadcast(whole, modifier_rank, engine.group)
+        views = {id(s.param): whole[s.offset : s.offset + s.numel] for s in unit.slots}
+        master = engine.unit_state(unit, master_only=True)["master"]
+        master = master.to("cpu", torch.float32, copy=True)
+        new = master.clone()
+        fill_shard(WeightSources({k: _reader(v) for k, v in views.items()}), unit, new)
+        if unit.dtype != torch.float32:  # values left as gathered keep their fp32 master
+            new = torch.where(new.to(unit.dtype) == master.to(unit.dtype), master, new)
+        changed = torch.tensor([float(not torch.equal(new, master))], device=engine.device)
+        if zdist.all_reduce_max(changed, engine.group).item():
+            engine.load_unit_state(unit, {"master": new})
+        elif not mine:  # this rank's own edits, if any, go
+            for s in unit.slots:
+                s.param.copy_(views[id(s.param)].view(s.shape))
