@@ -36,6 +36,14 @@ class _OneLineErrors(click.Command):
 @click.option("--params", help="A bare parameter count instead of a model (7.5e9).")
 @click.option("--world-size", type=int, default=1, show_default=True, help="Data-parallel ranks.")
 @click.option("--gpus-per-node", type=int, help="Ranks per host [default: min(world size, 8)].")
+@click.option(
+    "--device",
+    type=click.Choice(["gpu", "cpu"]),
+    default="gpu",
+    show_default=True,
+    help="Where the run computes: cpu plans a run without an accelerator, which holds "
+    "everything but NVMe files (activations, gathered parameters, buffers) in host memory.",
+)
 @click.option("--gpu-memory", default="80GB", show_default=True, help="Per GPU; 'none' skips it.")
 @click.option("--host-memory", help="Host RAM per node (512GB); not checked if left out.")
 @click.option("--nvme-space", help="Free NVMe space per node (2TB) [default: free on --nvme-path].")
@@ -43,7 +51,10 @@ class _OneLineErrors(click.Command):
 @click.option("--seq-len", type=int, help="Tokens per sequence [default: model's, at most 2048].")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per rank.")
 @click.option("--activation-checkpointing", is_flag=True, help="Plan with checkpointing.")
-@click.option("--dtype", default="bf16", show_default=True, help="Compute dtype: bf16, fp16, fp32.")
+@click.option(
+    "--dtype",
+    help="Compute dtype: bf16, fp16, fp32 [default: bf16 on a GPU, fp32 on a CPU, as finetune].",
+)
 @click.option("--grad-dtype", default="fp32", show_default=True, help="Gradient shard dtype.")
 @click.option(
     "--optim-state-bits",
@@ -65,6 +76,7 @@ def estimate(
     params,
     world_size,
     gpus_per_node,
+    device,
     gpu_memory,
     host_memory,
     nvme_space,
@@ -86,12 +98,18 @@ def estimate(
       zerotune estimate --model gpt2-xl --world-size 8 --host-memory 512GB
       zerotune estimate --params 7.5e9 --world-size 64 --json
       zerotune estimate --model ./my-model --gpu-memory 24GB --nvme-path /mnt/nvme --seq-len 2048
+      zerotune estimate --model gpt2 --device cpu --host-memory 24GB --micro-batch 4
     """
     from zerotune.config import ConfigError, parse_bytes
     from zerotune.estimate import estimate as make_plan
 
     if (model is None) == (params is None):
         _fail("give --model or --params (one of them)")
+    given = click.get_current_context().get_parameter_source
+    if device == "cpu" and given("gpu_memory") != click.core.ParameterSource.DEFAULT:
+        _fail("--gpu-memory is for --device gpu; a CPU run holds everything in host memory")
+    if device == "cpu":
+        gpu_memory = "none"
     count = None
     if params is not None:
         try:
@@ -141,11 +159,12 @@ def estimate(
             seq_len=seq_len,
             micro_batch=micro_batch,
             activation_checkpointing=activation_checkpointing,
-            dtype=dtype,
+            dtype=dtype or ("fp32" if device == "cpu" else "bf16"),
             grad_dtype=grad_dtype,
             optim_state_bits=int(optim_state_bits),
             headroom=headroom,
             nvme_path=nvme_path,
+            device="cpu" if device == "cpu" else "cuda",
         )
     except ConfigError as exc:
         _fail(str(exc))
@@ -156,6 +175,18 @@ def estimate(
         click.echo(json.dumps(plan.to_dict()))
     else:
         click.echo(plan.format())
+    if not as_json and given("device") == click.core.ParameterSource.DEFAULT and not _has_gpu():
+        # The plan is for GPUs; a run on this machine would hold it all in host memory.
+        click.echo(
+            "note: planned for GPUs; this machine has none: --device cpu plans a run here", err=True
+        )
+
+
+def _has_gpu() -> bool:
+    """Whether ``zerotune finetune`` would train on a GPU here (its memory check's test)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _without_weights(model: str) -> bool:

@@ -487,6 +487,8 @@ BAD_INPUT = [
     (["--model", "tiny-gpt2", "--seq-len", "4096"], "exceeds the model's context length 128"),
     (["--params", "1e9", "--gpu-memory", "1e400"], "too large to be a size"),
     (["--params", "1e9", "--optim-state-bits", "4"], "--optim-state-bits"),
+    (["--params", "1e9", "--device", "tpu"], "--device"),
+    (["--params", "1e9", "--device", "cpu", "--gpu-memory", "24GB"], "is for --device gpu"),
 ]
 REAL_PROCESS = [BAD_INPUT[1], BAD_INPUT[5]]
 

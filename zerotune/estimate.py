@@ -15,7 +15,10 @@ host) come from the functions the engine sizes them with (sharding/buffers.py, [
 buffers]; tests/test_sizing.py checks them on real engines); parameter gradients waiting for
 their reduction and NVMe read buffers are upper bounds. Activations come from a formula
 ([Note: activation memory] in activation_memory.py): they depend on the model's code, so they
-are the least exact part.
+are the least exact part. A run without an accelerator (``device="cpu"``: ``zerotune estimate
+--device cpu``, and finetune's check before loading on such a machine) has one memory for
+both: what a GPU would hold (activations by the CPU kernels' rules, gathered units, working
+buffers) is counted on the host line with the host tier.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 from .activation_memory import ModelShape, activation_bytes, model_shape
 from .config import ConfigError, ZeroConfig, parse_bytes
+from .estimate_table import format_bytes, format_plan, job_flags
 from .sharding.buffers import host_cache_bytes, staging_resident, staging_slots, working_buffers
 from .sharding.engine import ZeroEngine
 from .sharding.plan import SwapPlan, UnitPlan, plan_swap, plan_units, resident_bytes, size_unit
@@ -195,6 +199,7 @@ class MemoryPlan:
     padding_elements: int = 0
     units: int = 0
     optim_state_bits: int = 32
+    device: str = "cuda"  # the compute device planned for: "cpu" holds it all in host memory
 
     @property
     def recommended(self) -> Option | None:
@@ -215,6 +220,7 @@ class MemoryPlan:
         rec = self.recommended
         return {
             "model": self.model,
+            "device": "cpu" if self.device == "cpu" else "gpu",
             "parameters": self.parameters,
             "units": self.units,
             "world_size": self.world_size,
@@ -249,7 +255,7 @@ class MemoryPlan:
         if getattr(self, "random_init", False):
             model += " --init random"  # a preset or a config: no weights to load
         zero = rec.flags(self.nvme_path, config_file=self.config_file() is not None)
-        return f"zerotune finetune --model {model} {zero}{_job_flags(self)}"
+        return f"zerotune finetune --model {model} {zero}{job_flags(self)}"
 
     def config_file(self) -> dict | None:
         """The keys of the config file the recommended command needs (a mix of tiers
@@ -264,7 +270,7 @@ class MemoryPlan:
 
     def format(self) -> str:
         """A table for people."""
-        return _format(self)
+        return format_plan(self)
 
 
 def _options() -> list[tuple[int, str, str]]:
@@ -307,9 +313,11 @@ def estimate(
     ``gpu_memory`` is per GPU, ``host_memory`` and ``nvme_space`` per host (None: not
     checked). ``config`` holds further engine settings (prefetch_bytes, staging_bytes, ...;
     stage and offload keys are set per option). ``device="cpu"`` estimates a CPU run
-    (activation rules of CPU kernels; device and host are one memory). ``headroom`` is the
-    share of every tier left free for what is not counted (see [Note: activation memory]
-    in activation_memory.py).
+    (activation rules of CPU kernels; the compute side, activations, gathered units and
+    working buffers included, is counted in host memory; ``gpu_memory`` is not used), as
+    ``zerotune finetune``'s check before loading does without a GPU (``preflight``).
+    ``headroom`` is the share of every tier left free for what is not counted (see [Note:
+    activation memory] in activation_memory.py).
     ``optim_state_bits`` (32 or 8; default: the config's) keeps Adam moments in fp32 or
     8-bit (see optim/quant8.py).
     """
@@ -324,6 +332,8 @@ def estimate(
         raise ConfigError("seq_len and micro_batch must be at least 1")
     if not 0 <= headroom < 1:
         raise ConfigError(f"headroom must be in [0, 1), got {headroom}")
+    if device == "cpu":
+        gpu_memory = None  # a CPU run has no device memory: its compute side is the host's
     limits = {
         "device": None if gpu_memory is None else parse_bytes(gpu_memory, name="gpu_memory"),
         "host": None if host_memory is None else parse_bytes(host_memory, name="host_memory"),
@@ -432,6 +442,7 @@ def estimate(
         padding_elements=padding,
         units=units_count,
         optim_state_bits=base.optim_state_bits,
+        device=device,
     )
 
 
@@ -523,106 +534,6 @@ def _judge(option: Option, limits: dict[str, int | None], headroom: float) -> No
                 f"{where[tier]}: needs {format_bytes(n)}, usable {format_bytes(usable[tier])}"
             )
     option.fits = fits
-
-
-# -------------------------------------------------------------------------- formatting
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    if n >= 2**40:
-        return f"{n / 2**40:.2f} TiB"
-    if n < 2**30:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n / 2**30:.2f} GiB"
-
-
-def _short(n: int) -> str:
-    return "0" if n == 0 else f"{n / 2**30:.1f}" if n >= 2**30 * 10 else f"{n / 2**30:.2f}"
-
-
-def _format(plan: MemoryPlan) -> str:
-    lim = plan.limits
-    lines = [
-        f"zerotune estimate: {plan.model}: {plan.parameters:,} parameters"
-        + (f" in {plan.units} units" if plan.units > 1 else ""),
-        f"  world size {plan.world_size} ({plan.gpus_per_node} per node), compute {plan.dtype}, "
-        f"gradients {plan.grad_dtype}, Adam moments {plan.optim_state_bits}-bit, "
-        f"padding {plan.padding_elements:,} elements per rank",
-        f"  machine: GPU {format_bytes(lim['device'])}, host {format_bytes(lim['host'])}, "
-        f"NVMe {format_bytes(lim['nvme'])} (- = not checked); "
-        f"{int(plan.headroom * 100)}% kept free",
-    ]
-    act = plan.activations
-    if act is None:
-        lines.append("  activations: not estimated (no model shape: give --model)")
-    else:
-        lines.append(
-            f"  activations per GPU (seq {act['seq_len']} x micro-batch {act['micro_batch']}): "
-            f"{format_bytes(act['without_checkpointing'])} without checkpointing, "
-            f"{format_bytes(act['with_checkpointing'])} with"
-            + (" (used below)" if act["checkpointing"] else " (the first used below)")
-        )
-    lines.append("")
-    head = (
-        f"{'stage':>5} {'param':>5} {'optim':>5} | {'params':>6} {'grads':>6} {'optim':>6} "
-        f"{'activ':>6} {'buffer':>6} {'GPU':>7} | {'host/node':>9} | {'NVMe/node':>9} | fits"
-    )
-    lines += ["GiB per GPU (device), per host and NVMe per host", head, "-" * len(head)]
-    rec = plan.recommended
-    for o in plan.options:
-        if o.error:
-            lines.append(f"{o.stage:>5} {o.offload_param:>5} {o.offload_optimizer:>5} | {o.error}")
-            continue
-        dev = [o.rows[r].get("device", 0) for r in ("params", "grads", "optimizer")]
-        dev += [o.rows["activations"].get("device", 0)]
-        dev += [o.rows["buffers"].get("device", 0) + o.rows["staging"].get("device", 0)]
-        mark = ("yes" if o.fits else "no") + (" <- recommended" if o is rec else "")
-        lines.append(
-            f"{o.stage:>5} {o.offload_param:>5} {o.offload_optimizer:>5} | "
-            + " ".join(f"{_short(n):>6}" for n in dev)
-            + f" {_short(o.per_gpu):>7} | {_short(o.per_host):>9} | {_short(o.nvme_per_host):>9} | "
-            + mark
-        )
-    lines.append("")
-    if rec is None:
-        lines.append("nothing fits this machine; more GPUs, host memory or NVMe space would help:")
-        last = plan.options[-1]
-        lines += [f"  {last.name}: {w}" for w in last.why_not]
-    else:
-        lines.append(f"recommended: {rec.name}")
-        lines.append(f"  {plan.command()}")
-        keys = plan.config_file()
-        if keys is not None:
-            held = ", ".join(f"{k}: {v}" for k, v in keys.items())
-            lines.append(f"  with zerotune.yaml holding {{{held}}}")
-        nodes = -(-plan.world_size // plan.gpus_per_node)
-        if nodes > 1:
-            lines.append(
-                f"  on each of the {nodes} nodes, under torchrun --nnodes {nodes} "
-                f"--nproc-per-node {plan.gpus_per_node} (in place of --nproc-per-node)"
-            )
-    return "\n".join(lines)
-
-
-def _job_flags(plan: MemoryPlan) -> str:
-    """The ``zerotune finetune`` options for what the plan assumed besides the ZeRO tiers
-    (dtype, 8-bit moments, sequence length, micro-batch, checkpointing, processes): without
-    them the command would run another job than the one that fits."""
-    parts = []
-    flag = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
-    if plan.dtype in flag:  # the config's names and their aliases
-        parts.append(f"--{flag[plan.dtype]}")  # finetune trains in fp32 unless told
-    if plan.optim_state_bits == 8:
-        parts.append("--optim adamw_8bit")
-    act = plan.activations
-    if act is not None:
-        parts.append(f"--block-size {act['seq_len']}")
-        parts.append(f"--per_device_train_batch_size {act['micro_batch']}")
-        if act["checkpointing"]:
-            parts.append("--activation_checkpointing")
-    if plan.gpus_per_node > 1:
-        parts.append(f"--nproc-per-node {plan.gpus_per_node}")
-    return "".join(" " + p for p in parts)
 
 
 # --------------------------------------------------------------- checking before a run
