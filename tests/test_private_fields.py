@@ -26,6 +26,9 @@ FOREIGN = {
     "_is_view",
     "_C",
     "_current_graph_task_id",
+    # Whether the running backward will execute an autograd node (which units a loss
+    # reaches, grads.py's agree_on_reached); torch's FSDP asks the same.
+    "_will_engine_execute_node",
     "_execution_engine",
     "_gradient_checkpointing_func",
     "_is_hf_initialized",

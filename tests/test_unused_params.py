@@ -650,3 +650,98 @@ def test_ranks_that_ran_different_units_at_stage_3_are_stopped_after_forward():
     assert all("loss" in r for r in run_world(2, _route_by_rank, False, timeout=60))
     for res in run_world(2, _route_by_rank, True, timeout=60):
         assert "gathered different units in this forward" in res.get("error", ""), res
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads, each its own unit (``unit_modules: ["Linear"]``); the model
+    returns both heads' outputs and the loss chooses what to use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.head_a = nn.Linear(8, 1)
+        self.head_b = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.head_a(h), self.head_b(h)
+
+
+def _heads_loss(a: torch.Tensor, b: torch.Tensor, rank: int, plan: str) -> torch.Tensor:
+    """ignore_b: rank 1's loss ignores head b (computed in forward on every rank);
+    aux_on_0: head b is an auxiliary term rank 0 alone multiplies in."""
+    if plan == "ignore_b":
+        return a.pow(2).mean() + (b.pow(2).mean() if rank == 0 else 0)
+    return a.pow(2).mean() * (1 + b.mean() if rank == 0 else 1)
+
+
+def _heads_reference(plan: str, world: int, micro: int) -> dict:
+    """Single-process AdamW on the whole batch, each rank's loss (over ``micro``
+    micro-batches) averaged, as DDP averages the gradients: a rank that ignores a head
+    gives it zero."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses = []
+    for step in range(3):
+        x = data(step)
+        parts = [(r, x[r::world][m::micro]) for r in range(world) for m in range(micro)]
+        loss = sum(_heads_loss(*model(part), r, plan) for r, part in parts) / (world * micro)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {
+        "losses": losses,
+        "weights": {n: p.detach().clone().numpy() for n, p in model.named_parameters()},
+    }
+
+
+def _heads_train(rank, world, plan, config, micro):
+    import torch.distributed as dist
+
+    import zerotune
+
+    torch.manual_seed(0)
+    engine = zerotune.shard(TwoHeads(), {**config, "unit_modules": ["Linear"]})
+    opt = zerotune.ZeroAdamW(engine, lr=LR, weight_decay=WD)
+    losses = []
+    deferred, stop_recording = record_deferred()
+    try:
+        for step in range(3):
+            x, earlier = data(step)[rank::world], 0.0
+            for m in range(micro - 1):  # at stage 3 these gather too: the ranks agree
+                with engine.no_sync():
+                    part = _heads_loss(*engine(x[m::micro]), rank, plan) / micro
+                    part.backward()
+                    earlier += float(part.detach())
+            loss = _heads_loss(*engine(x[micro - 1 :: micro]), rank, plan) / micro
+            loss.backward()
+            opt.step()
+            total = (loss.detach().reshape(1) + earlier) / world
+            dist.all_reduce(total)
+            losses.append(float(total))
+        weights = {k: v.numpy() for k, v in engine.full_state_dict().items()}
+    finally:
+        engine.close()
+        stop_recording()
+    return {"losses": losses, "weights": weights, "deferred": deferred}
+
+
+@pytest.mark.parametrize("plan", ["ignore_b", "aux_on_0"])
+def test_an_output_the_loss_ignores_on_one_rank_trains_like_ddp(plan, tmp_path):
+    # Head b runs in forward on both ranks, but one rank's loss does not reach it: that
+    # rank's backward never gathers it (stage 3) nor completes its gradients. The ranks
+    # agree as backward starts; head b is gathered on both there, and reduced at the end
+    # of backward with zeros from the rank that got none, so the step equals DDP's.
+    nv = tmp_path / "nv"
+    nv.mkdir()
+    on = {"find_unused_parameters": True}
+    nvme = {"offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(nv)}
+    cases = [({**on, "stage": 2}, 1), ({**on, "stage": 3}, 1), ({**on, "stage": 3}, 2)]
+    cases.append(({**on, "stage": 3, **nvme}, 1))
+    for config, micro in cases:
+        ref = _heads_reference(plan, 2, micro)
+        for res in run_world(2, _heads_train, plan, config, micro, timeout=120):
+            check(res, ref, f"{plan} {config} micro={micro}")
+            assert res["deferred"] == [["head_b"]] * 3, (plan, config, res["deferred"])

@@ -613,6 +613,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         if self._final_callback_queued:
             return False
         self.check_backward()
+        self.prefetcher.start_pass("backward")  # the first hook's unit may be any unit
         self._final_callback_queued = True
         self._outer_task = torch._C._current_graph_task_id()
         return True
@@ -635,8 +636,6 @@ class ZeroEngine(CopiedAsSource, nn.Module):
     def pre_backward(self, unit: Unit) -> None:
         if unit.holds_backward_pins:
             return
-        if unit.index == 0:
-            self.prefetcher.start_pass("backward")
         self.reducer.pump_overlapped_step()
         if unit.weightless_backward and not unit.deps:
             # Nothing to gather: an embedding's backward needs no weight, only the shape

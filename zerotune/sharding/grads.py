@@ -373,6 +373,9 @@ class GradReducer:
         self.finds_unused: bool = config.find_unused_parameters and config.stage >= 2 and world > 1
         self._deferred: set[int] = set()
         self._hidden_units: set[int] = set()
+        # The autograd nodes of each unit's outputs in this forward (stage 3): a backward
+        # runs a unit's pre-backward hook (its gather) when it executes one of them.
+        self._output_nodes: dict[int, list] = {}
         # The order of the units this forward all-gathered, fingerprinted (stage 3): the
         # ranks compare it with the marks, as a rank that ran other units than another
         # pairs its gathers with different units (parameters mixed, when sizes agree).
@@ -444,6 +447,7 @@ class GradReducer:
         ``find_unused_parameters``; a unit running without gradients is hidden from it."""
         if unit.index == 0:
             self._hidden_units.clear()
+            self._output_nodes.clear()
             self._gathered_in_forward = 0
         if self.finds_unused and not torch.is_grad_enabled():
             self._hidden_units.add(unit.index)  # inside a reentrant checkpoint, or no_grad
@@ -478,14 +482,14 @@ class GradReducer:
         come straight from one, as Hugging Face layers checkpoint their own body) and of
         which the walk reached nothing counts as complete. Limits: every rank must run
         the same number of synchronized training forwards (each is a collective); the walk
-        sees what the outputs depend on, so a parameter they depend on that still gets no
-        gradient (the loss ignores that output on some rank), or a unit partly used inside
-        a reentrant checkpoint, is not found; and at stage 3 the gathers are collectives
-        too, so every rank must run the same units (as DeepSpeed and FSDP ask). Where they
-        do not and their gathers still pair up (units of one size: experts routed by the
-        data), the same all-reduce compares a fingerprint of the units each rank gathered
-        in this forward, in order, and every rank raises instead of training on the mixed
-        parameters."""
+        sees what the outputs depend on, not what the loss reads: an output the loss
+        ignores on some rank is found as backward starts ([Note: outputs the loss
+        ignores]); a unit partly used inside a reentrant checkpoint is not found; and at
+        stage 3 the gathers are collectives too, so every rank must run the same units (as
+        DeepSpeed and FSDP ask). Where they do not and their gathers still pair up (units
+        of one size: experts routed by the data), the same all-reduce compares a
+        fingerprint of the units each rank gathered in this forward, in order, and every
+        rank raises instead of training on the mixed parameters."""
         reached, hidden = params_reached(outputs)
         marks = []
         for unit in self.units:
@@ -513,6 +517,66 @@ class GradReducer:
         for t in outputs:
             if t.requires_grad:
                 t.register_hook(defer)
+
+    def note_outputs(self, unit: Unit, nodes: list) -> None:
+        """The autograd nodes whose backward runs ``unit``'s pre-backward hook (stage 3 with
+        ``find_unused_parameters``; see ``agree_on_reached``)."""
+        if self.finds_unused and self.config.stage == 3:
+            found = [n for n in nodes if n is not None]  # None: an output that is a leaf
+            self._output_nodes.setdefault(unit.index, []).extend(found)
+
+    def agree_on_reached(self) -> list[Unit]:
+        """The first hook of a backward with ``find_unused_parameters`` (synchronized, or any
+        at stage 3): the units some rank will not give all their gradients join the
+        deferred ones, and the units (stage 3) this backward gathers on some ranks and not
+        on others are returned, for the caller to gather on every rank now.
+
+        [Note: outputs the loss ignores]
+        The walk after forward ([Note: find unused parameters]) sees what the outputs
+        depend on, not what the loss reads: an output computed on every rank but ignored
+        by one rank's loss (a second head, an auxiliary term) gives its unit gradients on
+        the other ranks only, and at stage 3 only they gather it for backward. So as a
+        backward starts (its first hook), each rank asks autograd which nodes it will run
+        (``torch._C._will_engine_execute_node``, as torch's FSDP does): a unit is complete
+        when every trainable parameter's gradient accumulator will run, and reached when
+        one of those or of its outputs' nodes will. One all-reduce (MAX) of the marks per
+        backward (synchronized ones; at stage 3 every one, as its gathers are collectives
+        even under ``no_sync()``): incomplete units are deferred; units reached on some
+        ranks only are gathered on every rank there, in unit order, and held to the end of
+        the pass, so their pre-backward hooks gather nothing; that pass prefetches nothing
+        (the hooks' order differs between the ranks). Their gradients are reduced at the
+        end with zeros from the ranks that got none, as DDP averages them. A unit run in a
+        reentrant checkpoint with nothing reached counts as complete. Every rank's loss
+        must reach some unit: a backward that runs no hook of the model joins no
+        all-reduce, and the ranks hang."""
+        from torch.autograd.graph import get_gradient_edge
+
+        def runs(node) -> bool:
+            try:
+                return bool(torch._C._will_engine_execute_node(node))
+            except RuntimeError:  # torch.autograd.grad: leaves are not asked about
+                return True
+
+        marks = []
+        for unit in self.units:
+            trainable = [s for s in unit.slots if s.trainable] if unit.trainable else []
+            got = sum(1 for s in trainable if runs(get_gradient_edge(s.param).node))
+            hidden = got == 0 and unit.index in self._hidden_units
+            complete = got == len(trainable) or hidden
+            reached = got > 0 or any(runs(n) for n in self._output_nodes.get(unit.index, ()))
+            marks += [0 if complete else 1, int(reached), 1 - int(reached)]
+        merged = zdist.all_reduce_max(
+            torch.tensor(marks, dtype=torch.int64, device=self.device), self.group
+        ).tolist()
+        contested = []
+        for i, unit in enumerate(self.units):
+            incomplete, some, not_all = merged[3 * i : 3 * i + 3]
+            if incomplete and self._sync:
+                self._deferred.add(unit.index)
+            gathers = not (unit.weightless_backward and not unit.deps)
+            if some and not_all and gathers and self.config.stage == 3:
+                contested.append(unit)
+        return contested
 
     def _agree(self, fingerprint: int, flags: list[int]) -> tuple[bool, list[int]]:
         """One all-reduce (MAX) over the ranks: whether they all hold the same
@@ -587,6 +651,7 @@ class GradReducer:
         """The counters of a backward pass back to their start."""
         self._reduced_during_backward = 0
         self._deferred.clear()
+        self._output_nodes.clear()  # they would keep a forward's graph to the next forward
 
     def _pending_units(self, pending: Callable[[Unit], bool], sync: bool) -> list[Unit]:
         """The units ``pending`` picks (gradients not reduced yet), in order. At world size

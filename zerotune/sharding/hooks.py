@@ -140,12 +140,12 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
             return None
         try:
             if torch.is_grad_enabled():
-                hooked = False
+                hooked = []  # the nodes the hooks below run before
                 inputs: list[torch.Tensor] | None = None  # this call's tensor arguments
                 for t in outputs:
                     if t.requires_grad:
                         t.register_hook(_pre_backward_hook(engine, unit))
-                        hooked = True
+                        hooked.append(t.grad_fn)
                         # An output that is a view (nn.Linear on a 3-D input returns
                         # addmm(...).view(...)) modified in place later (ReLU(inplace=True),
                         # h += r) gets a new history, and its old node, which holds the hook
@@ -158,12 +158,14 @@ def _post_forward_hook(engine: ZeroEngine, unit: Unit):
                                 inputs = tensors_in((args, kwargs))
                             if all(base is not x for x in inputs):
                                 base.register_hook(_pre_backward_hook(engine, unit))
+                                hooked.append(base.grad_fn)
                 if hooked and unit.waits_for_inputs:
                     if inputs is None:
                         inputs = tensors_in((args, kwargs))
                     _wait_for_input_grads(engine, unit, inputs)
                 reducer = engine.reducer
                 if reducer.finds_unused:
+                    reducer.note_outputs(unit, hooked)
                     if any(is_reentrant_checkpoint(t.grad_fn) for t in outputs):
                         reducer.hide_from_graph(unit)  # its body ran in one
                     if unit.index == 0 and reducer.syncing:
@@ -199,10 +201,29 @@ def _pre_backward_hook(engine: ZeroEngine, unit: Unit):
     def hook(grad):
         if engine.begin_backward():  # the first hook of a backward pass
             Variable._execution_engine.queue_callback(engine.post_backward_final)
+            _gather_contested(engine)
         engine.pre_backward(unit)
         return None
 
     return hook
+
+
+def _gather_contested(engine: ZeroEngine) -> None:
+    """With ``find_unused_parameters`` the ranks agree, before any gather of this backward,
+    on the units it reaches; those some ranks reach and others do not are gathered here on
+    every rank and held to the end of the pass (see [Note: outputs the loss ignores] in
+    grads.py). The ranks' backward hooks then run in different orders, so this pass
+    gathers nothing ahead (the prefetcher's gathers must pair across the ranks)."""
+    reducer = engine.reducer
+    if not reducer.finds_unused or not (reducer.syncing or engine.config.stage == 3):
+        return
+    contested = reducer.agree_on_reached()
+    if contested:
+        engine.prefetcher.pause("backward")
+    for unit in contested:
+        engine.pre_backward(unit)
+        for held in (unit, *unit.deps):
+            held.pin()  # not let go after its backward on the ranks that run it: alike
 
 
 def _grad_ready_hook(engine: ZeroEngine, unit: Unit):
@@ -229,6 +250,7 @@ class Prefetcher:
         self.orders: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self.recorded: dict[str, bool] = {"forward": False, "backward": False}
         self._pos = {"forward": 0, "backward": 0}
+        self._paused = {"forward": False, "backward": False}  # until the next pass
         self.rerecords = 0  # how often a pass left the recorded order
 
     def start_pass(self, kind: str) -> None:
@@ -237,9 +259,16 @@ class Prefetcher:
         if not self.recorded[kind]:
             self.orders[kind] = []
         self._pos[kind] = 0
+        self._paused[kind] = False
+
+    def pause(self, kind: str) -> None:
+        """The rest of this pass neither records nor gathers ahead."""
+        self._paused[kind] = True
 
     def on_use(self, kind: str, unit: Unit) -> list[Unit]:
         """Note that ``unit`` is used now; return the units to gather ahead of their use."""
+        if self._paused[kind]:
+            return []
         order, pos = self.orders[kind], self._pos[kind]
         if not self.recorded[kind]:
             order.append(unit)
