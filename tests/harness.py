@@ -96,6 +96,17 @@ def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     return out["loss"]
 
 
+def step_and_mean_loss(engine, opt, loss: torch.Tensor, world: int) -> float:
+    """Backward of ``loss`` and one optimizer step; the loss averaged over the ranks."""
+    engine.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    mean = loss.detach().float().reshape(1) / world
+    if world > 1:
+        torch.distributed.all_reduce(mean)
+    return float(mean)
+
+
 def no_decay_groups(model, wd: float):
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2]

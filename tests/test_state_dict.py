@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_world, tiny_gpt2
-from harness import GLOBAL_BATCH, LR, batches, loss_of
+from harness import GLOBAL_BATCH, LR, batches, loss_of, step_and_mean_loss
 
 import zerotune
 
@@ -142,13 +142,7 @@ def zero_run(rank, world, swap, config, load_after):
                 master = engine.unit_state(u, master_only=True)["master"]
                 masters &= torch.equal(master.float().cpu(), mine)
         loss = loss_of(engine, ids[rank * per_rank : (rank + 1) * per_rank])
-        engine.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().float().reshape(1) / world
-        if world > 1:
-            torch.distributed.all_reduce(mean)
-        losses.append(float(mean))
+        losses.append(step_and_mean_loss(engine, opt, loss, world))
     weights = {k: v.float() for k, v in model.state_dict().items()}
     engine.close()
     return {"losses": losses, "weights": weights, "loaded": loaded, "masters": masters}
