@@ -670,7 +670,7 @@ class TwoHeads(nn.Module):
 def _heads_loss(a: torch.Tensor, b: torch.Tensor, rank: int, plan: str) -> torch.Tensor:
     """ignore_b: rank 1's loss ignores head b (computed in forward on every rank);
     aux_on_0: head b is an auxiliary term rank 0 alone multiplies in."""
-    if plan == "ignore_b":
+    if plan in ("ignore_b", "ignore_b_eval"):
         return a.pow(2).mean() + (b.pow(2).mean() if rank == 0 else 0)
     return a.pow(2).mean() * (1 + b.mean() if rank == 0 else 1)
 
@@ -716,6 +716,9 @@ def _heads_train(rank, world, plan, config, micro):
                     part.backward()
                     earlier += float(part.detach())
             loss = _heads_loss(*engine(x[micro - 1 :: micro]), rank, plan) / micro
+            if plan.endswith("_eval"):  # a forward without gradients before the backward
+                with torch.no_grad():
+                    engine(x)
             loss.backward()
             opt.step()
             total = (loss.detach().reshape(1) + earlier) / world
@@ -728,7 +731,7 @@ def _heads_train(rank, world, plan, config, micro):
     return {"losses": losses, "weights": weights, "deferred": deferred}
 
 
-@pytest.mark.parametrize("plan", ["ignore_b", "aux_on_0"])
+@pytest.mark.parametrize("plan", ["ignore_b", "aux_on_0", "ignore_b_eval"])
 def test_an_output_the_loss_ignores_on_one_rank_trains_like_ddp(plan, tmp_path):
     # Head b runs in forward on both ranks, but one rank's loss does not reach it: that
     # rank's backward never gathers it (stage 3) nor completes its gradients. The ranks

@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
 __all__ = ["GradAccumulator", "GradReducer", "is_reentrant_checkpoint", "params_reached"]
 
+# The forwards with gradients whose outputs' nodes are kept for the next backward (see
+# [Note: outputs the loss ignores]): more without a backward drop the older ones' nodes.
+_FORWARDS_NOTED = 4
+
 
 class GradAccumulator:
     """The gradient side of ``unit`` (see [Note: gradient accumulation])."""
@@ -376,6 +380,8 @@ class GradReducer:
         # The autograd nodes of each unit's outputs in this forward (stage 3): a backward
         # runs a unit's pre-backward hook (its gather) when it executes one of them.
         self._output_nodes: dict[int, list] = {}
+        self._forwards_noted: int = 0  # forwards with gradients since the last backward
+        self._walking: bool = True  # the latest forward runs with gradients
         # The order of the units this forward all-gathered, fingerprinted (stage 3): the
         # ranks compare it with the marks, as a rank that ran other units than another
         # pairs its gathers with different units (parameters mixed, when sizes agree).
@@ -446,11 +452,18 @@ class GradReducer:
         """``unit``'s forward starts: the first unit's begins a new walk for
         ``find_unused_parameters``; a unit running without gradients is hidden from it."""
         if unit.index == 0:
-            self._hidden_units.clear()
-            self._output_nodes.clear()
+            # A forward without gradients (an evaluation, reference log-probs between a
+            # training forward and its backward) leaves the last walk's sets as they are.
+            self._walking = torch.is_grad_enabled()
+            if self._walking:
+                self._hidden_units.clear()
+                self._forwards_noted += 1
+                if self._forwards_noted > _FORWARDS_NOTED:  # forwards never taken backward
+                    self._output_nodes.clear()
+                    self._forwards_noted = 1
             self._gathered_in_forward = 0
-        if self.finds_unused and not torch.is_grad_enabled():
-            self._hidden_units.add(unit.index)  # inside a reentrant checkpoint, or no_grad
+        if self.finds_unused and self._walking and not torch.is_grad_enabled():
+            self._hidden_units.add(unit.index)  # inside a reentrant checkpoint
 
     def hide_from_graph(self, unit: Unit) -> None:
         """``unit``'s body ran where the autograd graph does not show it (a reentrant
@@ -541,14 +554,17 @@ class GradReducer:
         when every trainable parameter's gradient accumulator will run, and reached when
         one of those or of its outputs' nodes will. One all-reduce (MAX) of the marks per
         backward (synchronized ones; at stage 3 every one, as its gathers are collectives
-        even under ``no_sync()``): incomplete units are deferred; units reached on some
-        ranks only are gathered on every rank there, in unit order, and held to the end of
-        the pass, so their pre-backward hooks gather nothing; that pass prefetches nothing
-        (the hooks' order differs between the ranks). Their gradients are reduced at the
-        end with zeros from the ranks that got none, as DDP averages them. A unit run in a
-        reentrant checkpoint with nothing reached counts as complete. Every rank's loss
-        must reach some unit: a backward that runs no hook of the model joins no
-        all-reduce, and the ranks hang."""
+        even under ``no_sync()``): incomplete units and units reached on some ranks only
+        are deferred; the latter are also gathered on every rank there, in unit order, and
+        held to the end of the pass, so their pre-backward hooks gather nothing; that pass
+        prefetches nothing, recomputed checkpoints included (the hooks' order differs
+        between the ranks). Their gradients are reduced at the end with zeros from the
+        ranks that got none, as DDP averages them. A unit run in a reentrant checkpoint
+        with nothing reached counts as complete. The output nodes of the forwards with
+        gradients since the last backward are kept (at most ``_FORWARDS_NOTED``); forwards
+        without gradients leave them, and the walk's sets, alone. Every rank's loss must
+        reach some unit: a backward that runs no hook of the model joins no all-reduce,
+        and the ranks hang."""
         from torch.autograd.graph import get_gradient_edge
 
         def runs(node) -> bool:
@@ -571,7 +587,9 @@ class GradReducer:
         contested = []
         for i, unit in enumerate(self.units):
             incomplete, some, not_all = merged[3 * i : 3 * i + 3]
-            if incomplete and self._sync:
+            # Reached on some ranks only: reduced at the end, also where a rank counts it
+            # complete (a unit hidden in a reentrant checkpoint that it did not reach).
+            if (incomplete or (some and not_all)) and self._sync:
                 self._deferred.add(unit.index)
             gathers = not (unit.weightless_backward and not unit.deps)
             if some and not_all and gathers and self.config.stage == 3:
@@ -652,6 +670,7 @@ class GradReducer:
         self._reduced_during_backward = 0
         self._deferred.clear()
         self._output_nodes.clear()  # they would keep a forward's graph to the next forward
+        self._forwards_noted = 0
 
     def _pending_units(self, pending: Callable[[Unit], bool], sync: bool) -> list[Unit]:
         """The units ``pending`` picks (gradients not reduced yet), in order. At world size

@@ -220,6 +220,7 @@ def _gather_contested(engine: ZeroEngine) -> None:
     contested = reducer.agree_on_reached()
     if contested:
         engine.prefetcher.pause("backward")
+        engine.prefetcher.pause("forward")  # checkpoints recomputed in it: alike too
     for unit in contested:
         engine.pre_backward(unit)
         for held in (unit, *unit.deps):
