@@ -193,6 +193,16 @@ def test_strict_false_reports_what_torch_reports_and_refusals_take_one_line(tmp_
     assert got == plain.load_state_dict(sd, strict=False)
     assert got.missing_keys == ["transformer.h.0.mlp.c_fc.weight"]
     _same(model.state_dict(), plain.state_dict())  # c_fc kept its weights, the rest loaded
+
+    def fails_once(module, prefix, keep_vars):
+        handle.remove()
+        raise RuntimeError("a hook of the user's")
+
+    handle = model.transformer.h[1].register_state_dict_pre_hook(fails_once)
+    with pytest.raises(RuntimeError, match="a hook of the user's"):
+        engine.state_dict()  # stops between the hooks of the modules above h.1
+    whole = {k.removeprefix("module."): v for k, v in engine.state_dict().items()}
+    _same(whole, plain.state_dict())  # not the empty parameters
     # strict=True: torch's error, raised after loading what matches (as torch does).
     with pytest.raises(RuntimeError) as mine:
         model.load_state_dict(sd)
@@ -234,6 +244,12 @@ def test_strict_false_reports_what_torch_reports_and_refusals_take_one_line(tmp_
     with pytest.raises(RuntimeError, match="more than is available") as e:
         model.state_dict()
     assert "\n" not in str(e.value)
+    # Room for one rank's copies, not for the four torchrun put on this host.
+    Full.available = 1.5 * sum(v.numel() * v.element_size() for v in now.values())
+    assert len(model.state_dict()) == len(now)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(RuntimeError, match="for this host's ranks"):
+        model.state_dict()
     engine.close()
 
 

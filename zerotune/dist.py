@@ -22,6 +22,7 @@ __all__ = [
     "reduce_scatter_avg",
     "all_reduce_sum",
     "broadcast",
+    "ranks_on_this_host",
     "barrier",
     "RankFilter",
 ]
@@ -141,6 +142,12 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
         root = src if group is None else dist.get_global_rank(group, src)
         dist.broadcast(tensor, root, group=group)
     return tensor
+
+
+def ranks_on_this_host() -> int:
+    """The processes of this run on this machine (torchrun's LOCAL_WORLD_SIZE; 1 alone):
+    what they each hold at once, the host holds that many times."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def barrier(group=None) -> None:

@@ -147,7 +147,7 @@ class SwapSpace:
         layout = {k: extent_layout(v, extent_align(k)) for k, v in sizes.items() if v}
         need = sum(total for _, total in layout.values())
         free = shutil.disk_usage(self.root).free
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local = zdist.ranks_on_this_host()
         if need * local > free:
             parts = ", ".join(f"{k} {_size(total)}" for k, (_, total) in layout.items())
             raise ConfigError(

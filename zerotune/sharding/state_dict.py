@@ -136,8 +136,10 @@ class _StateDictHooks:
 
     # ---------------------------------------------------------------------- state_dict
     def pre_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if prefix == "":
-            self.calls.clear()  # a new call (nested ones have a prefix): nothing is open
+        if prefix == "" or module is self.engine.module:
+            # A new call (nested ones have a prefix; the model's own is the outermost, under
+            # a wrapper too): nothing is open, not even what a call that raised left.
+            self.calls.clear()
         self.calls.append((module, prefix, keep_vars))
 
     def post_save(self, module: nn.Module, sd: dict, prefix: str) -> None:
@@ -192,7 +194,7 @@ class _StateDictHooks:
     def _check_room(self, numel: int, units: list) -> None:
         if not units:
             return
-        need = numel * units[0].dtype.itemsize
+        need = numel * units[0].dtype.itemsize * zdist.ranks_on_this_host()  # all copy at once
         short = torch.tensor(
             [float(need > psutil.virtual_memory().available)], device=self.engine.device
         )
@@ -200,7 +202,8 @@ class _StateDictHooks:
         if short.item():
             raise RuntimeError(
                 f"state_dict() of a model sharded at stage 3 copies every parameter into host "
-                f"memory ({need / 2**30:.1f} GiB), more than is available on a rank: write it "
+                f"memory ({need / 2**30:.1f} GiB for this host's ranks), more than is "
+                "available on a host: write it "
                 "streamed with zerotune.save_hf or save_checkpoint, or read parts inside "
                 "engine.gathered()"
             )
