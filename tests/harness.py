@@ -91,6 +91,47 @@ def assert_weights_match(
         )
 
 
+def plain_adamw_run(model, *, steps: int, wd: float, at: int, change) -> dict:
+    """Plain AdamW on the whole batch, ``change(model)`` before step ``at``: losses,
+    weights and each parameter's largest gradient (for ``assert_trains_like_plain``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=wd)
+    grad_max = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    losses = []
+    for step, ids in enumerate(batches("gpt2", steps)):
+        if step == at:
+            change(model)
+        loss = loss_of(model, ids)
+        loss.backward()
+        for n, p in model.named_parameters():
+            torch.maximum(grad_max[n], p.grad.abs(), out=grad_max[n])
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "weights": model.state_dict(), "grad_max": grad_max}
+
+
+def assert_trains_like_plain(
+    losses, weights: dict, ref: dict, *, bf16: bool, steps: int, label: str = ""
+) -> None:
+    """A zerotune run's losses and weights against a plain fp32 one's (``ref``: losses,
+    weights, ``grad_max`` per parameter). fp32: tight bounds, but an element whose gradient
+    stayed below 1e-6 may differ by lr a step (Adam turns rounding noise into full steps);
+    bf16 compute: the bounds of test_engine_equivalence.py."""
+    import numpy as np
+
+    assert list(weights) == list(ref["weights"]), label
+    if bf16:
+        np.testing.assert_allclose(losses, ref["losses"], rtol=2e-2, err_msg=label)
+        for name, w in ref["weights"].items():
+            assert (weights[name] - w).abs().max() < 5e-2, (label, name)
+        return
+    np.testing.assert_allclose(losses, ref["losses"], rtol=1e-5, atol=1e-6, err_msg=label)
+    for name, w in ref["weights"].items():
+        noise = ref["grad_max"].get(name, torch.ones(()))
+        atol = torch.where(noise < 1e-6, LR * steps, 1e-5)
+        assert ((weights[name] - w).abs() <= atol + 1e-5 * w.abs()).all(), (label, name)
+
+
 def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     out = model(input_ids=ids, labels=ids)
     return out["loss"]

@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_world, tiny_gpt2
-from harness import GLOBAL_BATCH, LR, batches, loss_of, step_and_mean_loss
+from harness import (
+    GLOBAL_BATCH,
+    LR,
+    assert_trains_like_plain,
+    batches,
+    loss_of,
+    plain_adamw_run,
+    step_and_mean_loss,
+)
 from torch import nn
 
 import zerotune
@@ -17,7 +25,6 @@ WD = 0.01
 NVME = {"offload_param": "nvme", "offload_optimizer": "nvme"}
 # As in test_engine_equivalence.py: fp32 reduction-order rounding; a parameter whose gradient
 # is rounding noise (GPT-2's attention key bias) moves by up to lr a step either way.
-WEIGHT_ATOL, NOISE_GRAD = 1e-5, 1e-6
 EDITED = {
     "transformer.h.0.mlp.c_fc.weight",
     "transformer.h.1.attn.c_attn.weight",
@@ -48,21 +55,9 @@ def edit(model, rank: int) -> None:
 
 
 def plain_run() -> dict:
-    model = tiny_gpt2(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    grad_max = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    losses = []
-    for step, ids in enumerate(batches("gpt2", STEPS)):
-        if step == EDIT_AFTER:
-            edit(model, 0)
-        loss = loss_of(model, ids)
-        loss.backward()
-        for n, p in model.named_parameters():
-            torch.maximum(grad_max[n], p.grad.abs(), out=grad_max[n])
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "weights": model.state_dict(), "grad_max": grad_max}
+    return plain_adamw_run(
+        tiny_gpt2(seed=0), steps=STEPS, wd=WD, at=EDIT_AFTER, change=lambda m: edit(m, 0)
+    )
 
 
 def _masters(engine) -> list[torch.Tensor]:
@@ -125,17 +120,8 @@ def test_writes_inside_gathered_train_like_the_plain_models(world, config, tmp_p
     for res in run_world(world, zero_run, str(tmp_path), config):
         assert res["kept"], config
         weights = {k: torch.as_tensor(np.asarray(v)) for k, v in res["weights"].items()}
-        assert list(weights) == list(ref["weights"])
-        if config.get("dtype") == "bf16":  # bf16 compute against fp32 (test_engine_equivalence)
-            np.testing.assert_allclose(res["losses"], ref["losses"], rtol=2e-2)
-            for name, w in ref["weights"].items():
-                assert (weights[name] - w).abs().max() < 5e-2, name
-            continue
-        np.testing.assert_allclose(res["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
-        for name, w in ref["weights"].items():
-            noise = ref["grad_max"].get(name, torch.ones(()))
-            atol = torch.where(noise < NOISE_GRAD, LR * STEPS, WEIGHT_ATOL)
-            assert ((weights[name] - w).abs() <= atol + 1e-5 * w.abs()).all(), name
+        bf16 = config.get("dtype") == "bf16"
+        assert_trains_like_plain(res["losses"], weights, ref, bf16=bf16, steps=STEPS)
 
 
 def _c_fc(model) -> torch.Tensor:
