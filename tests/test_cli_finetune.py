@@ -227,7 +227,7 @@ def test_a_run_the_memory_plan_says_will_not_fit_is_refused_before_loading(env, 
     gpt2 = done["gpt2"].stderr.strip().splitlines()
     assert done["gpt2"].returncode == 2 and len(gpt2) == 1, gpt2
     assert "micro-batch 8 x 1024 tokens: per host: needs 30.00 GiB, usable 14.40 GiB" in gpt2[0]
-    assert "these would fit: --per_device_train_batch_size 1 --gradient_checkpointing" in gpt2[0]
+    assert "these would fit: --per_device_train_batch_size 1 --activation_checkpointing" in gpt2[0]
     assert "--no-memory-check runs it anyway" in gpt2[0]
     assert done["default"].returncode == 2 and "usable 18.0 MiB" in done["default"].stderr
     assert not (tmp_path / "gpt2").exists() and not (tmp_path / "default").exists()

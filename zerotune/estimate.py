@@ -30,7 +30,7 @@ from typing import Any
 
 from .activation_memory import ModelShape, activation_bytes, model_shape
 from .config import ConfigError, ZeroConfig, parse_bytes
-from .estimate_table import format_bytes, format_plan, job_flags
+from .estimate_table import checkpointing_flag, format_bytes, format_plan, job_flags
 from .sharding.buffers import host_cache_bytes, staging_resident, staging_slots, working_buffers
 from .sharding.engine import ZeroEngine
 from .sharding.plan import SwapPlan, UnitPlan, plan_swap, plan_units, resident_bytes, size_unit
@@ -579,7 +579,7 @@ def preflight(
         return None
     small = (micro_batch, checkpointing) != (1, True)
     smaller = plan(1, True) if small else asked
-    flags = "--per_device_train_batch_size 1 --gradient_checkpointing"
+    flags = f"--per_device_train_batch_size 1 {checkpointing_flag()}"
     if small and smaller.option(*chosen).fits:
         fix = flags
     elif asked.recommended is not None:

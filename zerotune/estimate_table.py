@@ -100,6 +100,19 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
+def checkpointing_flag() -> str:
+    """The Trainer flag for activation checkpointing as the installed transformers names it
+    (5.2x: --activation_checkpointing, its old name a deprecated alias; before: only
+    --gradient_checkpointing)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    new = "activation_checkpointing" in names
+    return "--activation_checkpointing" if new else "--gradient_checkpointing"
+
+
 def job_flags(plan) -> str:
     """The ``zerotune finetune`` options for what the plan assumed besides the ZeRO tiers
     (dtype, 8-bit moments, sequence length, micro-batch, checkpointing, processes, a CPU
@@ -115,7 +128,7 @@ def job_flags(plan) -> str:
         parts.append(f"--block-size {act['seq_len']}")
         parts.append(f"--per_device_train_batch_size {act['micro_batch']}")
         if act["checkpointing"]:
-            parts.append("--activation_checkpointing")
+            parts.append(checkpointing_flag())
     if plan.gpus_per_node > 1:
         parts.append(f"--nproc-per-node {plan.gpus_per_node}")
     if plan.device == "cpu":

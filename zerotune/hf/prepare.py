@@ -449,6 +449,8 @@ _EVAL_METRICS = ("loss", "eval_loss")
 def check_job_args(args) -> None:
     """TrainingArguments that the Trainer would only trip over once the run has started (a
     traceback, an output folder half made), refused first. Raises JobError."""
+    from ..estimate_table import checkpointing_flag
+
     if args.max_steps == 0 or (args.max_steps < 0 and args.num_train_epochs <= 0):
         raise JobError(
             "nothing to train: give --max_steps of at least 1, or --num_train_epochs above 0"
@@ -459,7 +461,7 @@ def check_job_args(args) -> None:
     ):
         raise JobError(
             f"--offload_activations {activations} moves the saved inputs of checkpointed "
-            "blocks: add --activation_checkpointing (or --gradient_checkpointing)"
+            f"blocks: add {checkpointing_flag()}"
         )
     if args.metric_for_best_model is not None and args.metric_for_best_model not in _EVAL_METRICS:
         raise JobError(
