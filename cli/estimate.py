@@ -108,8 +108,6 @@ def estimate(
     given = click.get_current_context().get_parameter_source
     if device == "cpu" and given("gpu_memory") != click.core.ParameterSource.DEFAULT:
         _fail("--gpu-memory is for --device gpu; a CPU run holds everything in host memory")
-    if device == "cpu":
-        gpu_memory = "none"
     count = None
     if params is not None:
         try:

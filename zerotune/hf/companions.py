@@ -100,9 +100,8 @@ def keep_head_gathered(engine: ZeroEngine) -> contextlib.ExitStack:
     module = engine.module
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     if head is not None:
-        weights = dict(head.named_parameters(recurse=False)).values()  # read, not gathered
-        held = [u for u in engine.units if any(s.param is w for w in weights for s in u.slots)]
-        stack.enter_context(engine.gathered(held))
+        weights = list(head.named_parameters(recurse=False))  # the parameters, not copies
+        stack.enter_context(engine.gathered([p for _, p in weights]))  # their units
     return stack
 
 
