@@ -213,7 +213,11 @@ def test_deepspeed_step_counts_must_match_the_run(tmp_path):
         ZeroTrainingArguments(output_dir="unused", **COMMON, deepspeed_scheduler=section)
     by_epochs = dict(max_steps=-1, num_train_epochs=1, deepspeed_scheduler=section)
     trainer = zero_run(str(tmp_path / "out"), train=False, **by_epochs)
-    with pytest.raises(zerotune.ConfigError, match="total_num_steps=5 but the run has 8"):
+    # Named by the flag that gave the section (this one, not a --deepspeed config).
+    with pytest.raises(
+        zerotune.ConfigError,
+        match="^--deepspeed_scheduler: scheduler.params.total_num_steps=5 but the run has 8",
+    ):
         trainer.train()
     assert trainer.state.global_step == 0
     trainer.close()

@@ -556,15 +556,18 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def deepspeed_schedule(section: dict, optimizer, num_training_steps: int, warmup_steps: int):
+def deepspeed_schedule(section: dict, optimizer, num_training_steps: int, args):
     """The ``DeepSpeedSchedule`` of a checked scheduler section for a run of
-    ``num_training_steps`` updates whose Trainer counts ``warmup_steps`` warmup steps."""
-    params = _step_counts(section["params"], num_training_steps, warmup_steps)
-    if section["type"] in ("OneCycle", "LRRangeTest"):
-        schedule = DeepSpeedCycle(optimizer, section["type"], params)
-        schedule.check_betas(num_training_steps)
-        return schedule
-    return DeepSpeedSchedule(optimizer, section["type"], params)
+    ``num_training_steps`` updates with Trainer arguments ``args``; its refusals name the
+    flag that gave the section."""
+    with _refusals_name("--deepspeed" if args.deepspeed else "--deepspeed_scheduler"):
+        warmup_steps = args.get_warmup_steps(num_training_steps)
+        params = _step_counts(section["params"], num_training_steps, warmup_steps)
+        if section["type"] in ("OneCycle", "LRRangeTest"):
+            schedule = DeepSpeedCycle(optimizer, section["type"], params)
+            schedule.check_betas(num_training_steps)
+            return schedule
+        return DeepSpeedSchedule(optimizer, section["type"], params)
 
 
 def _step_counts(params: dict, num_training_steps: int, warmup_steps: int) -> dict:

@@ -411,9 +411,8 @@ class ZeroTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         section = self.args.deepspeed_scheduler  # [Note: DeepSpeed schedules] (ds_schedules)
         if self.lr_scheduler is None and section:
-            warmup = self.args.get_warmup_steps(num_training_steps)
             opt = optimizer or self.optimizer
-            self.lr_scheduler = deepspeed_schedule(section, opt, num_training_steps, warmup)
+            self.lr_scheduler = deepspeed_schedule(section, opt, num_training_steps, self.args)
             self._created_lr_scheduler = True
         return super().create_scheduler(num_training_steps, optimizer)
 
