@@ -8,11 +8,13 @@ plainly and through ``zero`` at stage 3 with the same seed; their logs must agre
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_gpt2
+from conftest import run_world, tiny_gpt2
 from datasets import Dataset
 from test_trl import (
     ARGS,
@@ -296,25 +298,29 @@ def test_orpo_and_tpo_log_the_plain_losses(tmp_path, which, zero_name):
     trainer.close()
 
 
+GOLD = dict(ARGS, lmbda=0.5, seq_kd=True, max_completion_length=8)
+
+
+def gold_run(wrap, args):
+    from trl.experimental.gold import GOLDTrainer
+
+    random.seed(0)
+    trainer = wrap(GOLDTrainer)(
+        model=byte_gpt2(), teacher_model=teacher_gpt2(), args=args, train_dataset=chats(),
+        processing_class=chat_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    return trainer, {key: logged(trainer, key) for key in LOGGED}
+
+
 def test_gold_shards_its_teacher_and_logs_the_plain_losses(tmp_path):
     """GOLD (GKD's successor, on-policy steps drawn from Python's random): the teacher is
     sharded and frozen and scores every step; the logs are plain GOLD's."""
-    from trl.experimental.gold import GOLDConfig, GOLDTrainer
+    from trl.experimental.gold import GOLDConfig
 
-    gold = dict(ARGS, lmbda=0.5, seq_kd=True, max_completion_length=8)
-
-    def run(wrap, args):
-        random.seed(0)
-        trainer = wrap(GOLDTrainer)(
-            model=byte_gpt2(), teacher_model=teacher_gpt2(), args=args, train_dataset=chats(),
-            processing_class=chat_tokenizer(),
-        )  # fmt: skip
-        trainer.train()
-        return trainer, {key: logged(trainer, key) for key in LOGGED}
-
-    _, plain = run(unwrapped, GOLDConfig(output_dir=str(tmp_path / "plain"), **gold))
+    _, plain = gold_run(unwrapped, GOLDConfig(output_dir=str(tmp_path / "plain"), **GOLD))
     options = zero_options(tmp_path, "stage3-nvme")
-    trainer, logs = run(zero, zero(GOLDConfig)(str(tmp_path / "zero"), **gold, **options))
+    trainer, logs = gold_run(zero, zero(GOLDConfig)(str(tmp_path / "zero"), **GOLD, **options))
     teacher = trainer.teacher_engine
     assert teacher is not None and trainer.teacher_model is teacher.module
     assert teacher.optimizer is None and teacher.memory_report()["master"] == 0
@@ -324,28 +330,34 @@ def test_gold_shards_its_teacher_and_logs_the_plain_losses(tmp_path):
     trainer.close()
 
 
+GMPO = dict(GRPO_ARGS, beta=0.1)
+
+
+def gmpo_run(wrap, args, folder):
+    """GMPO of the model saved in ``folder``, which TRL loads its reference from too."""
+    from trl.experimental.gmpo import GMPOTrainer
+
+    prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+    trainer = wrap(GMPOTrainer)(
+        model=str(folder), reward_funcs=counted_length, args=args, train_dataset=prompts,
+        processing_class=byte_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    keys = (*LOGGED, "reward", "reward_std", "entropy", "kl")
+    return trainer, {key: logged(trainer, key) for key in keys}
+
+
 def test_gmpo_with_a_kl_term_shards_its_reference_and_logs_the_plain_values(tmp_path):
     """GMPO (GRPO with the geometric mean of the token ratios) generating its completions,
     with a KL term: the reference TRL builds from the model's folder is sharded."""
-    from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+    from trl.experimental.gmpo import GMPOConfig
 
     folder = tmp_path / "model"
     byte_gpt2().save_pretrained(folder)
-    gmpo = dict(GRPO_ARGS, beta=0.1)
-
-    def run(wrap, args):
-        prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
-        trainer = wrap(GMPOTrainer)(
-            model=str(folder), reward_funcs=counted_length, args=args, train_dataset=prompts,
-            processing_class=byte_tokenizer(),
-        )  # fmt: skip
-        trainer.train()
-        keys = (*LOGGED, "reward", "reward_std", "entropy", "kl")
-        return trainer, {key: logged(trainer, key) for key in keys}
-
-    _, plain = run(unwrapped, GMPOConfig(output_dir=str(tmp_path / "plain"), **gmpo))
+    _, plain = gmpo_run(unwrapped, GMPOConfig(output_dir=str(tmp_path / "plain"), **GMPO), folder)
     options = zero_options(tmp_path, "stage3")
-    trainer, logs = run(zero, zero(GMPOConfig)(str(tmp_path / "zero"), **gmpo, **options))
+    args = zero(GMPOConfig)(str(tmp_path / "zero"), **GMPO, **options)
+    trainer, logs = gmpo_run(zero, args, folder)
     ref = trainer.ref_engine
     assert ref is not None and trainer.ref_model is ref.module and ref is not trainer.engine
     assert ref.optimizer is None
@@ -355,25 +367,29 @@ def test_gmpo_with_a_kl_term_shards_its_reference_and_logs_the_plain_values(tmp_
     trainer.close()
 
 
+A2PO = dict(DISTIL_ARGS, num_value_samples=2, filter_all_incorrect=False)
+
+
+def a2po_run(wrap, args):
+    from trl.experimental.a2po import A2POTrainer
+
+    prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
+    trainer = wrap(A2POTrainer)(
+        model=byte_gpt2(), reward_funcs=counted_length, args=args, train_dataset=prompts,
+        processing_class=byte_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    return trainer, {key: logged(trainer, key) for key in (*LOGGED, "reward", "v_star")}
+
+
 def test_a2po_shards_the_reference_it_copies_and_logs_the_plain_values(tmp_path):
     """A*-PO deep-copies the trained model for its reference, which samples completions for
     the optimal values before training and scores every step; the copy is sharded."""
-    from trl.experimental.a2po import A2POConfig, A2POTrainer
+    from trl.experimental.a2po import A2POConfig
 
-    a2po = dict(DISTIL_ARGS, num_value_samples=2, filter_all_incorrect=False)
-
-    def run(wrap, args):
-        prompts = Dataset.from_dict({"prompt": [f"count from {i}:" for i in range(16)]})
-        trainer = wrap(A2POTrainer)(
-            model=byte_gpt2(), reward_funcs=counted_length, args=args, train_dataset=prompts,
-            processing_class=byte_tokenizer(),
-        )  # fmt: skip
-        trainer.train()
-        return trainer, {key: logged(trainer, key) for key in (*LOGGED, "reward", "v_star")}
-
-    _, plain = run(unwrapped, A2POConfig(output_dir=str(tmp_path / "plain"), **a2po))
+    _, plain = a2po_run(unwrapped, A2POConfig(output_dir=str(tmp_path / "plain"), **A2PO))
     options = zero_options(tmp_path, "stage3-nvme")
-    trainer, logs = run(zero, zero(A2POConfig)(str(tmp_path / "zero"), **a2po, **options))
+    trainer, logs = a2po_run(zero, zero(A2POConfig)(str(tmp_path / "zero"), **A2PO, **options))
     ref = trainer.ref_engine
     assert ref is not None and trainer.ref_model is ref.module and ref is not trainer.engine
     assert ref.optimizer is None and ref.memory_report()["master"] == 0
@@ -383,28 +399,40 @@ def test_a2po_shards_the_reference_it_copies_and_logs_the_plain_values(tmp_path)
     trainer.close()
 
 
-def test_iw_opd_streams_its_teacher_folder_into_shards_and_logs_the_plain_losses(tmp_path):
-    """IW-OPD (on-policy distillation, lmbda=1.0) reads the teacher's tokenizer from the
-    teacher's folder; named by that folder, the teacher is streamed into frozen shards."""
-    from trl.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
+IW_OPD = dict(ARGS, lmbda=1.0, max_completion_length=8)
 
+
+def teacher_folder(tmp_path) -> str:
+    """The teacher and its tokenizer saved in a folder, as IW-OPD reads them."""
     folder = tmp_path / "teacher"
     teacher_gpt2().save_pretrained(folder)
     chat_tokenizer().save_pretrained(folder)
-    iw_opd = dict(ARGS, lmbda=1.0, max_completion_length=8)
+    return str(folder)
 
-    def run(wrap, args):
-        random.seed(0)
-        trainer = wrap(IWOPDTrainer)(
-            model=byte_gpt2(), teacher_model=str(folder), args=args, train_dataset=chats(),
-            processing_class=chat_tokenizer(),
-        )  # fmt: skip
-        trainer.train()
-        return trainer, {key: logged(trainer, key) for key in LOGGED}
 
-    _, plain = run(unwrapped, IWOPDConfig(output_dir=str(tmp_path / "plain"), **iw_opd))
+def iw_opd_run(wrap, args, folder):
+    from trl.experimental.iw_opd import IWOPDTrainer
+
+    random.seed(0)
+    trainer = wrap(IWOPDTrainer)(
+        model=byte_gpt2(), teacher_model=folder, args=args, train_dataset=chats(),
+        processing_class=chat_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    return trainer, {key: logged(trainer, key) for key in LOGGED}
+
+
+def test_iw_opd_streams_its_teacher_folder_into_shards_and_logs_the_plain_losses(tmp_path):
+    """IW-OPD (on-policy distillation, lmbda=1.0) reads the teacher's tokenizer from the
+    teacher's folder; named by that folder, the teacher is streamed into frozen shards."""
+    from trl.experimental.iw_opd import IWOPDConfig
+
+    folder = teacher_folder(tmp_path)
+    args = IWOPDConfig(output_dir=str(tmp_path / "plain"), **IW_OPD)
+    _, plain = iw_opd_run(unwrapped, args, folder)
     options = zero_options(tmp_path, "stage3")
-    trainer, logs = run(zero, zero(IWOPDConfig)(str(tmp_path / "zero"), **iw_opd, **options))
+    args = zero(IWOPDConfig)(str(tmp_path / "zero"), **IW_OPD, **options)
+    trainer, logs = iw_opd_run(zero, args, folder)
     teacher = trainer.teacher_engine
     assert teacher is not None and trainer.teacher_model is teacher.module
     assert teacher.optimizer is None and teacher.memory_report()["master"] == 0
@@ -451,3 +479,60 @@ def test_sdft_teachers_log_the_plain_losses(tmp_path, student_folder, kind, zero
         torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
     check_teacher(trainer, plain_trainer, kind)
     trainer.close()
+
+
+def world2_case(which: str, folder: str):
+    """A trainer's config class, options and ``run(wrap, args)``; ``folder``: IW-OPD's
+    teacher or GMPO's model."""
+    if which == "gkd":
+        from trl.experimental.gkd import GKDConfig
+
+        options = dict(ARGS, lmbda=0.5, seq_kd=True, max_new_tokens=8)
+        return GKDConfig, options, lambda wrap, args: gkd_run(wrap, args, [])
+    if which == "iw_opd":
+        from trl.experimental.iw_opd import IWOPDConfig
+
+        return IWOPDConfig, IW_OPD, lambda wrap, args: iw_opd_run(wrap, args, folder)
+    from trl.experimental.gmpo import GMPOConfig
+
+    return GMPOConfig, GMPO, lambda wrap, args: gmpo_run(wrap, args, folder)
+
+
+def world2_run(rank, world, which: str, tmp: str, folder: str):
+    """One rank: the plain trainer under DDP, then through ``zero`` at stage 3 with both
+    tiers on NVMe; both logs, whether the plain model was DDP's, the engines' worlds."""
+    from accelerate.state import AcceleratorState
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
+    os.environ.update({k: str(v) for k, v in ids.items()})  # as torchrun sets them
+    config, options, run = world2_case(which, folder)
+    try:
+        plain, plain_logs = run(unwrapped, config(output_dir=f"{tmp}/plain", **options))
+        ddp = isinstance(plain.model_wrapped, DistributedDataParallel)
+        extra = zero_options(Path(tmp), "stage3-nvme")
+        trainer, logs = run(zero, zero(config)(output_dir=f"{tmp}/zero", **options, **extra))
+        worlds = [e.world for e in (trainer.engine, *trainer.companions.engines.values())]
+        trainer.close()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the pool's next task
+    return plain_logs, logs, ddp, worlds
+
+
+@pytest.mark.parametrize("which", ["gkd", "iw_opd", "gmpo"])
+def test_world2_shards_the_second_model_and_logs_what_ddp_logs(tmp_path, which):
+    """At world size 2: GKD (a teacher module; completions sampled by the teacher and by
+    the student), IW-OPD (a teacher streamed from its folder) and GMPO (its model streamed
+    from a folder, the reference TRL loads from it, a KL term) through ``zero`` log what
+    plain TRL logs under DDP on the same ranks, the second model sharded over both."""
+    if which == "gmpo":
+        folder = str(tmp_path / "model")
+        byte_gpt2().save_pretrained(folder)
+    else:
+        folder = teacher_folder(tmp_path)
+    for plain, logs, ddp, worlds in run_world(2, world2_run, which, str(tmp_path), folder):
+        assert ddp and worlds == [2, 2], worlds
+        assert min(plain["grad_norm"]) > 0
+        assert max(plain.get("kl", [1.0])) > 1e-4  # GMPO's reference matters
+        for key in plain:
+            torch.testing.assert_close(logs[key], plain[key], rtol=RTOL, atol=1e-6, msg=key)
