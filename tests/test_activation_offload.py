@@ -319,7 +319,12 @@ def test_config_errors(tmp_path):
     engine.module.eval()
     loss_of(engine, ids)
     engine.module.train()
-    with pytest.raises(zerotune.ConfigError, match="needs activation checkpointing"):
+    # The method as the installed transformers names it (5.2x: its old name warns).
+    name = "activation_checkpointing_enable"
+    name = name if hasattr(engine.module, name) else "gradient_checkpointing_enable"
+    with pytest.raises(
+        zerotune.ConfigError, match=rf"needs activation checkpointing.*call model\.{name}\(\)"
+    ):
         loss_of(engine, ids)
     engine.close()
     assert os.listdir(tmp_path) == []

@@ -317,11 +317,14 @@ class CheckpointOffload:
         if in_backward() or not torch.is_grad_enabled() or not module.training:
             return
         if self._calls == 0:
+            # transformers 5.2x renamed the method; the old name warns there.
+            name = "activation_checkpointing_enable"
+            if not hasattr(module, name):
+                name = "gradient_checkpointing_enable"
             raise ConfigError(
                 f"offload_activations={self.mode!r} needs activation checkpointing, but this "
-                "training forward checkpointed no block: call "
-                "model.gradient_checkpointing_enable() (Hugging Face models) or run blocks "
-                "through engine.checkpoint(block, *inputs)"
+                f"training forward checkpointed no block: call model.{name}() (Hugging Face "
+                "models) or run blocks through engine.checkpoint(block, *inputs)"
             )
         # Between forward and backward no checkpoint stays on the device: the last writes
         # finish (the device has the loss to compute meanwhile), and the newest comes back.
