@@ -317,6 +317,96 @@ def test_what_cannot_run_says_why(tmp_path):
     with pytest.raises(ValueError, match="optim_state_bits: 8 is ZeroAdamW's"):
         zerotune.ZeroOptimizer(engine, torch.optim.SGD, lr=0.1)
     engine.close()
+    # A step that needs a closure, sparse gradients: refused at construction, not at step().
+    engine = zerotune.shard(tiny_gpt2(), {"stage": 3})
+    with pytest.raises(ValueError, match="LBFGS.step needs a closure"):
+        zerotune.ZeroOptimizer(engine, torch.optim.LBFGS, lr=0.1)
+    with pytest.raises(ValueError, match="SparseAdam needs sparse gradients"):
+        zerotune.ZeroOptimizer(engine, torch.optim.SparseAdam, lr=0.1)
+    engine.close()
+
+
+def test_a_group_added_later_is_refused():
+    """``add_param_group`` after construction would leave the new group's parameters
+    untouched by every step (the inner optimizer and its state never see them)."""
+    model = tiny_gpt2()
+    blocks = [p for n, p in model.named_parameters() if ".h." in n]
+    rest = [p for n, p in model.named_parameters() if ".h." not in n]
+    engine = zerotune.shard(model, {"stage": 3})
+    opt = zerotune.ZeroOptimizer(engine, torch.optim.SGD, blocks, lr=0.1)
+    with pytest.raises(RuntimeError, match="add_param_group: the parameter groups are fixed"):
+        opt.add_param_group({"params": rest, "lr": 0.5})
+    assert len(opt.param_groups) == 1
+    engine.close()
+
+
+class _TrustRatioSGD(torch.optim.SGD):
+    """SGD scaled by a per-parameter trust ratio (LARS), matrices only: its ``step`` reads
+    whole parameters (norms, number of dimensions), which a flat slice does not have."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.ndim > 1:
+                    p.grad.mul_(0.01 * p.norm() / (p.grad.norm() + 1e-6))
+        return super().step(closure)
+
+
+class _RenamedSGD(torch.optim.SGD):
+    pass
+
+
+def _plain_and_sharded(cls, kwargs, trainable=lambda p: True, steps=2):
+    """Weights after ``steps`` steps of ``cls`` on the odd model: plain, and over the shards
+    (stage 3, world size 1), and the ZeroOptimizer's layout."""
+    from conftest import odd_net
+    from harness import batches, loss_of
+
+    out = []
+    for sharded in (False, True):
+        model = odd_net(seed=0)
+        for p in model.parameters():
+            p.requires_grad_(trainable(p))
+        params = [p for p in model.parameters() if p.requires_grad]
+        if sharded:
+            runner = zerotune.shard(model, {"stage": 3})
+            opt = zerotune.ZeroOptimizer(runner, cls, params, **kwargs)
+        else:
+            runner, opt = model, cls(params, **kwargs)
+        for ids in batches("odd", steps):
+            loss_of(runner, ids).backward()
+            opt.step()
+            opt.zero_grad()
+        if sharded:
+            out.append({k: v.numpy() for k, v in runner.full_state_dict().items()})
+            layout = opt.layout
+            runner.close()
+        else:
+            out.append({k: v.detach().numpy() for k, v in model.named_parameters()})
+    return out[0], out[1], layout
+
+
+def test_a_subclass_overriding_step_updates_whole_parameters():
+    """``layout='auto'`` picks ``flat`` for a subclass of a per-element class only if it
+    steps with its base's ``step``: one overriding it (a trust ratio) may read whole
+    parameters, and over flat slices would silently compute other numbers."""
+    for cls, layout in [(_TrustRatioSGD, "whole"), (_RenamedSGD, "flat")]:
+        ref, got, used = _plain_and_sharded(cls, {"lr": 0.1, "momentum": 0.9})
+        for k, w in ref.items():
+            np.testing.assert_allclose(got[k], w, rtol=RTOL, atol=ATOL, err_msg=f"{cls} {k}")
+        assert used == layout, cls
+
+
+def test_an_optimizer_of_matrices_only():
+    """torch's Muon takes matrices only: the stand-ins its construction is checked on have
+    the parameters' number of dimensions, and it trains like the plain optimizer."""
+    ref, got, layout = _plain_and_sharded(
+        torch.optim.Muon, {"lr": 0.02}, trainable=lambda p: p.ndim == 2
+    )
+    assert layout == "whole"
+    for k, w in ref.items():
+        np.testing.assert_allclose(got[k], w, rtol=RTOL, atol=ATOL, err_msg=k)
 
 
 def test_state_on_nvme_leaves_nothing_in_memory(tmp_path):

@@ -21,8 +21,10 @@ fp32 master shard (``.data``) and the gradient shard (``.grad``) before calling 
   and a reduce-scatter (sum: every rank but the owner gives zeros, so it is exact) brings the
   new values back to the shards. The state is partitioned by parameter; between steps a
   rank holds only its owned parameters' state.
-``layout="auto"`` picks ``flat`` for the classes above and ``whole`` otherwise; ``whole`` is
-right for any optimizer, ``flat`` is cheaper where it is right.
+``layout="auto"`` picks ``flat`` for the classes above (and subclasses that keep their
+``step``: one that overrides it may read a whole parameter, its norm or shape) and ``whole``
+otherwise; ``whole`` is right for any optimizer, ``flat`` is cheaper where it is right.
+Optimizers whose ``step`` needs a closure (LBFGS) and SparseAdam are refused.
 Hyper-parameters live in this optimizer's ``param_groups`` (schedulers and the Trainer set
 them there) and are copied to the inner groups before each step (and back after it, for
 optimizers that keep counters in their groups). Gradient clipping and the fp16 loss scale
@@ -36,6 +38,7 @@ holding the parameter's first element), with an index in the rank file's metadat
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 from collections.abc import Callable, Iterable, Mapping
 
@@ -111,12 +114,20 @@ class ZeroOptimizer(ShardedOptimizer):
             raise TypeError(
                 f"ZeroOptimizer needs a torch.optim.Optimizer subclass, not {optimizer_class!r}"
             )
+        name = optimizer_class.__name__
+        closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"{name}.step needs a closure (it evaluates the loss again within a step): "
+                "ZeroOptimizer steps once per backward, without one"
+            )
+        if issubclass(optimizer_class, torch.optim.SparseAdam):
+            raise ValueError(f"{name} needs sparse gradients; the shards' are dense (use Adam)")
         if layout == "auto":
-            layout = "flat" if issubclass(optimizer_class, ELEMENTWISE) else "whole"
+            layout = "flat" if _elementwise(optimizer_class) else "whole"
         if layout not in ("flat", "whole"):
             raise ValueError(f"layout must be 'auto', 'flat' or 'whole', not {layout!r}")
         config = engine.config
-        name = optimizer_class.__name__
         if config.optim_state_bits != 32:
             raise ValueError(
                 f"optim_state_bits: {config.optim_state_bits} is ZeroAdamW's 8-bit Adam; {name} "
@@ -130,8 +141,17 @@ class ZeroOptimizer(ShardedOptimizer):
         self._overrides: dict[int, dict] = {}  # id(model parameter) -> its settings
         self._loaded: dict[int, dict[str, torch.Tensor]] = {}  # unit -> state.* being loaded
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        # Built once on stand-ins: checks the arguments and fills each group's defaults.
-        probe = optimizer_class([{**h, "params": [torch.zeros(1)]} for h in hyper], **kwargs)
+        # Built once on stand-ins: checks the arguments and fills each group's defaults. A
+        # whole parameter's stand-in has its number of dimensions (Muon takes only matrices).
+        ndim = {id(s.param): len(s.shape) for u in engine.units for s in u.slots}
+
+        def stand_in(group: dict) -> torch.Tensor:
+            dims = [ndim[id(p)] for p in group["params"] if id(p) in ndim]
+            return torch.zeros((1,) * dims[0] if layout == "whole" and dims else 1)
+
+        probe = optimizer_class(
+            [{**h, "params": [stand_in(g)]} for h, g in zip(hyper, groups)], **kwargs
+        )
         full_hyper = [{k: v for k, v in g.items() if k != "params"} for g in probe.param_groups]
         defaults = dict(probe.defaults)
         del probe
@@ -726,6 +746,14 @@ class ZeroOptimizer(ShardedOptimizer):
             "ZeroOptimizer.load_state_dict(): resume with zerotune.load_checkpoint(engine, "
             "folder, optimizer=opt) from a folder zerotune.save_checkpoint wrote"
         )
+
+
+def _elementwise(cls: type) -> bool:
+    """Whether ``cls`` updates each element from that element alone: one of ELEMENTWISE, or
+    a subclass that steps with its base's ``step`` (one overriding it may read a whole
+    parameter, e.g. a trust ratio of norms, or its shape)."""
+    mine = inspect.unwrap(cls.step)  # torch wraps ``step`` (hooks, no_grad) per class
+    return any(issubclass(cls, base) and mine is inspect.unwrap(base.step) for base in ELEMENTWISE)
 
 
 def _per_element(v, seg) -> bool:

@@ -76,6 +76,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
     engine: object
     unit_segments: dict[int, list[Segment]]
     model_param_groups: list[list[torch.nn.Parameter]]
+    _groups_fixed = False  # the groups are built: add_param_group is refused
+
+    def __init__(self, params, defaults: dict) -> None:
+        super().__init__(params, defaults)
+        self._groups_fixed = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused once built: the groups hold segments of the shards and the state (and its
+        layout on NVMe) is made for them, so a group added later would never be updated."""
+        if self._groups_fixed:
+            raise RuntimeError(
+                f"{type(self).__name__}.add_param_group: the parameter groups are fixed when "
+                "the optimizer is built over the shards; pass every group to the constructor"
+            )
+        super().add_param_group(param_group)
 
     def _build_segments(self, engine, params: Iterable | None) -> list[dict]:
         """Set ``engine`` and ``unit_segments`` (this rank's part of each trainable
