@@ -115,3 +115,40 @@ def test_manual_registration():
     loss = loss_of(engine, batches("external", 1)[0])
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def _param_counts(model) -> list[int]:
+    return [
+        model.num_parameters(only_trainable=t, exclude_embeddings=e)
+        for t in (False, True)
+        for e in (False, True)
+    ]
+
+
+def run_param_counts(rank, world, config):
+    """transformers' num_parameters of a model before and after shard(), a layer frozen."""
+    from conftest import tiny_llama_config
+    from transformers import AutoModelForCausalLM
+
+    import zerotune
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config())
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    before = _param_counts(model)
+    engine = zerotune.shard(model, config)
+    after = _param_counts(engine.module)
+    engine.close()
+    return before, after
+
+
+@pytest.mark.parametrize(
+    "world, config",
+    [(1, {"stage": 3}), (2, {"stage": 3, "tile_linear_bytes": 512}), (2, {"stage": 2})],
+)
+def test_num_parameters_counts_the_full_sizes(world, config):
+    """At stage 3 the released parameters are empty; the model's num_parameters (logged by
+    the Trainer's integrations) still counts the plain model's sizes, tiles merged."""
+    for before, after in run_world(world, run_param_counts, config):
+        assert before[0] > before[1] > 0 and before[0] > before[2] > 0, before
+        assert after == before

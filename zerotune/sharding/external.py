@@ -76,16 +76,19 @@ def _watching_class(cls: type) -> type:
             if watcher is not None:
                 watcher.zero_grads_of(self)
 
-        sub = type(
-            cls.__name__,
-            (cls,),
-            {
-                "__getattr__": __getattr__,
-                "zero_grad": zero_grad,
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-            },
-        )
+        methods = {"__getattr__": __getattr__, "zero_grad": zero_grad}
+        base_count = getattr(cls, "num_parameters", None)
+        if callable(base_count):  # transformers' models: count the full sizes, not the empty
+
+            def num_parameters(self, only_trainable=False, exclude_embeddings=False):
+                watcher = self.__dict__.get("_zerotune_watcher")
+                if watcher is None:
+                    return base_count(self, only_trainable, exclude_embeddings)
+                return watcher.count(self, only_trainable, exclude_embeddings)
+
+            methods["num_parameters"] = num_parameters
+        methods.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
+        sub = type(cls.__name__, (cls,), methods)
         _SUBCLASSES[cls] = sub
     return sub
 
@@ -109,6 +112,20 @@ class ExternalParams:
 
     def __deepcopy__(self, memo) -> None:
         return None  # a copied module watches nothing ([Note: copies of a sharded model])
+
+    def count(self, module: nn.Module, only_trainable: bool, exclude_embeddings: bool) -> int:
+        """transformers' ``num_parameters`` of ``module``, each parameter at its full size (a
+        released one is empty); embeddings left out by the same rule (``nn.Embedding``
+        weights by name)."""
+        skip = set()
+        if exclude_embeddings:
+            skip = {f"{n}.weight" for n, m in module.named_modules() if isinstance(m, nn.Embedding)}
+        numel = {id(s.param): s.numel for u in self.engine.units for s in u.slots}
+        return sum(
+            numel.get(id(p), p.numel())
+            for name, p in module.named_parameters()
+            if name not in skip and (p.requires_grad or not only_trainable)
+        )
 
     def remove(self) -> None:
         for module, cls in self._swapped:
