@@ -157,6 +157,8 @@ class ZeroTrainingArguments(TrainingArguments):
         )
         from .fsdp import launcher_fsdp_settings
 
+        # The flag that gave the scheduler section, for the refusals of its schedule.
+        self.deepspeed_scheduler_flag = "--deepspeed_scheduler"
         if self.deepspeed_scheduler:  # given alone; one from --deepspeed is checked there
             self.deepspeed_scheduler = check_deepspeed_scheduler(self.deepspeed_scheduler, self)
         if self.deepspeed_optimizer:
@@ -242,7 +244,9 @@ class ZeroTrainingArguments(TrainingArguments):
             self.zero_config, trainer = zero_config_from_deepspeed(data, self)
         except ConfigError as exc:
             raise ConfigError(str(exc).replace("--deepspeed", where, 1)) from None
-        self.deepspeed_scheduler = trainer.get("deepspeed_scheduler", self.deepspeed_scheduler)
+        if "deepspeed_scheduler" in trainer:
+            self.deepspeed_scheduler = trainer["deepspeed_scheduler"]
+            self.deepspeed_scheduler_flag = where
         self.deepspeed_optimizer = trainer.get("deepspeed_optimizer", self.deepspeed_optimizer)
         if self.gather_weights_on_save is None:
             self.gather_weights_on_save = trainer.get("gather_weights_on_save")

@@ -476,8 +476,8 @@ def check_deepspeed_scheduler(value: str | dict, args) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _refusals_name(flag: str):
-    """A section given alone: its refusals name ``flag``, not the ``--deepspeed`` of a
-    whole config."""
+    """Refusals name ``flag`` (a section given alone, or a launcher's config) instead of
+    ``--deepspeed``."""
     try:
         yield
     except ConfigError as exc:
@@ -560,7 +560,7 @@ def deepspeed_schedule(section: dict, optimizer, num_training_steps: int, args):
     """The ``DeepSpeedSchedule`` of a checked scheduler section for a run of
     ``num_training_steps`` updates with Trainer arguments ``args``; its refusals name the
     flag that gave the section."""
-    with _refusals_name("--deepspeed" if args.deepspeed else "--deepspeed_scheduler"):
+    with _refusals_name(getattr(args, "deepspeed_scheduler_flag", "--deepspeed")):
         warmup_steps = args.get_warmup_steps(num_training_steps)
         params = _step_counts(section["params"], num_training_steps, warmup_steps)
         if section["type"] in ("OneCycle", "LRRangeTest"):
