@@ -130,6 +130,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.unit_segments[unit.index] = sorted(segs, key=lambda seg: seg.start)
         self._prepared = False
         self._overflow = False
+        self._clipped = False  # clip_grad_norm_ scaled this step's gradients
         self._factor = 1.0  # applied to gradients in the update: 1/loss scale * clip coef
         self._grad_norm: float | None = None
         self._summed_norm: float | None = None  # a clipping overlapped step's, unclipped
@@ -243,7 +244,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise
         reducer.end_overlapped_step()
 
-    def _abort_overlap(self) -> None:
+    def _abort_overlap(self, why: str = "backward raised") -> None:
         # Should finishing the updates in flight fail, the step is broken: it stays, and
         # step() refuses it.
         updated = self._overlap.abort()
@@ -255,9 +256,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if updated:
             owned = sum(1 for u in self.engine.units if self.owns(u))
             log.warning(
-                "overlapped(): backward raised after %d of %d units were updated with this "
-                "step's gradients; the others were not (overlapped(clipping=True) updates "
-                "nothing before step())",
+                "overlapped(): %s after %d of %d units were updated with this step's "
+                "gradients; the others were not (overlapped(clipping=True) updates nothing "
+                "before step())",
+                why,
                 updated,
                 owned,
             )
@@ -335,6 +337,60 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
+
+    def grads_zeroed(self) -> None:
+        """The engine's gradients were zeroed (``engine.zero_grad``) before ``step()``: as
+        with torch's ``.grad``, what ``clip_grad_norm_`` and the fp16 overflow check
+        prepared from them (the clipping factor, the norm, the verdict) goes with them, or
+        it would apply to the next step's gradients; an overlapped backward's step is
+        given up, as when its backward raises ([Note: a backward that raises inside
+        overlapped()] in zero_adam.py)."""
+        overlap = self._overlap
+        if overlap is not None and self.engine.reducer.overlapping:
+            if overlap.launched:  # inside the block, after its backward
+                raise RuntimeError(
+                    "zero_grad() inside overlapped() after its backward: that backward's "
+                    "step is under way; call zero_grad() before the block or after step()"
+                )
+        elif overlap is not None:
+            self._abort_overlap("zero_grad() came before step()")
+        self._forget_prepared()
+
+    def before_backward(self) -> None:
+        """A backward pass starts (its first hook): its gradients add to those the step
+        has read so far. Refused where they could not count as torch's would: after an
+        overlapped backward whose units were updated already, and after
+        ``clip_grad_norm_`` clipped (torch scales the gradients there and then, so the new
+        ones would add unscaled; here the factor would scale them too). Otherwise the step
+        reads the gradients again (the norm, the fp16 overflow check)."""
+        overlap = self._overlap
+        # (Inside overlapped() the reducer refuses a second backward itself.)
+        after_block = overlap is not None and not self.engine.reducer.overlapping
+        if after_block and not overlap.clipping and overlap.launched:
+            raise RuntimeError(
+                "a backward pass after an overlapped() backward and before its step(): the "
+                "units that backward finished were updated already, without this one's "
+                "gradients; call step() first, or use overlapped(clipping=True), which "
+                "updates nothing before step()"
+            )
+        if not self._prepared:
+            return
+        if self._clipped or overlap is not None:  # (a clipped overlapped step's norm is summed)
+            raise RuntimeError(
+                "a backward pass after clip_grad_norm_() and before step(): the clipping "
+                "factor would scale its gradients too; clip after the last backward of the "
+                "step (or call zero_grad() to start the step again)"
+            )
+        self._forget_prepared()
+
+    def _forget_prepared(self) -> None:
+        """What ``_prepare`` and ``clip_grad_norm_`` set from this step's gradients."""
+        self._prepared = False
+        self._overflow = False
+        self._clipped = False
+        self._factor = 1.0
+        self._grad_norm = self._summed_norm = None
+        self._sum_sq = None
 
     # ------------------------------------------------------------ gradients and norms
     def _live_units(self):
@@ -509,6 +565,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         coef = max_norm / (norm.item() + 1e-6)
         if coef < 1.0:
             self._factor *= coef
+            self._clipped = True
         self._grad_norm = norm.item()
         return norm
 
@@ -535,5 +592,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             scaler.update(self._overflow)
         self._prepared = False
         self._overflow = False
+        self._clipped = False
         self._grad_norm = self._summed_norm = None
         self.engine.zero_grad()

@@ -247,6 +247,38 @@ class _ChunkJob:
         return pairs
 
 
+# torch.optim.AdamW's options that change the update, which ZeroAdamW's kernels do not make.
+_UNSUPPORTED = ("amsgrad", "maximize")
+
+
+def _check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
+    if lr < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+        raise ValueError(
+            f"invalid Adam hyper-parameters{where}: lr={lr} betas={betas} "
+            f"weight_decay={weight_decay}"
+        )
+    if not eps > 0:
+        raise ValueError(
+            f"invalid Adam hyper-parameters{where}: eps={eps} (it must be > 0: with 0, an "
+            "element whose gradient and moments are zero becomes 0/0 = NaN)"
+        )
+
+
+def _check_group(index: int, group: dict) -> None:
+    """A parameter group's own hyper-parameters, checked as the defaults are (a group
+    setting ``amsgrad`` or ``maximize``, which torch's AdamW reads, is refused: ZeroAdamW
+    would step as without them)."""
+    for key in _UNSUPPORTED:
+        if group.get(key):
+            raise ValueError(
+                f"parameter group {index} sets {key}=True, which ZeroAdamW does not "
+                "implement; use zerotune.ZeroOptimizer(engine, torch.optim.AdamW, groups) "
+                "for it"
+            )
+    where = f" in parameter group {index}"
+    _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
+
+
 class ZeroAdamW(ShardedOptimizer):
     """AdamW (or Adam with L2, ``adamw_mode=False``) for a model sharded by zerotune.
 
@@ -266,15 +298,7 @@ class ZeroAdamW(ShardedOptimizer):
         adamw_mode: bool = True,
         bias_correction: bool = True,
     ):
-        if lr < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(
-                f"invalid Adam hyper-parameters: lr={lr} betas={betas} weight_decay={weight_decay}"
-            )
-        if not eps > 0:
-            raise ValueError(
-                f"invalid Adam hyper-parameters: eps={eps} (it must be > 0: with 0, an element "
-                "whose gradient and moments are zero becomes 0/0 = NaN)"
-            )
+        _check_hyper(lr, betas, eps, weight_decay)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -284,6 +308,8 @@ class ZeroAdamW(ShardedOptimizer):
             bias_correction=bias_correction,
         )
         groups = self._build_segments(engine, params)
+        for gi, group in enumerate(groups):
+            _check_group(gi, {**defaults, **group})
         live_units = [u for u in engine.units if u.index in self.unit_segments]
         self.store = engine.make_optimizer_store(live_units)
         self._scratch = Scratch()  # fp32 moments of an 8-bit chunk without the C++ op

@@ -242,8 +242,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
             self._place(unit)  # to its tiers now: the next unit's construction needs the room
             unit_built(i + 1, len(specs))
             units.append(unit)
-        # Dependencies: parameters that a unit's modules hold but another unit owns (tied
-        # weights), found at wrap time; see external.py for those found while running.
+        # Dependencies: tied weights found at wrap time (external.py: those found running).
         for unit, unit_deps_ in zip(units, deps):
             for j in unit_deps_:
                 unit.add_dep(units[j])
@@ -260,8 +259,7 @@ class ZeroEngine(CopiedAsSource, nn.Module):
 
         self._grads_on_disk = swap_plan.grads_on_disk
         self._optim_layout = swap_plan.layout
-        # Parameter and gradient files are read into pool buffers: buffered I/O is enough.
-        # The optimizer file streams through aligned staging buffers with O_DIRECT.
+        # Parameter and gradient files: buffered I/O; the optimizer file: O_DIRECT staging.
         self.swap = SwapSpace(
             self.config.nvme_path,
             swap_plan.sizes,
@@ -622,6 +620,8 @@ class ZeroEngine(CopiedAsSource, nn.Module):
         """A backward pass starts (its first hook): refuse what it cannot do right, and
         finish the last step's updates before any gradient is written."""
         self.settle_optimizer()
+        if self.optimizer is not None:
+            self.optimizer.before_backward()
         if torch.is_grad_enabled() and self.config.stage == 3:
             # Autograd records this backward (create_graph=True); the next backward through
             # that graph reads weights its units let go of at the end of this one.
@@ -711,6 +711,8 @@ class ZeroEngine(CopiedAsSource, nn.Module):
             release_free_memory()
 
     def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.grads_zeroed()  # before the gradients of an open step go
         for unit in self.units:
             unit.accumulator.zero()
 
