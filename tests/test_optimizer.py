@@ -197,7 +197,8 @@ def test_what_clip_grad_norm_read_goes_with_the_gradients(stage):
     gradients unscaled)."""
     import zerotune
 
-    for plan, max_mid in [("zero", 0.01), ("more", 1e9)]:
+    for plan, max_mid, zero_grad in [("zero", 0.01, "optimizer"), ("zero", 0.01, "model"),
+                                     ("more", 1e9, None)]:  # fmt: skip
         model = build("gpt2")
         groups = no_decay_groups(model, WD)
         engine = zerotune.shard(model, {"stage": stage})
@@ -206,7 +207,7 @@ def test_what_clip_grad_norm_read_goes_with_the_gradients(stage):
         engine.backward(loss_of(engine, ids[0]))
         opt.clip_grad_norm_(max_mid)
         if plan == "zero":
-            opt.zero_grad()
+            (opt if zero_grad == "optimizer" else model).zero_grad()
         engine.backward(loss_of(engine, ids[1]))
         norm = float(opt.clip_grad_norm_(1e9))
         opt.step()

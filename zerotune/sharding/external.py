@@ -137,16 +137,22 @@ class ExternalParams:
         """``module.zero_grad()``: forget the gradients the units it holds have accumulated
         in their shards too (as ``optimizer.zero_grad()`` does), all of a unit or none."""
         params = {id(p) for p in module.parameters()}
+        held = []
         for unit in self.engine.units:
             mine = [id(s.param) in params for s in unit.slots]
-            if all(mine) and mine:
-                unit.accumulator.zero()
-            elif any(mine) and not unit.accumulator.is_zero:
+            if any(mine) and not all(mine) and not unit.accumulator.is_zero:
                 raise RuntimeError(
                     f"zero_grad() on {type(module).__name__} clears part of unit {unit.name}, "
                     "whose gradients are reduced into one shard; call zero_grad() on the "
                     "model or optimizer.zero_grad()"
                 )
+            held.append(all(mine))
+        if all(held):  # the whole model: as optimizer.zero_grad(), what a clip read goes too
+            self.engine.zero_grad()
+            return
+        for unit, whole in zip(self.engine.units, held):
+            if whole and unit.slots:
+                unit.accumulator.zero()
 
     # ----------------------------------------------------------------------------- events
     def on_access(
