@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -349,6 +350,138 @@ def test_full_disk_is_one_clear_error(tmp_path):
         assert list(small.iterdir()) == []
     finally:
         subprocess.run(["umount", str(small)])
+
+
+class _Inputs(torch.nn.Module):
+    """Three Linear blocks run through ``self.ckpt`` (torch's non-reentrant checkpoint when
+    unset) on inputs whose copies are easy to get wrong. "sizes": 4000, 4000, then 4080 bytes
+    (one 4 KiB size class, the last a little larger). "strides": a transposed input (a Linear
+    saves other tensors for a non-contiguous input than for a contiguous one) and an expanded
+    gain (zero strides)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(10, 10) for _ in range(3))
+        self.ckpt = None
+
+    def forward(self, x, labels):
+        from torch.utils.checkpoint import checkpoint
+
+        ckpt = self.ckpt or (lambda fn, *args: checkpoint(fn, *args, use_reentrant=False))
+        h = x  # 100 x 10 fp32: 4000 bytes
+        if self.kind == "sizes":
+            for i, block in enumerate(self.blocks):
+                if i == 2:
+                    h = torch.cat([h, h[:2]])  # 102 x 10: 4080 bytes
+                h = ckpt(lambda t, b=block: torch.tanh(b(t)), h)
+        else:
+            h = h.view(4, 25, 10)
+            gain = torch.linspace(0.5, 1.5, 10).expand(4, 25, 10)
+            for block in self.blocks:
+                h = h + ckpt(
+                    lambda t, g, b=block: b(t.transpose(0, 1)) * g, h.transpose(0, 1), gain
+                )
+            h = h.view(100, 10)
+        return {"loss": ((h[:100] - labels) ** 2).mean()}
+
+
+def _plain_and_offloaded(kind: str, config: dict, steps: int = 3):
+    """(plain AdamW with torch's checkpoint, zerotune with ``engine.checkpoint``): losses."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(100, 10, generator=g), torch.randn(100, 10, generator=g))] * steps
+    plain = _Inputs(kind)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    ref = []
+    for x, y in data:
+        loss = plain(x, y)["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(float(loss))
+    model = _Inputs(kind)
+    engine = zerotune.shard(model, {"stage": 3, "unit_modules": ["Linear"], **config})
+    model.ckpt = engine.checkpoint
+    zopt = zerotune.ZeroAdamW(engine, lr=1e-2)
+    got = []
+    for x, y in data:
+        loss = engine(x, y)["loss"]
+        loss.backward()
+        zopt.step()
+        got.append(float(loss))
+    engine.close()
+    return ref, got
+
+
+@pytest.mark.parametrize("kind", ["sizes", "strides"])
+def test_block_inputs_of_any_size_and_layout_come_back_as_saved(kind, tmp_path):
+    # sizes: a staging buffer kept for reuse was the first tensor's size, too short for the
+    # last (RuntimeError: shape '[102, 10]' is invalid for input of size 1000). strides: the
+    # copy came back contiguous, so the recompute saved other tensors than the forward had
+    # (CheckpointError: recomputed values have different metadata).
+    ref, got = _plain_and_offloaded(
+        kind, {"offload_activations": "nvme", "nvme_path": str(tmp_path)}
+    )
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    assert os.listdir(tmp_path) == []
+
+
+def test_inplace_change_of_a_kept_input_is_refused_as_without_offload():
+    # Saved-tensor hooks turn off autograd's own check; where a checkpoint stays in place
+    # (offload_activations='cpu' on a CPU), backward read the changed values: wrong gradients.
+    class Changed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            y = self.ckpt(lambda t: (t * t).sum(), h)
+            with torch.no_grad():
+                h.mul_(10)  # the block's saved input changes before backward
+            return y
+
+    for mode in ("none", "cpu"):
+        model = Changed()
+        engine = zerotune.shard(model, {"stage": 3, "offload_activations": mode})
+        model.ckpt = engine.checkpoint
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            engine(torch.ones(3, 4)).backward()
+        engine.close()
+
+
+def test_failed_forward_leaves_nothing_behind(tmp_path, monkeypatch):
+    import zerotune.sharding.activations as activations
+
+    engine = zerotune.shard(
+        _ckpt_model(reentrant=False),
+        {"stage": 3, "offload_activations": "nvme", "nvme_path": str(tmp_path)},
+    )
+    ids = batches("gpt2", 1)[0][:MICRO]
+    # A forward that raises before its first block: that error alone, not also a warning
+    # that this forward "checkpointed no block".
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(IndexError):
+            loss_of(engine, ids + 1000)
+
+    # A full disk at the first checkpoint; the error's traceback (kept, as a notebook keeps
+    # it) holds that checkpoint's record. The next forward once there is room trains: the
+    # record, holding nothing, was restored at the next backward (AttributeError).
+    class Full:
+        free = 4096
+
+    monkeypatch.setattr(activations.shutil, "disk_usage", lambda path: Full)
+    with pytest.raises(OSError, match="need 1.0 MiB more") as kept:
+        loss_of(engine, ids)
+    monkeypatch.undo()
+    loss = loss_of(engine, ids)
+    loss.backward()
+    assert float(loss) == float(loss_of(_ckpt_model(reentrant=False), ids))
+    del kept
+    engine.close()
+    assert os.listdir(tmp_path) == []
 
 
 def test_nvme_checkpoints_lower_rss_after_forward(rss_run):

@@ -43,6 +43,11 @@ forward with no live record the segments are merged into one file of their total
 * cpu with an accelerator: a ``non_blocking`` copy into pinned host memory on a side stream;
   the caching allocator keeps the source until the copy is done (``record_stream``).
 * cpu with a host compute device: nothing to move (logged once); the records only count bytes.
+A copy keeps the tensor's strides (a non-reentrant recompute of a block given a transposed
+input must take the paths the forward took, or torch's checkpoint refuses its saved tensors). A
+tensor with gaps or overlaps between its elements (a slice, an expanded mask) stays where it is,
+as in the no-op tier; a record that holds its tensor checks at unpack that it was not changed in
+place since (the check autograd skips when saved-tensor hooks are set).
 Backward: unpacking a record starts bringing back the ``PREFETCH`` records saved before it,
 nearest first (a file read into a fresh aligned buffer, then a host-to-device copy on the side
 stream), so the transfer for block k-1 overlaps block k's recompute and backward; the end of
@@ -90,6 +95,19 @@ def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a span of its storage without gaps or overlaps (a
+    contiguous layout, its dimensions maybe permuted): a copy can then keep its strides."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class _Saved:
     """One saved checkpoint tensor, wherever it lives now (see the Note)."""
 
@@ -106,7 +124,9 @@ class _Saved:
         "restored",
         "seq",
         "shape",
+        "stride",
         "tensor",
+        "version",
         "write",
     )
 
@@ -114,6 +134,8 @@ class _Saved:
         self.offload = offload
         self.seq = seq
         self.shape = t.shape
+        self.stride = t.stride()
+        self.version = t._version
         self.dtype = t.dtype
         self.nbytes = t.numel() * t.element_size()
         self.on_device = True  # counted in device_bytes (still on it, or its copy in flight)
@@ -127,6 +149,11 @@ class _Saved:
 
     def __del__(self) -> None:
         self.offload.free(self)
+
+    def shaped(self, flat: torch.Tensor) -> torch.Tensor:
+        """The bytes of ``flat`` (uint8, ``nbytes`` long) as this tensor: same dtype, shape and
+        strides (the recompute of a non-reentrant checkpoint must take the same paths)."""
+        return flat.view(self.dtype).as_strided(self.shape, self.stride)
 
 
 @dataclass
@@ -316,7 +343,10 @@ class CheckpointOffload:
     def _post_forward(self, module, args, output) -> None:
         if in_backward() or not torch.is_grad_enabled() or not module.training:
             return
-        if self._calls == 0:
+        # Always called: ``output`` is None when the forward raised. Its error is the one to
+        # see, and no backward follows (nothing to bring back).
+        raised = output is None
+        if self._calls == 0 and not raised:
             # transformers 5.2x renamed the method; the old name warns there.
             name = "activation_checkpointing_enable"
             if not hasattr(module, name):
@@ -331,8 +361,9 @@ class CheckpointOffload:
         while self._writes:
             self._finish_write(self._writes[0])
         self._staging.clear()  # made again next forward; backward needs the room
-        with torch.no_grad():
-            self._prefetch_before(None)
+        if not raised:
+            with torch.no_grad():
+                self._prefetch_before(None)
 
     def remove(self) -> None:
         """Take the hooks off and put the original checkpoint functions back."""
@@ -366,7 +397,10 @@ class CheckpointOffload:
             self._by_tensor[id(t)] = (weakref.ref(t), t._version, weakref.ref(record))
             self.saved += 1
             self.device_bytes.add(record.nbytes)
-        if not self.moves:
+        if not self.moves or not _dense(t):
+            # Kept where it is (as without offload): nothing to move, or a tensor with gaps
+            # or overlaps between its elements (an expanded mask, a slice), whose copy could
+            # not have its strides.
             record.tensor = t
             return record
         with torch.no_grad():  # the copies are data moves, not part of the graph
@@ -380,6 +414,15 @@ class CheckpointOffload:
         if not isinstance(record, _Saved):
             return record
         if record.tensor is not None:
+            if record.tensor._version != record.version:
+                # What autograd checks itself when no saved-tensor hooks are set.
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: [{record.tensor.type()} "
+                    f"{list(record.shape)}] is at version {record.tensor._version}; expected "
+                    f"version {record.version} instead (a block input saved by activation "
+                    "checkpointing, offload_activations)"
+                )
             return record.tensor
         with torch.no_grad():
             if record.restored is None:
@@ -401,7 +444,7 @@ class CheckpointOffload:
     def _copy_to_host(self, record: _Saved, t: torch.Tensor) -> None:
         """Start the device-to-host copy of ``t`` into ``record.host`` (side stream)."""
         host = self._host_empty(record.nbytes)
-        view = host.view(record.dtype).view(record.shape)
+        view = record.shaped(host)
         self._stream.wait_stream(self._dm.current_stream(self.device))
         with self._dm.stream(self._stream):
             view.copy_(t, non_blocking=True)
@@ -434,19 +477,29 @@ class CheckpointOffload:
                 self.device_bytes.sub(record.nbytes)
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A free staging buffer of ``nbytes`` rounded up to 4 KiB, whole: buffers are kept
+        by that size, and a later tensor of the same size class may be a few bytes larger."""
         size = _round_up(nbytes)
         free = self._staging.get(size)
         if free:
-            return free.pop()[:nbytes]
-        return self._host_empty(size)[:nbytes]
+            return free.pop()
+        return self._host_empty(size)
 
     def _write(self, record: _Saved, t: torch.Tensor) -> None:
         """Copy ``t`` to a host staging buffer and start writing it to the swap file."""
         with self._lock:
-            record.extent = self.extents.alloc(record.nbytes)
+            try:
+                record.extent = self.extents.alloc(record.nbytes)
+            except BaseException:
+                # No room (the forward fails): the record holds nothing to bring back, and
+                # may outlive the forward in its traceback; no later save or prefetch sees it.
+                self._live.pop(record.seq, None)
+                self._by_tensor.pop(id(t), None)
+                raise
             self.offloaded_bytes.add(record.nbytes)
-        buf = self._staging_buffer(record.nbytes)
-        view = buf.view(record.dtype).view(record.shape)
+        whole = self._staging_buffer(record.nbytes)
+        buf = whole[: record.nbytes]
+        view = record.shaped(buf)
         if self.accelerated:
             self._stream.wait_stream(self._dm.current_stream(self.device))
             with self._dm.stream(self._stream):
@@ -457,16 +510,16 @@ class CheckpointOffload:
         else:
             view.copy_(t)
         file, offset = record.extent
-        record.write = (file.write(buf, offset), buf)
+        record.write = (file.write(buf, offset), whole)
         self._writes.append(record)
 
     def _finish_write(self, record: _Saved) -> None:
-        handle, buf = record.write
+        handle, whole = record.write
         handle.wait()
         record.write = None
         self._writes.remove(record)
         if not self.accelerated:  # pinned buffers go back to torch's caching host allocator
-            self._staging.setdefault(_round_up(buf.numel()), []).append(buf)
+            self._staging.setdefault(whole.numel(), []).append(whole)
         self._off_device(record)  # on the CPU the staging copy was compute-device memory
 
     def _restore(self, record: _Saved) -> None:
@@ -490,16 +543,18 @@ class CheckpointOffload:
             if record.read is not None:
                 record.read[0].wait()
                 record.read = None
-            dev = torch.empty(record.shape, dtype=record.dtype, device=self.device)
+            dev = torch.empty_strided(
+                record.shape, record.stride, dtype=record.dtype, device=self.device
+            )
             # dev's memory may still be read by earlier work of the current stream.
             self._stream.wait_stream(self._dm.current_stream(self.device))
             with self._dm.stream(self._stream):
-                dev.copy_(host.view(record.dtype).view(record.shape), non_blocking=True)
+                dev.copy_(record.shaped(host), non_blocking=True)
                 dev.record_stream(self._stream)  # freed unread: kept until the copy is done
                 record.event = self._stream.record_event()
             record.restored = dev
         else:
-            record.restored = host.view(record.dtype).view(record.shape)
+            record.restored = record.shaped(host)
         with self._lock:
             self.restored_bytes.add(record.nbytes)
 
