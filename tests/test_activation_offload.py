@@ -500,3 +500,29 @@ def test_nvme_checkpoints_lower_rss_after_forward(rss_run):
     assert saved > bound, (plain["grew"] / 2**20, moved["grew"] / 2**20)
     assert checkpoint_bytes <= moved["file"] < 2 * checkpoint_bytes  # one bounded file
     assert list(swap.iterdir()) == []
+
+
+def test_transformers_own_activation_offload_is_offload_activations_cpu(tmp_path):
+    """``activation_checkpointing_kwargs={"offload": True}`` (transformers' save_on_cpu,
+    whose hooks would sit inside the engine's) becomes ``offload_activations: cpu``: the run
+    logs the plain Trainer's losses with checkpointing; another tier alongside is refused."""
+    from trainer_cases import logged, plain_run, zero_run
+
+    from zerotune.hf import ZeroTrainingArguments
+
+    kwargs = {"offload": True, "use_reentrant": False}
+    plain = plain_run(str(tmp_path / "plain"), activation_checkpointing=True,
+                      activation_checkpointing_kwargs={"use_reentrant": False})  # fmt: skip
+    trainer = zero_run(str(tmp_path / "zero"), activation_checkpointing=True,
+                       activation_checkpointing_kwargs=dict(kwargs))  # fmt: skip
+    args = trainer.args
+    assert args.zero.offload_activations == "cpu"
+    assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
+    assert trainer.engine.activations is not None and trainer.engine.activations.saved > 0
+    np.testing.assert_allclose(logged(trainer), logged(plain), rtol=1e-5)
+    trainer.close()
+    with pytest.raises(zerotune.ConfigError, match="offload_activations nvme both say"):
+        ZeroTrainingArguments(
+            output_dir="unused", activation_checkpointing=True, offload_activations="nvme",
+            nvme_path=str(tmp_path), activation_checkpointing_kwargs=dict(kwargs),
+        )  # fmt: skip

@@ -191,7 +191,27 @@ class ZeroTrainingArguments(TrainingArguments):
         finally:
             self.bf16, self.fp16 = bf16, fp16
         self.mixed_precision = "no"
+        self._read_checkpoint_offload()
         self._zero = self._build_zero_config()
+
+    def _read_checkpoint_offload(self) -> None:
+        """transformers' own activation offload (``activation_checkpointing_kwargs``'s
+        ``offload``: ``save_on_cpu`` hooks, which would sit inside the engine's and win) is
+        ``offload_activations: cpu``, as FSDP's activation_checkpointing_offload is."""
+        kwargs = getattr(self, "activation_checkpointing_kwargs", None)
+        if not self.activation_checkpointing or not isinstance(kwargs, dict):
+            return
+        if not kwargs.get("offload"):
+            return
+        tier = self.offload_activations or self._raw_config().get("offload_activations")
+        if tier not in (None, "none", "cpu"):
+            raise ConfigError(
+                f"activation_checkpointing_kwargs' offload (host memory) and offload_activations "
+                f"{tier} both say where checkpoints go; keep one"
+            )
+        self.offload_activations = "cpu"
+        kwargs = {k: v for k, v in kwargs.items() if k != "offload"} or None
+        self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = kwargs
 
     # ------------------------------------------------------------------ validation
     def _launched_dtype(self) -> None:
