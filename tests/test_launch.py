@@ -97,6 +97,29 @@ def test_stops_and_failures_carry_what_the_command_says():
     assert leaving.value.code == 128 + signal.SIGTERM
 
 
+def test_a_stop_signal_inside_a_finalizer_comes_again():
+    """Python prints an exception raised in ``__del__`` ("Exception ignored", a traceback
+    on the rank's stderr) and drops it: the handler sends the signal again instead."""
+    import sys
+    import time
+
+    got: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    try:
+
+        class Finalized:
+            def __del__(self):
+                launch.exit_on_sigterm(signal.SIGUSR1, sys._getframe())
+
+        Finalized()  # finalized at once; a SystemExit here would be printed and dropped
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert got == [signal.SIGUSR1]
+
+
 def test_a_temporary_nvme_folder_of_a_killed_run_goes_at_the_next(monkeypatch, tmp_path):
     """A run killed with SIGKILL leaves its temporary NVMe folder (swap files included);
     the next run that makes one removes those whose process is gone."""

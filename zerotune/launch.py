@@ -206,7 +206,13 @@ class _DropBadInputExit(logging.Filter):
 def exit_on_sigterm(signum, frame) -> None:
     """A SIGTERM handler: leave through the ``finally`` blocks (a temporary NVMe folder is
     removed) instead of dying; torchrun stops the other ranks with SIGTERM when one fails
-    or is interrupted."""
+    or is interrupted. Arriving inside a ``__del__``, where Python prints an exception as
+    "Exception ignored" and drops it, the signal comes again 50 ms later."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            return
+        frame = frame.f_back
     sys.exit(128 + signum)
 
 
