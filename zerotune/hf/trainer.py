@@ -337,16 +337,6 @@ class ZeroTrainer(Trainer):
         self._prepare_forwards(engine)
         # Counted from the engine: at stage 3 the model's own count sees empty parameters.
         self.num_parameters = sum(s.numel for u in engine.units for s in u.slots)
-        # As transformers counts for total_flos: without the embeddings' parameters.
-        embeddings = {
-            id(p)
-            for m in engine.module.modules()
-            if isinstance(m, torch.nn.Embedding)
-            for p in m.parameters(recurse=False)
-        }
-        self.num_parameters_without_embeddings = sum(
-            s.numel for u in engine.units for s in u.slots if id(s.param) not in embeddings
-        )
 
     def _prepare_forwards(self, engine: ZeroEngine) -> None:
         """``--torch_compile``, and TRL's ``ds3_gather_for_generation`` (default True): the
@@ -600,15 +590,6 @@ class ZeroTrainer(Trainer):
             activation_checkpointing=bool(self.args.gradient_checkpointing),
         )
         return self.estimate_warnings
-
-    def floating_point_ops(self, inputs) -> int:
-        # The plain Trainer's count (6 x tokens x parameters without the embeddings) reads
-        # parameter sizes, which are 0 for released parameters; a model without
-        # num_parameters counts 0, as there.
-        ids = self._main_input(inputs)
-        if ids is None or not hasattr(self.model, "num_parameters"):
-            return 0
-        return 6 * ids.numel() * self.num_parameters_without_embeddings
 
     # -------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -590,8 +590,5 @@ class ShardedOptimizer(torch.optim.Optimizer):
         scaler = self.engine.scaler
         if scaler is not None:
             scaler.update(self._overflow)
-        self._prepared = False
-        self._overflow = False
-        self._clipped = False
-        self._grad_norm = self._summed_norm = None
+        self._forget_prepared()
         self.engine.zero_grad()

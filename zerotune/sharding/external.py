@@ -98,6 +98,7 @@ class ExternalParams:
         self.engine = engine
         self.owner: dict[int, Unit] = {id(s.param): u for u in engine.units for s in u.slots}
         self.names: dict[int, str] = {id(s.param): s.name for u in engine.units for s in u.slots}
+        self.numel: dict[int, int] = {id(s.param): s.numel for u in engine.units for s in u.slots}
         self.active: list[Unit] = []  # units whose forward is running, innermost last
         self.registered: list[tuple[str, str, str]] = []  # (parameter, owner unit, user unit)
         self._swapped: list[tuple[nn.Module, type]] = []
@@ -120,9 +121,8 @@ class ExternalParams:
         skip = set()
         if exclude_embeddings:
             skip = {f"{n}.weight" for n, m in module.named_modules() if isinstance(m, nn.Embedding)}
-        numel = {id(s.param): s.numel for u in self.engine.units for s in u.slots}
         return sum(
-            numel.get(id(p), p.numel())
+            self.numel.get(id(p), p.numel())
             for name, p in module.named_parameters()
             if name not in skip and (p.requires_grad or not only_trainable)
         )
